@@ -1,0 +1,104 @@
+"""Per-request state of the generation engine (no tensors: those live in the model runner's rows)."""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+from dataclasses import dataclass, field
+
+from ..errors import RequestError
+from ..models.text import Prompt
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling for codebook 0 (talker) and codebooks 1..15 (code predictor), plus length control.
+
+    Defaults come from the checkpoint's generation_config.json; a request's temperature / top_k /
+    top_p override both the talker's and the predictor's values.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    sub_temperature: float
+    sub_top_k: int
+    sub_top_p: float
+    seed: int
+    max_frames: int
+    ignore_eos: bool = False
+
+    @staticmethod
+    def create(generation_config: dict, max_frames_limit: int, *, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+               seed: int | None = None, max_frames: int | None = None, ignore_eos: bool = False) -> "GenerationParams":
+        g = generation_config
+
+        def pick(value, key, fallback):
+            return value if value is not None else g.get(key, fallback)
+
+        def temperature_of(value, do_sample_key, key):
+            # do_sample=false in the checkpoint's generation config means greedy (temperature 0).
+            return value if value is not None else (g.get(key, 0.9) if g.get(do_sample_key, True) else 0.0)
+
+        params = GenerationParams(
+            temperature=float(temperature_of(temperature, "do_sample", "temperature")),
+            top_k=int(pick(top_k, "top_k", 50)),
+            top_p=float(pick(top_p, "top_p", 1.0)),
+            repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.05)),
+            sub_temperature=float(temperature_of(temperature, "subtalker_dosample", "subtalker_temperature")),
+            sub_top_k=int(pick(top_k, "subtalker_top_k", 50)),
+            sub_top_p=float(pick(top_p, "subtalker_top_p", 1.0)),
+            seed=int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else int(seed),
+            max_frames=int(max_frames if max_frames is not None else min(g.get("max_new_tokens", max_frames_limit),
+                                                                             max_frames_limit)),
+            ignore_eos=bool(ignore_eos),
+        )
+        params.validate(max_frames_limit)
+        return params
+
+    def validate(self, max_frames_limit: int) -> None:
+        for name, value in (("temperature", self.temperature), ("temperature", self.sub_temperature)):
+            if not math.isfinite(value) or value < 0:
+                raise RequestError(name, f"must be a finite number >= 0 (0 = greedy), got {value}")
+        for name, value in (("top_p", self.top_p), ("top_p", self.sub_top_p)):
+            if not (math.isfinite(value) and 0 < value <= 1):
+                raise RequestError(name, f"must be in (0, 1], got {value}")
+        for name, value in (("top_k", self.top_k), ("top_k", self.sub_top_k)):
+            if value < 0:
+                raise RequestError(name, f"must be >= 0 (0 = no limit), got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise RequestError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+        if not 1 <= self.max_frames <= max_frames_limit:
+            raise RequestError("max_frames", f"must be between 1 and {max_frames_limit}, got {self.max_frames}")
+        if not -(2**63) <= self.seed < 2**64:
+            raise RequestError("seed", "must fit in 64 bits")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: Prompt
+    params: GenerationParams
+    status: Status = Status.WAITING
+    row: int | None = None  # row in the runner's batch while running
+    frames: int = 0  # frames generated so far
+    finish_reason: str | None = None  # eos | max_frames | cancelled
+    cancelled: bool = field(default=False, repr=False)
+
+    @property
+    def position(self) -> int:
+        """Next KV-cache position: prompt tokens plus one per frame fed back."""
+        return len(self.prompt.text_ids) + self.frames
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

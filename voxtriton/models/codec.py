@@ -1,0 +1,327 @@
+"""The 12 Hz codec decoder (Qwen3-TTS-Tokenizer-12Hz), streaming with explicit state.
+
+Every layer of this decoder is causal with no lookahead: causal convolutions, causal transposed
+convolutions and a sliding-window causal transformer. Each frame therefore becomes exactly
+`samples_per_frame` samples as soon as it exists, and decoding in chunks is the same computation
+as decoding whole, provided each layer gets the tail of its input from the previous chunk.
+`CodecState` holds those tails (and the transformer's key/value window) as plain tensors, so a
+chunk of any request can be decoded by any process: the state travels with the call.
+
+Module names mirror the official `speech_tokenizer/model.safetensors` (`decoder.*`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import CodecConfig
+from .layers import DecoderStack
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    name: str
+    shape: tuple[int, ...]  # without the batch dimension
+
+
+class StreamState:
+    """The per-request state of one decode call: named tensors with a leading batch dimension."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.updated: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        self.updated[name] = value
+
+
+class StreamingModule(nn.Module):
+    """A layer that carries state between chunks under a unique name (its module path)."""
+
+    state_name: str = ""
+
+    def state_slots(self) -> list[StateSlot]:
+        raise NotImplementedError
+
+
+class SnakeBeta(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = torch.exp(self.alpha)[None, :, None]
+        beta = torch.exp(self.beta)[None, :, None]
+        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+class CausalConv(StreamingModule):
+    """Conv1d (stride 1) that sees only the past: the state is the last (receptive field - 1) inputs."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
+        super().__init__()
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
+        self.context = (kernel_size - 1) * dilation
+
+    def state_slots(self):
+        return [StateSlot(self.state_name, (self.conv.in_channels, self.context))] if self.context else []
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        if not self.context:
+            return self.conv(x)
+        x = torch.cat((state.take(self.state_name), x), dim=-1)
+        state.put(self.state_name, x[..., -self.context:])
+        return self.conv(x)
+
+
+class CausalTransConv(StreamingModule):
+    """ConvTranspose1d trimmed on the right, so frame t's output depends on frames t and t-1 only.
+
+    With kernel k and stride s (s <= k <= 2s), the previous input frame overlaps this one's output
+    by k - s samples; the state is that previous frame.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        if not stride <= kernel_size <= 2 * stride:
+            raise ValueError(f"causal transposed conv needs stride <= kernel <= 2*stride, got k={kernel_size} s={stride}")
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.stride = stride
+        self.overlaps = kernel_size > stride
+
+    def state_slots(self):
+        return [StateSlot(self.state_name, (self.conv.in_channels, 1))] if self.overlaps else []
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        if not self.overlaps:
+            return self.conv(x)
+        frames = x.shape[-1]
+        y = self.conv(torch.cat((state.take(self.state_name), x), dim=-1))
+        state.put(self.state_name, x[..., -1:])
+        return y[..., self.stride: self.stride * (frames + 1)]
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = CausalConv(dim, dim, kernel_size=7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        h = self.dwconv(x, state).transpose(1, 2)
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        return x + (self.gamma * h).transpose(1, 2)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv(dim, dim, kernel_size=7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv(dim, dim, kernel_size=1)
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, rate: int):
+        super().__init__()
+        self.block = nn.ModuleList([SnakeBeta(in_dim), CausalTransConv(in_dim, out_dim, 2 * rate, rate)]
+                                   + [ResidualUnit(out_dim, d) for d in (1, 3, 9)])
+
+    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
+        x = self.block[1](self.block[0](x), state)
+        for unit in self.block[2:]:
+            x = unit(x, state)
+        return x
+
+
+class WindowKV(StreamingModule):
+    """Keys/values of the last (window - 1) frames for every pre-transformer layer."""
+
+    def __init__(self, layers: int, kv_heads: int, window: int, head_dim: int):
+        super().__init__()
+        self.shape = (layers, kv_heads, window - 1, head_dim)
+        self.current: StreamState | None = None
+
+    def state_slots(self):
+        return [StateSlot(self.state_name + ".keys", self.shape), StateSlot(self.state_name + ".values", self.shape)]
+
+    def update(self, layer, keys, values):
+        state = self.current
+        old_keys = state.take(self.state_name + ".keys")[:, layer]
+        old_values = state.take(self.state_name + ".values")[:, layer]
+        keys, values = torch.cat((old_keys, keys), dim=2), torch.cat((old_values, values), dim=2)
+        keep = self.shape[2]
+        self._new_keys.append(keys[:, :, -keep:])
+        self._new_values.append(values[:, :, -keep:])
+        return keys, values
+
+    def begin(self, state: StreamState) -> "WindowKV":
+        self.current, self._new_keys, self._new_values = state, [], []
+        return self
+
+    def end(self) -> None:
+        self.current.put(self.state_name + ".keys", torch.stack(self._new_keys, dim=1))
+        self.current.put(self.state_name + ".values", torch.stack(self._new_values, dim=1))
+        self.current = None
+
+
+class PreTransformer(DecoderStack):
+    def __init__(self, cfg: CodecConfig):
+        t = cfg.transformer
+        super().__init__(t, layer_scale=cfg.layer_scale)
+        self.window = t.sliding_window
+        self.input_proj = nn.Linear(cfg.latent_dim, t.hidden_size)
+        self.output_proj = nn.Linear(t.hidden_size, cfg.latent_dim)
+        self.kv = WindowKV(t.num_layers, t.num_kv_heads, t.sliding_window, t.head_dim)
+
+    def stream(self, x: torch.Tensor, start: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """x [B, T, latent]; start [B]: absolute frame index of x[:, 0] (RoPE positions)."""
+        frames = x.shape[1]
+        keep = self.window - 1
+        positions = start[:, None] + torch.arange(frames, device=x.device)
+        key_positions = start[:, None] - keep + torch.arange(keep + frames, device=x.device)
+        query, key = positions[:, :, None], key_positions[:, None, :]
+        mask = (key >= 0) & (key <= query) & (key > query - self.window)
+        hidden = super().forward(self.input_proj(x), positions, self.kv.begin(state), mask[:, None])
+        self.kv.end()
+        return self.output_proj(hidden)
+
+
+class Codebook(nn.Module):
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def table(self) -> torch.Tensor:
+        return self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+
+
+class VectorQuantizer(nn.Module):
+    def __init__(self, codebook: Codebook):
+        super().__init__()
+        self._codebook = codebook
+
+
+class ResidualQuantizer(nn.Module):
+    def __init__(self, count: int, size: int, dim: int, io_dim: int):
+        super().__init__()
+        self.vq = nn.Module()
+        self.vq.layers = nn.ModuleList(VectorQuantizer(Codebook(size, dim)) for _ in range(count))
+        # input_proj belongs to the encoder side of the tokenizer; it is in the checkpoint and kept
+        # so loading stays strict, but decoding never uses it.
+        self.input_proj = nn.Conv1d(io_dim, dim, 1, bias=False)
+        self.output_proj = nn.Conv1d(dim, io_dim, 1, bias=False)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, n, T] -> [B, io_dim, T]"""
+        total = 0
+        for index, layer in enumerate(self.vq.layers):
+            total = total + F.embedding(codes[:, index], layer._codebook.table()).transpose(1, 2)
+        return self.output_proj(total)
+
+
+class SplitQuantizer(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        dim = cfg.codebook_dim // 2
+        semantic = cfg.num_semantic_quantizers
+        self.semantic = semantic
+        self.rvq_first = ResidualQuantizer(semantic, cfg.codebook_size, dim, cfg.codebook_dim)
+        self.rvq_rest = ResidualQuantizer(cfg.num_quantizers - semantic, cfg.codebook_size, dim, cfg.codebook_dim)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.rvq_first.decode(codes[:, : self.semantic]) + self.rvq_rest.decode(codes[:, self.semantic:])
+
+
+class CodecDecoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.config = cfg
+        self.quantizer = SplitQuantizer(cfg)
+        self.pre_conv = CausalConv(cfg.codebook_dim, cfg.latent_dim, kernel_size=3)
+        self.pre_transformer = PreTransformer(cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalTransConv(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXtBlock(cfg.latent_dim)])
+            for r in cfg.upsampling_ratios)
+        dims = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
+        self.decoder = nn.ModuleList(
+            [CausalConv(cfg.latent_dim, cfg.decoder_dim, 7)]
+            + [DecoderBlock(dims[i], dims[i + 1], rate) for i, rate in enumerate(cfg.upsample_rates)]
+            + [SnakeBeta(dims[-1]), CausalConv(dims[-1], 1, 7)])
+        for name, module in self.named_modules():
+            if isinstance(module, StreamingModule):
+                module.state_name = name
+
+    def state_slots(self) -> list[StateSlot]:
+        return [slot for m in self.modules() if isinstance(m, StreamingModule) for slot in m.state_slots()]
+
+    def forward(self, codes: torch.Tensor, start: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """codes [B, T, num_quantizers] (T frames of every request) -> waveform [B, T * samples_per_frame]."""
+        if codes.shape[-1] != self.config.num_quantizers:
+            raise ValueError(f"expected {self.config.num_quantizers} codebooks per frame, got {codes.shape[-1]}")
+        hidden = self.pre_conv(self.quantizer.decode(codes.transpose(1, 2)), state)
+        hidden = self.pre_transformer.stream(hidden.transpose(1, 2), start, state).transpose(1, 2)
+        for transposed, convnext in self.upsample:
+            hidden = convnext(transposed(hidden, state), state)
+        wav = hidden
+        for layer in self.decoder:
+            wav = layer(wav) if isinstance(layer, SnakeBeta) else layer(wav, state)
+        return wav.squeeze(1).clamp(-1.0, 1.0)
+
+
+class CodecModel(nn.Module):
+    """Root module so parameter names match the checkpoint's `decoder.*` prefix."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.config = cfg
+        self.decoder = CodecDecoder(cfg)
+        self.slots = self.decoder.state_slots()
+        self.state_size = sum(math.prod(slot.shape) for slot in self.slots)
+
+    def new_state(self, batch: int, device=None, dtype=None) -> torch.Tensor:
+        """A fresh stream's state, packed: [B, state_size] zeros (zero padding = silence before frame 0)."""
+        param = self.decoder.pre_conv.conv.weight
+        return torch.zeros(batch, self.state_size, device=device or param.device, dtype=dtype or param.dtype)
+
+    def unpack(self, packed: torch.Tensor) -> StreamState:
+        tensors, offset = {}, 0
+        for slot in self.slots:
+            size = math.prod(slot.shape)
+            tensors[slot.name] = packed[:, offset: offset + size].view(-1, *slot.shape)
+            offset += size
+        return StreamState(tensors)
+
+    def pack(self, state: StreamState) -> torch.Tensor:
+        return torch.cat([state.updated[slot.name].reshape(state.updated[slot.name].shape[0], -1)
+                          for slot in self.slots], dim=1)
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode the next chunk of B streams.
+
+        codes: [B, T, 16] int64, the next T frames of each stream; start: [B] int64, frames each
+        stream has decoded before; packed_state: [B, state_size] from `new_state` or a previous
+        call. Returns (waveform [B, T * samples_per_frame], next packed state).
+        """
+        param = self.decoder.pre_conv.conv.weight
+        state = self.unpack(packed_state.to(param.dtype))
+        wav = self.decoder(codes.long(), start.long(), state)
+        return wav, self.pack(state)

@@ -1,0 +1,204 @@
+"""Building blocks shared by the talker, the code predictor and the codec's pre-transformer.
+
+Plain PyTorch, no framework layers. Projections that run together are fused (q/k/v, gate/up); the
+checkpoint loader splits the official tensors into them (see `loader.FUSED_PROJECTIONS`).
+Attention takes its keys and values from a caller-owned cache object, so the same layer serves a
+static per-slot KV cache (talker, predictor) and a sliding window carried in codec state.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, as the official implementation does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE with rotate-half layout. Positions are per token, so every request keeps its own."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inverse_frequencies(None), persistent=False)
+
+    def _inverse_frequencies(self, device) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        return 1.0 / (self.theta ** exponent)
+
+    def reset(self, device) -> None:
+        """Recompute the (fp32) frequencies after the module was built on the meta device or cast."""
+        self.inv_freq = self._inverse_frequencies(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, D]; cos/sin: [B, T, D]
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVStore(Protocol):
+    """Where a layer's keys and values live between steps."""
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys/values [B, kv_heads, T, D]; return everything to attend to."""
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention without repeating K/V.
+
+    q: [B, H, T, D]; k, v: [B, KVH, L, D]; mask: [B, 1, T, L] (True = attend).
+    The query heads that share a KV head are folded into the query-length axis, so one SDPA call
+    over KVH heads reads each key once (this also keeps the fused GPU kernels eligible).
+    """
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    q = q.reshape(batch, kv_heads, group * length, dim)
+    if group > 1:
+        mask = mask.unsqueeze(2).expand(batch, 1, group, length, mask.shape[-1]).reshape(batch, 1, group * length, -1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, length, dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv: KVStore, mask):
+        batch, length, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(batch, length, self.num_heads, self.head_dim)
+        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        keys, values = kv.update(self.layer, k, v)
+        out = grouped_attention(q, keys, values, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LayerScale(nn.Module):
+    def __init__(self, size: int, initial: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((size,), initial))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer: int, layer_scale: float | None = None):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The codec's pre-transformer scales both residual branches (layer scale); the talker does not.
+        if layer_scale is not None:
+            self.self_attn_layer_scale = LayerScale(cfg.hidden_size, layer_scale)
+            self.mlp_layer_scale = LayerScale(cfg.hidden_size, layer_scale)
+        else:
+            self.self_attn_layer_scale = self.mlp_layer_scale = nn.Identity()
+
+    def forward(self, x, cos, sin, kv: KVStore, mask):
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kv, mask))
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+class DecoderStack(nn.Module):
+    """Layers + final norm. Keys/values go through `kv`; `mask` is [B, 1, T, L] (True = attend)."""
+
+    def __init__(self, cfg: TransformerConfig, layer_scale: float | None = None):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, layer_scale) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, mask)
+        return self.norm(x)
+
+
+class StaticKV:
+    """A preallocated cache [layers, rows, kv_heads, length, head_dim]; new entries go to `positions`.
+
+    The first B rows belong to the B requests of the batch. `span` limits how much of each row
+    attention reads, so a step costs what the longest request needs, not the whole allocation.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.write_index: torch.Tensor | None = None
+        self.span = keys.shape[3]
+
+    def bind(self, positions: torch.Tensor, span: int) -> "StaticKV":
+        batch, length = positions.shape
+        heads, dim = self.keys.shape[2], self.keys.shape[4]
+        self.write_index = positions[:, None, :, None].expand(batch, heads, length, dim)
+        self.span = span
+        return self
+
+    def update(self, layer, keys, values):
+        batch = keys.shape[0]
+        cached_keys, cached_values = self.keys[layer, :batch], self.values[layer, :batch]
+        cached_keys.scatter_(2, self.write_index, keys)
+        cached_values.scatter_(2, self.write_index, values)
+        return cached_keys[:, :, : self.span], cached_values[:, :, : self.span]
+
+
+def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, 1, T, span]: a query at position p sees cache entries 0..p."""
+    keys = torch.arange(span, device=positions.device)
+    return (keys <= positions[..., None]).unsqueeze(1)

@@ -1,0 +1,124 @@
+"""Text side of Qwen3-TTS: tokenization and the talker prompt.
+
+The checkpoint's own tokenizer (Qwen2 byte-level BPE: vocab.json + merges.txt +
+tokenizer_config.json) is used through transformers when its files are there. Without them
+(random-weight checkpoints made with `--no-tokenizer`) a byte-level fallback is used: each UTF-8
+byte becomes the id of that byte's single-byte token in the Qwen2 vocabulary (GPT-2 byte order),
+so the real tokenizer would decode the ids back to the same text. Special tokens come from
+config.json.
+
+The prompt follows the official layouts. Both start with the role tokens and a codec prefix
+(think / language / speaker / pad) under tts_pad text, then tts_bos. With the whole text known up
+front (the official default for CustomVoice and VoiceDesign, `non_streaming_mode=True`), all text
+tokens and tts_eos follow over codec_pad, then codec_bos; every generated frame is then fed with
+tts_pad. In the interleaved layout (`non_streaming_mode=False`) only the first text token goes in
+the prompt (over codec_bos) and the rest, then tts_eos, are fed one per generated frame.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import RequestError
+from .config import Qwen3TTSConfig
+
+log = logging.getLogger(__name__)
+
+NO_CODEC = -1  # prompt position without a codec token
+
+
+def _gpt2_byte_order() -> list[int]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    return printable + [b for b in range(256) if b not in printable]
+
+
+BYTE_TOKEN_ID = {byte: index for index, byte in enumerate(_gpt2_byte_order())}
+
+
+class TextTokenizer:
+    def __init__(self, checkpoint_dir: Path):
+        checkpoint_dir = Path(checkpoint_dir)
+        self.hf = None
+        if all((checkpoint_dir / name).is_file() for name in ("vocab.json", "merges.txt", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+
+            self.hf = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+        else:
+            log.warning("%s has no tokenizer files; using the byte-level fallback tokenizer", checkpoint_dir)
+
+    @property
+    def kind(self) -> str:
+        return "checkpoint" if self.hf is not None else "byte-fallback"
+
+    def encode(self, text: str) -> list[int]:
+        if self.hf is not None:
+            return list(self.hf.encode(text, add_special_tokens=False))
+        return [BYTE_TOKEN_ID[b] for b in text.encode("utf-8")]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token-level talker prompt: per position a text id and a codec id (or NO_CODEC)."""
+
+    text_ids: list[int]
+    codec_ids: list[int]
+    trailing_text_ids: list[int]  # fed one per frame after the prompt, then tts_pad forever
+
+
+class PromptBuilder:
+    def __init__(self, config: Qwen3TTSConfig, tokenizer: TextTokenizer):
+        self.config, self.tokenizer = config, tokenizer
+        self.newline = tokenizer.encode("\n")
+        self.user = tokenizer.encode("user")
+        talker = config.talker
+        self.languages = ["auto"] + sorted(n for n in talker.languages if "dialect" not in n)
+        self.speakers = sorted(talker.speakers)
+
+    def _role(self, role_ids: list[int]) -> list[int]:
+        return [self.config.im_start_token_id, *role_ids, *self.newline]
+
+    def build(self, text: str, speaker: str | None = None, language: str | None = None,
+              instruct: str | None = None, interleaved: bool = False) -> Prompt:
+        cfg, talker = self.config, self.config.talker
+        text_ids = self.tokenizer.encode(text)
+        if not text_ids:
+            raise RequestError("text", "is empty")
+        language = (language or "auto").lower()
+        if language not in self.languages:
+            raise RequestError("language", f"unknown language {language!r}; supported: {', '.join(self.languages)}")
+        speaker = (speaker or "").lower() or None
+        if cfg.model_type == "custom_voice":
+            if speaker is None:
+                raise RequestError("speaker", f"is required by this CustomVoice model; one of {', '.join(self.speakers)}")
+            if speaker not in talker.speakers:
+                raise RequestError("speaker", f"unknown speaker {speaker!r}; supported: {', '.join(self.speakers)}")
+        elif speaker is not None:
+            raise RequestError("speaker", "this VoiceDesign model has no preset speakers; describe the voice in 'instruct'")
+        if instruct and not cfg.supports_instruct:
+            raise RequestError("instruct", f"not supported by this checkpoint (tts_model_size {cfg.model_size!r})")
+
+        language_id = None if language == "auto" else talker.languages[language]
+        if speaker is not None and language in ("chinese", "auto") and talker.speaker_dialects[speaker]:
+            language_id = talker.languages[talker.speaker_dialects[speaker]]
+        if language_id is None:
+            codec_prefix = [talker.codec_nothink_id, talker.codec_think_bos_id, talker.codec_think_eos_id]
+        else:
+            codec_prefix = [talker.codec_think_id, talker.codec_think_bos_id, language_id, talker.codec_think_eos_id]
+        if speaker is not None:
+            codec_prefix.append(talker.speakers[speaker])
+        codec_prefix.append(talker.codec_pad_id)
+
+        prefix_text: list[int] = []
+        if instruct:
+            prefix_text = self._role(self.user) + self.tokenizer.encode(instruct) + [cfg.im_end_token_id, *self.newline]
+        prefix_text += self._role([cfg.assistant_token_id])
+        text_side = prefix_text + [cfg.tts_pad_token_id] * (len(codec_prefix) - 1) + [cfg.tts_bos_token_id]
+        codec_side = [NO_CODEC] * len(prefix_text) + codec_prefix
+        if interleaved:
+            return Prompt(text_side + text_ids[:1], codec_side + [talker.codec_bos_id],
+                          text_ids[1:] + [cfg.tts_eos_token_id])
+        text_side += text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
+        codec_side += [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
+        return Prompt(text_side, codec_side, [])
