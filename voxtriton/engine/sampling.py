@@ -30,7 +30,10 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def fold_seed(seed: int) -> int:
     """Any 64-bit seed -> 31 bits for the hash (on the host, once per request)."""
     seed &= (1 << 64) - 1
-    return int(_mix(torch.tensor((seed ^ (seed >> 31) ^ (seed >> 62)) & _MASK31)))
+    folded = torch.tensor(0)
+    for part in (seed & _MASK31, (seed >> 31) & _MASK31, seed >> 62):
+        folded = _mix((folded + part + 0x3C6EF372) & _MASK31)
+    return int(folded)
 
 
 def uniform_noise(seeds: torch.Tensor, frames: torch.Tensor, group: int, vocab: int) -> torch.Tensor:

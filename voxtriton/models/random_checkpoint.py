@@ -147,10 +147,14 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: flo
     if name.startswith(("decoder.", "encoder.")):
         # Convolutions scaled by fan-in keep activations O(1) through the deep codec, so random
         # codecs make full-range noise rather than silence or constant clipping.
+        # Residual branches and the output layer are scaled down so the random waveform stays
+        # mostly inside [-1, 1] instead of clipping.
         fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-        std = 1.0 if "embed" in leaf else fan_in ** -0.5
+        std = 0.25 if "embed" in leaf else fan_in ** -0.5
+        if ".conv2." in name:
+            std *= 0.1
         if name == "decoder.decoder.6.conv.weight":
-            std *= 0.3
+            std *= 1.5
         return torch.randn(shape, generator=generator) * std
     return torch.randn(shape, generator=generator) * 0.02
 

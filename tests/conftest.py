@@ -1,0 +1,31 @@
+"""Shared fixtures: random-weight checkpoints made by our own tool, once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from voxtriton.models.random_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The `tiny` preset with the official tokenizer files (random weights: it makes noise)."""
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_no_tokenizer(tmp_path_factory) -> Path:
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny-bytes"), seed=1, tokenizer=False)
+
+
+def require_or_skip(module: str, why: str):
+    """Import an optional peer; skip with the reason, or fail where CI demands the peer."""
+    try:
+        return __import__(module)
+    except Exception as error:  # the reference package can fail at import for many reasons
+        if os.environ.get("VOXTRITON_REQUIRE_PARITY"):
+            raise
+        pytest.skip(f"{why}: cannot import {module} ({error})")

@@ -1,0 +1,103 @@
+"""Continuous batching on CPU: requests join and leave a running batch without changing each other."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from voxtriton.engine.engine import Engine
+from voxtriton.engine.model_runner import ModelRunner
+from voxtriton.engine.request import GenerationParams, Request
+from voxtriton.models.config import load_config
+from voxtriton.models.loader import load_backbone
+from voxtriton.models.text import PromptBuilder, TextTokenizer
+
+TEXTS = ["The first request speaks.", "A second, longer request arrives a little later on.", "Third!",
+         "Number four has something to say as well.", "Five."]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint):
+    config = load_config(tiny_checkpoint)
+    return config, load_backbone(tiny_checkpoint, config), PromptBuilder(config, TextTokenizer(tiny_checkpoint))
+
+
+def make_request(setup, index, frames=20, **sampling):
+    config, _, prompts = setup
+    params = GenerationParams.create(config.generation, 1000, seed=100 + index, max_frames=frames,
+                                     ignore_eos=True, **sampling)
+    return Request(f"r{index}", prompts.build(TEXTS[index], "vivian"), params)
+
+
+def new_engine(setup, rows=8):
+    return Engine(ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64), max_running=rows)
+
+
+def run(engine, arrivals: dict[int, list[Request]], cancel_at: dict[int, Request] | None = None):
+    """Step until idle; `arrivals[step]` join before that step. Returns codes per request id."""
+    codes: dict[str, list] = {}
+    step = 0
+    while engine.has_work or any(s >= step for s in arrivals):
+        for request in arrivals.get(step, []):
+            engine.add(request)
+        if cancel_at and step in cancel_at:
+            cancel_at[step].cancelled = True
+        for output in engine.step():
+            codes.setdefault(output.request.request_id, []).append(output.codes)
+        step += 1
+    return {k: np.stack(v) for k, v in codes.items()}
+
+
+def test_requests_joining_a_running_batch_get_the_codes_they_get_alone(setup):
+    alone = {}
+    for i in range(4):
+        alone.update(run(new_engine(setup), {0: [make_request(setup, i, frames=12 + 3 * i)]}))
+    together = run(new_engine(setup), {0: [make_request(setup, 0, 12)], 2: [make_request(setup, 1, 15)],
+                                       3: [make_request(setup, 2, 18), make_request(setup, 3, 21)]})
+    for request_id, codes in alone.items():
+        assert codes.shape == (len(codes), 16)
+        np.testing.assert_array_equal(together[request_id], codes)
+
+
+def test_finishing_requests_free_their_rows_and_others_continue(setup):
+    engine = new_engine(setup, rows=2)
+    short, long_, waiting = make_request(setup, 0, 3), make_request(setup, 1, 10), make_request(setup, 2, 4)
+    result = run(engine, {0: [short, long_, waiting]})
+    assert {k: len(v) for k, v in result.items()} == {"r0": 3, "r1": 10, "r2": 4}
+    assert engine.running == [] and not engine.waiting
+    assert all(r.finish_reason == "max_frames" for r in (short, long_, waiting))
+    np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 10)]})["r1"])
+
+
+def test_cancelled_request_leaves_at_the_next_step(setup):
+    engine = new_engine(setup)
+    victim, survivor = make_request(setup, 0, 50), make_request(setup, 1, 8)
+    result = run(engine, {0: [victim, survivor]}, cancel_at={3: victim})
+    assert victim.finish_reason == "cancelled" and len(result["r0"]) == 3
+    np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 8)]})["r1"])
+
+
+def test_seed_controls_sampling(setup):
+    first = run(new_engine(setup), {0: [make_request(setup, 0, 6)]})["r0"]
+    again = run(new_engine(setup), {0: [make_request(setup, 0, 6)]})["r0"]
+    np.testing.assert_array_equal(first, again)
+    other = make_request(setup, 0, 6)
+    other.params = GenerationParams.create(setup[0].generation, 1000, seed=999, max_frames=6, ignore_eos=True)
+    assert not np.array_equal(first, run(new_engine(setup), {0: [other]})["r0"])
+
+
+def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_checkpoint):
+    """A talker that always prefers end-of-speech still yields two frames (min_new_tokens=2)."""
+    config, _, prompts = setup
+    backbone = load_backbone(tiny_checkpoint, config)
+    head = backbone.talker.codec_head.weight
+    head.data[config.talker.codec_eos_id] = head.data.sum(0).sign() * 10  # eos wins every argmax
+    engine = Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2)
+    eager = Request("eager", prompts.build("Stop soon.", "ryan"),
+                    GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=30))
+    stubborn = Request("stubborn", prompts.build("Keep going.", "ryan"),
+                       GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=5, ignore_eos=True))
+    result = run(engine, {0: [eager, stubborn]})
+    assert (eager.finish_reason, len(result["eager"])) == ("eos", 2)
+    assert (stubborn.finish_reason, len(result["stubborn"])) == ("max_frames", 5)
+    assert config.talker.codec_eos_id not in result["stubborn"][:, 0]
