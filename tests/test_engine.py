@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
@@ -90,8 +91,11 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
     """A talker that always prefers end-of-speech still yields two frames (min_new_tokens=2)."""
     config, _, prompts = setup
     backbone = load_backbone(tiny_checkpoint, config)
-    head = backbone.talker.codec_head.weight
-    head.data[config.talker.codec_eos_id] = head.data.sum(0).sign() * 10  # eos wins every argmax
+
+    def prefer_eos(module, args, logits):
+        return logits.index_fill(-1, torch.tensor([config.talker.codec_eos_id]), 100.0)
+
+    backbone.talker.codec_head.register_forward_hook(prefer_eos)
     engine = Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2)
     eager = Request("eager", prompts.build("Stop soon.", "ryan"),
                     GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=30))
