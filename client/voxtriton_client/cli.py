@@ -1,0 +1,57 @@
+"""voxtriton-client speak "text" -o out.wav: stream speech, write the WAV as it arrives, report TTFA/stalls."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .api import SAMPLE_RATE, TTSClient
+from .wav import StreamingWavWriter
+
+LANES = {0: "urgent", 1: "background", 2: "inline"}
+
+
+def speak(args: argparse.Namespace) -> int:
+    client = TTSClient(args.server)
+    options = dict(speaker=args.speaker, language=args.language, instruct=args.instruct, seed=args.seed,
+                   max_frames=args.max_frames, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    print(f"{'chunk':>5} {'arrived ms':>10} {'audio ms':>8} {'lane':>10}")
+    with StreamingWavWriter(args.output, SAMPLE_RATE) as wav:
+        def on_chunk(chunk):
+            wav.write(chunk.audio)
+            lane = LANES.get(int(chunk.info[3]), "?") if chunk.info is not None else ""
+            index = int(chunk.info[0]) if chunk.info is not None else ""
+            print(f"{index:>5} {chunk.arrived_s * 1000:>10.1f} {chunk.seconds * 1000:>8.0f} {lane:>10}", flush=True)
+
+        synthesis = client.synthesize(args.text, on_chunk=on_chunk, info=True, **options)
+    if synthesis.error:
+        print(f"error: {synthesis.error}", file=sys.stderr)
+        return 1
+    report = synthesis.playback
+    print(f"TTFA {report.ttfa_s * 1000:.1f} ms, {report.audio_s:.2f} s of audio in {len(synthesis.chunks)} chunks, "
+          f"stall {report.stall_s * 1000:.1f} ms ({report.stalls} stalls) under simulated playback; wrote {args.output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="voxtriton-client")
+    commands = parser.add_subparsers(dest="command", required=True)
+    say = commands.add_parser("speak", help="synthesize text to a WAV file, streaming")
+    say.add_argument("text")
+    say.add_argument("-o", "--output", required=True)
+    say.add_argument("--server", default="127.0.0.1:8001", help="Triton gRPC address")
+    say.add_argument("--speaker")
+    say.add_argument("--language")
+    say.add_argument("--instruct")
+    say.add_argument("--seed", type=int)
+    say.add_argument("--max-frames", type=int)
+    say.add_argument("--temperature", type=float)
+    say.add_argument("--top-p", type=float)
+    say.add_argument("--top-k", type=int)
+    say.set_defaults(run=speak)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

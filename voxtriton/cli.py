@@ -1,0 +1,54 @@
+"""`voxtriton` command line: make-checkpoint, serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def make_checkpoint_command(args: argparse.Namespace) -> int:
+    from .models.random_checkpoint import make_checkpoint
+
+    out = make_checkpoint(args.preset, Path(args.out_dir), seed=args.seed, shard_mb=args.shard_mb,
+                          tokenizer=not args.no_tokenizer)
+    print(f"wrote a random-weight {args.preset} checkpoint (it produces noise, not speech) to {out}")
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from .serving.launcher import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voxtriton", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    make = commands.add_parser("make-checkpoint", help="write a random-weight checkpoint in the official layout")
+    make.add_argument("--preset", choices=("tiny", "0.6b", "1.7b"), required=True)
+    make.add_argument("out_dir")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--shard-mb", type=int, default=None, help="write model.safetensors in shards of this size")
+    make.add_argument("--no-tokenizer", action="store_true",
+                      help="leave out the text tokenizer files (the server then uses its byte-level fallback)")
+    make.set_defaults(run=make_checkpoint_command)
+
+    from .serving.launcher import add_serve_arguments
+
+    serve = commands.add_parser("serve", help="start tritonserver with the voxtriton model repository")
+    add_serve_arguments(serve)
+    serve.set_defaults(run=serve_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

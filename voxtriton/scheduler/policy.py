@@ -1,0 +1,226 @@
+"""Chunking and lane routing: which frames become a chunk, and which codec lane decodes it.
+
+Plain Python, no tensors, one injectable clock, so every decision can be tested on a simulated
+clock. The serving layer calls it under one lock from the engine thread and the lane workers.
+
+Definitions (../shared/design.md):
+- A stream's playback starts when its first chunk is sent; after A seconds of audio were sent the
+  listener's buffer runs dry at deadline = first_sent + A + stall observed so far.
+- slack = deadline - now - expected background decode time (its queue included). A chunk is
+  urgent when it is its stream's first chunk or its slack is below `slack_margin_s`.
+- Chunk sizes are fixed by the schedule (first chunk small, then growing to a maximum), so where
+  chunk boundaries fall never depends on timing: only which lane decodes a chunk does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+URGENT, BACKGROUND, INLINE = "urgent", "background", "inline"
+POLICIES = ("voxserve", "concurrent", "serial", "disaggregated")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "voxserve"
+    first_chunk_frames: int = 2
+    chunk_growth: float = 2.0
+    max_chunk_frames: int = 25
+    slack_margin_s: float = 0.3
+    max_batch: int = 16
+    frame_seconds: float = 0.08  # audio per frame: 1920 samples at 24 kHz
+    initial_decode_estimate_s: float = 0.05
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 1 <= self.first_chunk_frames <= self.max_chunk_frames:
+            raise ValueError("need 1 <= first_chunk_frames <= max_chunk_frames")
+        if self.chunk_growth < 1 or self.max_batch < 1 or self.slack_margin_s < 0:
+            raise ValueError("chunk_growth >= 1, max_batch >= 1 and slack_margin_s >= 0 are required")
+
+    def chunk_frames(self, index: int) -> int:
+        """Frames in a stream's chunk number `index` (the last chunk may be shorter)."""
+        return min(self.max_chunk_frames, max(1, round(self.first_chunk_frames * self.chunk_growth ** index)))
+
+
+@dataclass(eq=False)
+class Chunk:
+    stream: "StreamTimeline"
+    index: int
+    first_frame: int
+    frames: int
+    last: bool
+    ready_at: float
+    lane: str = ""
+    promoted: bool = False  # queued for the background lane, then moved to the urgent lane
+
+    @property
+    def priority(self) -> float:
+        """Earliest deadline first; a first chunk's deadline is the moment it became ready."""
+        deadline = self.stream.deadline()
+        return self.ready_at if deadline is None else deadline
+
+
+@dataclass(eq=False)
+class StreamTimeline:
+    stream_id: str
+    frames_generated: int = 0
+    frames_chunked: int = 0
+    chunks: int = 0
+    generation_done: bool = False
+    in_flight: Chunk | None = None
+    first_sent_at: float | None = None
+    audio_sent_s: float = 0.0
+    stall_s: float = 0.0
+    closed: bool = False
+
+    def deadline(self) -> float | None:
+        if self.first_sent_at is None:
+            return None
+        return self.first_sent_at + self.audio_sent_s + self.stall_s
+
+
+@dataclass
+class LaneEstimate:
+    """Exponential moving average of one lane's decode latency per chunk."""
+
+    seconds: float
+    weight: float = 0.2
+
+    def observe(self, seconds: float) -> None:
+        self.seconds += self.weight * (seconds - self.seconds)
+
+
+@dataclass
+class ChunkScheduler:
+    config: SchedulerConfig
+    clock: Callable[[], float] = time.monotonic
+    streams: dict[str, StreamTimeline] = field(default_factory=dict)
+    queues: dict[str, list[Chunk]] = field(default_factory=lambda: {URGENT: [], BACKGROUND: [], INLINE: []})
+    estimates: dict[str, LaneEstimate] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=lambda: {URGENT: 0, BACKGROUND: 0, INLINE: 0})
+    deadline_misses: int = 0
+
+    def __post_init__(self):
+        for lane in (URGENT, BACKGROUND, INLINE):
+            self.estimates[lane] = LaneEstimate(self.config.initial_decode_estimate_s)
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def open(self, stream_id: str) -> StreamTimeline:
+        stream = self.streams[stream_id] = StreamTimeline(stream_id)
+        return stream
+
+    def close(self, stream_id: str) -> None:
+        """Forget a stream (finished, cancelled or failed); its queued chunks are dropped."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None:
+            stream.closed = True
+            for queue in self.queues.values():
+                queue[:] = [c for c in queue if c.stream is not stream]
+
+    def frames_generated(self, stream_id: str, count: int = 1, done: bool = False) -> list[Chunk]:
+        stream = self.streams[stream_id]
+        stream.frames_generated += count
+        stream.generation_done = stream.generation_done or done
+        return self._advance(stream)
+
+    def _advance(self, stream: StreamTimeline) -> list[Chunk]:
+        """Cut the stream's next chunk if it is due and none is in flight; queue it on its lane."""
+        if stream.in_flight is not None or stream.closed:
+            return []
+        pending = stream.frames_generated - stream.frames_chunked
+        wanted = self.config.chunk_frames(stream.chunks)
+        if pending < wanted and not (stream.generation_done and pending > 0):
+            return []
+        size = min(pending, wanted)
+        last = stream.generation_done and size == pending
+        chunk = Chunk(stream, stream.chunks, stream.frames_chunked, size, last, self.clock())
+        stream.chunks += 1
+        stream.frames_chunked += size
+        stream.in_flight = chunk
+        chunk.lane = self.route(chunk)
+        self.routed[chunk.lane] += 1
+        self.queues[chunk.lane].append(chunk)
+        return [chunk]
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def expected_background_s(self) -> float:
+        """Decode time of a chunk sent to the background lane now, its queue included."""
+        batches_ahead = len(self.queues[BACKGROUND]) // self.config.max_batch
+        return self.estimates[BACKGROUND].seconds * (1 + batches_ahead)
+
+    def slack(self, chunk: Chunk, now: float | None = None) -> float | None:
+        deadline = chunk.stream.deadline()
+        if deadline is None:
+            return None
+        now = self.clock() if now is None else now
+        return deadline - now - self.expected_background_s()
+
+    def route(self, chunk: Chunk) -> str:
+        policy = self.config.policy
+        if policy == "serial":
+            return INLINE
+        if policy in ("concurrent", "disaggregated"):
+            return URGENT  # one codec lane beside the backbone, first come first served
+        slack = self.slack(chunk)
+        return URGENT if slack is None or slack < self.config.slack_margin_s else BACKGROUND
+
+    # -- lanes -------------------------------------------------------------------------------------
+
+    def _promote(self, now: float) -> None:
+        """Background chunks whose slack fell below the margin while queued move to the urgent lane."""
+        if self.config.policy != "voxserve":
+            return
+        waiting = self.queues[BACKGROUND]
+        late = [c for c in waiting if (s := self.slack(c, now)) is not None and s < self.config.slack_margin_s]
+        for chunk in late:
+            waiting.remove(chunk)
+            chunk.lane, chunk.promoted = URGENT, True
+            self.queues[URGENT].append(chunk)
+
+    def next_batch(self, lane: str) -> list[Chunk]:
+        """Chunks for one decode call on `lane`: the most urgent chunk plus others of the same size.
+
+        Equal sizes keep a batch exact (no padding inside the codec). Within a lane the order is
+        earliest deadline first (first come first served for `concurrent`), so no chunk waits
+        behind an unbounded stream of later ones; background chunks that run out of slack are
+        promoted to the urgent lane instead of waiting for the slow one.
+        """
+        now = self.clock()
+        self._promote(now)
+        queue = self.queues[lane]
+        if not queue:
+            return []
+        fifo = self.config.policy in ("concurrent", "disaggregated", "serial")
+        queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.priority))
+        head = queue[0]
+        batch = [c for c in queue if c.frames == head.frames][: self.config.max_batch]
+        for chunk in batch:
+            queue.remove(chunk)
+        return batch
+
+    def chunk_done(self, chunk: Chunk, decode_seconds: float) -> list[Chunk]:
+        """The chunk's audio was sent: advance the playback clock and cut the stream's next chunk."""
+        now = self.clock()
+        stream = chunk.stream
+        self.estimates[chunk.lane].observe(decode_seconds)
+        if stream.first_sent_at is None:
+            stream.first_sent_at = now
+        else:
+            late = now - stream.deadline()
+            if late > 0:  # the listener's buffer ran dry before this chunk arrived
+                stream.stall_s += late
+                self.deadline_misses += 1
+        stream.audio_sent_s += chunk.frames * self.config.frame_seconds
+        stream.in_flight = None
+        if chunk.last or stream.closed:
+            return []
+        return self._advance(stream)
+
+    def queue_depths(self) -> dict[str, int]:
+        return {lane: len(queue) for lane, queue in self.queues.items()}

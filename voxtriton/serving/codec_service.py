@@ -1,0 +1,55 @@
+"""The codec lanes' work: decode a batch of chunks, state in, state out (no Triton types here)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..models.loader import load_codec
+from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
+from .settings import CodecSettings
+
+log = logging.getLogger(__name__)
+
+
+class CodecService:
+    def __init__(self, settings: CodecSettings):
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, self.device)
+        self.model = load_codec(ensure_checkpoint(settings.checkpoint_dir), device=self.device, dtype=dtype)
+        self.partition = SMPartition(self.device, settings.sm_count)
+        self.state_size = self.model.state_size
+        self.samples_per_frame = self.model.config.samples_per_frame
+        self.calls = 0
+
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """codes [B, T, Q] int, start [B] int64, state [B, S] -> (audio [B, T*spf] fp32, state [B, S] fp32)."""
+        self._maybe_fail()
+        if codes.dim() != 3 or codes.shape[2] != self.model.config.num_quantizers:
+            raise ValueError(f"codes must be [batch, frames, {self.model.config.num_quantizers}], got {list(codes.shape)}")
+        if state.shape != (codes.shape[0], self.state_size) or start.shape != (codes.shape[0],):
+            raise ValueError(f"state must be [{codes.shape[0]}, {self.state_size}] and start [{codes.shape[0]}]")
+        with self.partition:
+            audio, new_state = self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
+            audio, new_state = audio.float(), new_state.float()
+        if self.device.type == "cuda":
+            self.partition.stream.synchronize()
+        return audio, new_state
+
+    def _maybe_fail(self) -> None:
+        """Test-only fault injection (parameter test_fault), to prove one failing lane fails only its requests."""
+        self.calls += 1
+        fault = self.settings.test_fault
+        if not fault:
+            return
+        kind, _, every = fault.partition(":")
+        if every and self.calls % int(every):
+            return
+        if kind == "raise":
+            raise RuntimeError("injected codec fault (test_fault=raise)")
+        if kind == "exit":
+            log.error("injected codec fault: exiting the process (test_fault=exit)")
+            os._exit(17)

@@ -1,0 +1,303 @@
+"""`voxtriton serve`: find tritonserver, prepare the Python backend, render the model repository,
+start CUDA MPS when a GPU is present, run the server, wait until it is ready, stop it all on exit.
+
+`TritonServer` is the same thing as a context manager, used by the tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .settings import cache_dir
+
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
+
+
+@dataclass
+class TritonInstall:
+    server: Path
+    backend_dir: Path | None  # None: the server's own (NGC)
+    library_path: list[str] = field(default_factory=list)
+
+
+def find_tritonserver(explicit: str | None = None) -> TritonInstall:
+    """--tritonserver, else the NGC container's, else the one bundled in the nvidia-pytriton wheel."""
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise SystemExit(f"--tritonserver {explicit}: no such file")
+        return TritonInstall(path, None)
+    if NGC_SERVER.is_file():
+        return TritonInstall(NGC_SERVER, None)
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("pytriton")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        raise SystemExit("tritonserver not found: pass --tritonserver PATH, run in the NGC tritonserver "
+                         "container, or `pip install --no-deps nvidia-pytriton==0.7.0` (see README)")
+    bundle = Path(spec.origin).parent / "tritonserver"
+    libs = Path(spec.origin).parents[1] / "nvidia_pytriton.libs"
+    return TritonInstall(bundle / "bin" / "tritonserver", _python_backend_dir(bundle), [str(libs)])
+
+
+def _python_backend_dir(bundle: Path) -> Path:
+    """A backend directory whose python backend has the stub built for this interpreter."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise SystemExit(f"the bundled tritonserver has no Python backend stub for Python {version}")
+    target = cache_dir() / "triton-backends" / version
+    python_dir = target / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for source in (bundle / "backends" / "python" / "libtriton_python.so",
+                   bundle / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        destination = python_dir / source.name
+        if not destination.exists() or destination.stat().st_size != source.stat().st_size:
+            shutil.copy2(source, destination)
+    return target
+
+
+def set_parameter(config_text: str, key: str, value: str) -> str:
+    """Replace (or append) `parameters { key: KEY value: { string_value: ... } }` in a config.pbtxt."""
+    pattern = re.compile(r'(parameters\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*")[^"]*(")')
+    line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+    if pattern.search(config_text):
+        return pattern.sub(lambda m: m.group(1) + value + m.group(2), config_text)
+    return config_text.rstrip("\n") + "\n" + line + "\n"
+
+
+def render_repository(source: Path, target: Path, overrides: dict[str, dict[str, str]]) -> Path:
+    """Copy the model repository, setting parameters per model ("*" applies to every model)."""
+    shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for config in target.glob("*/config.pbtxt"):
+        text = config.read_text()
+        model = config.parent.name
+        for key, value in {**overrides.get("*", {}), **overrides.get(model, {})}.items():
+            text = set_parameter(text, key, str(value))
+        config.write_text(text)
+    return target
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gpu_present() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+class MPSDaemon:
+    """The CUDA MPS control daemon, with private pipe and log directories, for one server run."""
+
+    def __init__(self, root: Path):
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log")}
+        self.started = False
+
+    def start(self) -> None:
+        if shutil.which("nvidia-cuda-mps-control") is None:
+            print("voxtriton: nvidia-cuda-mps-control not found; codec lanes will time-slice with the backbone")
+            return
+        for path in self.env.values():
+            Path(path).mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, capture_output=True)
+        self.started = result.returncode == 0
+        if not self.started:
+            print(f"voxtriton: could not start CUDA MPS ({result.stderr.decode().strip()}); lanes will time-slice")
+
+    def stop(self) -> None:
+        if self.started:
+            subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ, **self.env},
+                           capture_output=True, timeout=30)
+            self.started = False
+
+
+class TritonServer:
+    """tritonserver over a rendered model repository; a context manager that leaves nothing behind."""
+
+    def __init__(self, *, checkpoint: str | None = None, policy: str | None = None, host: str = "127.0.0.1",
+                 grpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
+                 repository: Path = REPOSITORY, tritonserver: str | None = None,
+                 parameters: dict[str, dict[str, str]] | None = None, log_file: Path | None = None,
+                 use_mps: bool | None = None, extra_args: list[str] | None = None):
+        self.install = find_tritonserver(tritonserver)
+        self.host = host
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix="voxtriton-"))
+        overrides: dict[str, dict[str, str]] = {"*": {}, "tts": {}}
+        if checkpoint:
+            overrides["*"]["checkpoint_dir"] = str(Path(checkpoint).resolve())
+        if policy:
+            overrides["tts"]["scheduler_policy"] = policy
+        for model, values in (parameters or {}).items():
+            overrides.setdefault(model, {}).update(values)
+        self.repository = render_repository(repository, self.workdir / "models", overrides)
+        self.log_file = log_file or self.workdir / "tritonserver.log"
+        self.mps = MPSDaemon(self.workdir) if (gpu_present() if use_mps is None else use_mps) else None
+        self.extra_args = extra_args or []
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.grpc_port}"
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # The Python stub derives its sys.path from the first python3 on PATH: make it ours.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        # The stub links libpython dynamically: give it this interpreter's (pyenv and venv builds
+        # keep theirs outside the system library path, and extension modules need the matching one).
+        libdir = sysconfig.get_config_var("LIBDIR")
+        library_path = self.install.library_path + ([libdir] if libdir else [])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path + [env.get("LD_LIBRARY_PATH", "")])
+        if self.mps is not None:
+            env.update(self.mps.env)
+        return env
+
+    def command(self) -> list[str]:
+        command = [str(self.install.server), "--model-repository", str(self.repository),
+                   "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
+                   "--http-address", self.host, "--http-port", str(self.http_port),
+                   "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
+                   "--exit-timeout-secs", "10"]
+        if self.install.backend_dir is not None:
+            command += ["--backend-directory", str(self.install.backend_dir)]
+        return command + self.extra_args
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        if self.mps is not None:
+            self.mps.start()
+        log = open(self.log_file, "ab")
+        # A new session, so stop() can end the server and every stub process it started.
+        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.http_port}/v2/health/ready"
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                self.stop()
+                raise RuntimeError(f"tritonserver exited with code {code}; log:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 20.0) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # stragglers: stubs of a server that hung
+            except ProcessLookupError:
+                pass
+            process.wait()
+        if self.mps is not None:
+            self.mps.stop()
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.cleanup()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", help="checkpoint directory in the official layout (default: the embedded "
+                        "tiny RANDOM-weight checkpoint, which produces noise)")
+    parser.add_argument("--policy", choices=("voxserve", "concurrent", "serial", "disaggregated"))
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--tritonserver", help="path to the tritonserver binary")
+    parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    parser.add_argument("--param", action="append", default=[], metavar="MODEL:KEY=VALUE",
+                        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)")
+
+
+def parse_params(items: list[str]) -> dict[str, dict[str, str]]:
+    parameters: dict[str, dict[str, str]] = {}
+    for item in items:
+        model, sep, assignment = item.partition(":")
+        key, eq, value = assignment.partition("=")
+        if not sep or not eq or not key:
+            raise SystemExit(f"--param {item!r}: expected MODEL:KEY=VALUE")
+        parameters.setdefault(model, {})[key] = value
+    return parameters
+
+
+def serve(args: argparse.Namespace) -> int:
+    if not args.checkpoint:
+        print("voxtriton: no --checkpoint given: serving the embedded tiny RANDOM-WEIGHT checkpoint. "
+              "It produces noise, not speech. Serve real weights with --checkpoint DIR.")
+    server = TritonServer(checkpoint=args.checkpoint, policy=args.policy, host=args.host, grpc_port=args.grpc_port,
+                          http_port=args.http_port, metrics_port=args.metrics_port, repository=args.model_repository,
+                          tritonserver=args.tritonserver, parameters=parse_params(args.param))
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start(timeout=600)
+        print(f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
+              f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
+              f"  try: voxtriton-client speak \"Hello from voxtriton\" -o hello.wav --server {server.grpc_url}\n"
+              f"  log: {server.log_file}", flush=True)
+        while not stopping and server.process.poll() is None:
+            time.sleep(0.5)
+        if not stopping:
+            print(f"voxtriton: tritonserver exited with code {server.process.returncode}; log:\n{server.log_tail()}")
+            return 1
+        return 0
+    finally:
+        server.stop()
+        server.cleanup()

@@ -1,0 +1,82 @@
+"""Turn the inputs of one `tts` request into an engine Request, or a RequestError naming the field.
+
+Triton already checks declared datatypes and shapes against config.pbtxt; this checks values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..engine.request import GenerationParams, Request
+from ..errors import RequestError
+from ..models.config import Qwen3TTSConfig
+from ..models.text import PromptBuilder
+from .settings import TTSSettings
+
+STRING_INPUTS = ("text", "speaker", "language", "instruct")
+SCALAR_INPUTS = {"seed": np.int64, "max_frames": np.int32, "ignore_eos": np.bool_, "temperature": np.float32,
+                 "top_p": np.float32, "top_k": np.int32, "repetition_penalty": np.float32}
+
+
+def _single(name: str, array: np.ndarray):
+    if array.size != 1:
+        raise RequestError(name, f"expected exactly one value, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _string(name: str, array: np.ndarray, limit: int) -> str:
+    value = _single(name, array)
+    if isinstance(value, str):
+        raw = value.encode("utf-8")
+    elif isinstance(value, (bytes, np.bytes_)):
+        raw = bytes(value)
+    else:
+        raise RequestError(name, f"expected a BYTES string, got {type(value).__name__}")
+    if len(raw) > limit:
+        raise RequestError(name, f"too long: {len(raw)} bytes (limit {limit})")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(name, f"not valid UTF-8 ({error.reason} at byte {error.start})") from None
+    if "\x00" in text:
+        raise RequestError(name, "contains a NUL character")
+    return text
+
+
+class RequestParser:
+    def __init__(self, config: Qwen3TTSConfig, prompts: PromptBuilder, settings: TTSSettings):
+        self.config, self.prompts, self.settings = config, prompts, settings
+        self.default_speaker = settings.default_speaker or (prompts.speakers[0] if prompts.speakers else "")
+        if self.default_speaker and self.default_speaker.lower() not in config.talker.speakers:
+            raise ValueError(f"default_speaker {settings.default_speaker!r} is not a speaker of this checkpoint")
+
+    def parse(self, request_id: str, inputs: dict[str, np.ndarray]) -> Request:
+        if "text" not in inputs:
+            raise RequestError("text", "is required")
+        limit = self.settings.max_text_bytes
+        strings = {name: _string(name, inputs[name], limit) for name in STRING_INPUTS if name in inputs}
+        text = strings["text"]
+        if not text.strip():
+            raise RequestError("text", "is empty")
+        scalars = {name: _single(name, inputs[name]).item() for name in SCALAR_INPUTS if name in inputs}
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if name in scalars and not math.isfinite(scalars[name]):
+                raise RequestError(name, f"must be a finite number, got {scalars[name]}")
+        speaker = strings.get("speaker") or (self.default_speaker if self.config.model_type == "custom_voice" else None)
+        prompt = self.prompts.build(text, speaker, strings.get("language") or None, strings.get("instruct") or None,
+                                    interleaved=self.settings.text_layout == "interleaved")
+        if len(prompt.trailing_text_ids) > self.settings.max_text_tokens or len(prompt.text_ids) > self.settings.max_text_tokens:
+            raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
+        frames_limit = min(self.settings.max_frames, self.settings.max_positions - len(prompt.text_ids))
+        if frames_limit < 1:
+            raise RequestError("text", "too long for the server's KV cache (max_positions)")
+        max_frames = scalars.get("max_frames")
+        if max_frames is not None and max_frames > frames_limit:
+            raise RequestError("max_frames", f"must be between 1 and {frames_limit}, got {max_frames}")
+        params = GenerationParams.create(
+            self.config.generation, frames_limit, temperature=scalars.get("temperature"), top_k=scalars.get("top_k"),
+            top_p=scalars.get("top_p"), repetition_penalty=scalars.get("repetition_penalty"), seed=scalars.get("seed"),
+            max_frames=max_frames, ignore_eos=bool(scalars.get("ignore_eos", False)))
+        return Request(request_id, prompt, params)

@@ -1,0 +1,111 @@
+"""Settings of the Triton models, read from the `parameters` of their config.pbtxt.
+
+Every knob has a default here and is documented in the README; config.pbtxt only lists what a
+deployment changes. Unknown parameter names are rejected so a typo cannot silently do nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..scheduler.policy import SchedulerConfig
+
+
+# Parameters the Python backend itself reads.
+TRITON_PARAMETERS = {"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"}
+
+
+def _parameters(model_config: dict | str) -> dict[str, str]:
+    if isinstance(model_config, str):
+        model_config = json.loads(model_config)
+    return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()
+            if key not in TRITON_PARAMETERS}
+
+
+def _coerce(kind, text: str, name: str):
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"config.pbtxt parameter {name!r}: cannot read {text!r} as {kind.__name__}") from None
+
+
+def _from_parameters(cls, params: dict[str, str], prefix: str = ""):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for name, text in params.items():
+        if not name.startswith(prefix):
+            continue
+        key = name[len(prefix):]
+        if key not in fields:
+            continue
+        kind = {"int": int, "float": float, "bool": bool, "str": str}.get(str(fields[key].type), str)
+        values[key] = _coerce(kind, text, name)
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class TTSSettings:
+    checkpoint_dir: str = ""  # empty: the embedded tiny random checkpoint (noise), made on first use
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    max_streams: int = 64  # running requests (KV-cache rows)
+    max_queued: int = 64  # admitted but waiting for a row; beyond this: "server busy"
+    max_positions: int = 2048  # KV-cache positions per request: prompt + frames
+    max_frames: int = 1500  # per request (120 s of audio)
+    max_text_bytes: int = 8192
+    max_text_tokens: int = 1024
+    text_layout: str = "full"  # full (official default) | interleaved
+    default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
+    background_sms: int = 16  # SMs of the background codec lane (voxserve); the backbone gets the rest
+    codec_urgent_model: str = "codec_urgent"
+    codec_background_model: str = "codec_background"
+    cancellation_check_s: float = 0.05
+    cuda_graphs: bool = True
+    graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"
+
+    def __post_init__(self):
+        if self.text_layout not in ("full", "interleaved"):
+            raise ValueError(f"config.pbtxt parameter 'text_layout' must be full or interleaved, got {self.text_layout!r}")
+
+    @staticmethod
+    def from_model_config(model_config: dict | str) -> tuple["TTSSettings", SchedulerConfig]:
+        params = _parameters(model_config)
+        known = {f.name for f in dataclasses.fields(TTSSettings)} | {
+            "scheduler_" + f.name for f in dataclasses.fields(SchedulerConfig)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"config.pbtxt: unknown parameter(s) {', '.join(unknown)}")
+        return _from_parameters(TTSSettings, params), _from_parameters(SchedulerConfig, params, "scheduler_")
+
+
+@dataclass(frozen=True)
+class CodecSettings:
+    checkpoint_dir: str = ""
+    device: str = "auto"
+    dtype: str = "float32"
+    sm_count: int = 0  # 0: the whole GPU; N: a green context of N SMs
+    test_fault: str = ""  # test-only fault injection: "raise" | "exit" (see README)
+
+    @staticmethod
+    def from_model_config(model_config: dict | str) -> "CodecSettings":
+        params = _parameters(model_config)
+        unknown = sorted(set(params) - {f.name for f in dataclasses.fields(CodecSettings)})
+        if unknown:
+            raise ValueError(f"config.pbtxt: unknown parameter(s) {', '.join(unknown)}")
+        return _from_parameters(CodecSettings, params)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VOXTRITON_CACHE", Path.home() / ".cache" / "voxtriton"))
+
+
+def default_checkpoint_dir() -> Path:
+    return cache_dir() / "checkpoints" / "tiny-seed0"

@@ -1,0 +1,172 @@
+"""Triton Python-backend glue for the `tts` scheduler model and the `codec_*` lane models.
+
+Imported only inside Triton's Python stub (it needs triton_python_backend_utils). Tensors cross
+the boundary through DLPack from torch: on Triton 2.51 tensors built from numpy arrays came back
+empty or corrupted (outputs and BLS inputs alike), so nothing here builds a pb_utils.Tensor from numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from ..engine.engine import Engine
+from ..engine.model_runner import ModelRunner
+from ..errors import RequestError, ServerBusy
+from ..models.codec import CodecModel
+from ..models.config import load_config
+from ..models.loader import load_backbone
+from ..models.text import PromptBuilder, TextTokenizer
+from ..scheduler.policy import BACKGROUND, URGENT
+from .codec_service import CodecService
+from .requests import SCALAR_INPUTS, STRING_INPUTS, RequestParser
+from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
+from .settings import CodecSettings, TTSSettings
+from .tts_service import TTSService
+
+log = logging.getLogger("voxtriton")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def to_triton(name: str, tensor: torch.Tensor):
+    return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
+
+
+def from_triton(tensor) -> torch.Tensor:
+    return torch.from_dlpack(tensor.to_dlpack()).clone()
+
+
+def _configure_logging() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s voxtriton %(levelname)s %(name)s: %(message)s"))
+        for name in ("voxtriton",):
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
+class TritonSink:
+    """Streams one request's chunks through its decoupled response sender."""
+
+    def __init__(self, request, sender, requested: set[str]):
+        self.request, self.sender = request, sender
+        self.want_codes, self.want_info = "codes" in requested, "chunk_info" in requested
+
+    def send(self, audio, codes, info, final):
+        tensors = [to_triton("audio", audio)]
+        if self.want_codes:
+            tensors.append(to_triton("codes", torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int32))))
+        if self.want_info:
+            tensors.append(to_triton("chunk_info", torch.from_numpy(info)))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+    def fail(self, message):
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+    def cancelled(self):
+        return self.request.is_cancelled()
+
+
+class BLSCodecLane:
+    """A codec lane is another Triton model, called through BLS; the codec state rides along."""
+
+    def __init__(self, model_name: str, device: torch.device):
+        self.model_name = model_name
+        if device.type == "cuda":
+            self.memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device.index or 0)
+        else:
+            self.memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+
+    def decode(self, codes, start, state):
+        request = pb_utils.InferenceRequest(
+            model_name=self.model_name, requested_output_names=["audio", "next_state"],
+            inputs=[to_triton("codes", codes), to_triton("start", start), to_triton("state", state)],
+            preferred_memory=self.memory)
+        response = request.exec()
+        if response.has_error():
+            raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+        return (from_triton(pb_utils.get_output_tensor_by_name(response, "audio")),
+                from_triton(pb_utils.get_output_tensor_by_name(response, "next_state")))
+
+
+class TTSTritonModel:
+    def __init__(self, args: dict):
+        _configure_logging()
+        settings, scheduler_config = TTSSettings.from_model_config(args["model_config"])
+        self.settings = settings
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        checkpoint = ensure_checkpoint(settings.checkpoint_dir)
+        config = load_config(checkpoint)
+        log.info("tts: checkpoint %s (%s, %s), device %s %s, policy %s", checkpoint, config.model_type,
+                 config.model_size, device, dtype, scheduler_config.policy)
+        if device.type == "cuda" and not mps_active():
+            log.warning("CUDA MPS is not active: the codec lanes and the backbone will time-slice the GPU "
+                        "instead of running side by side (start it with `voxtriton serve`)")
+        backbone_sms = 0
+        if device.type == "cuda" and scheduler_config.policy == "voxserve":
+            total = torch.cuda.get_device_properties(device).multi_processor_count
+            backbone_sms = total - settings.background_sms
+        self.partition = SMPartition(device, backbone_sms)
+        backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
+        tokenizer = TextTokenizer(checkpoint)
+        self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings)
+        runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens)
+        with torch.device("meta"):
+            state_size = CodecModel(config.codec).state_size
+        lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, device),
+                 BACKGROUND: BLSCodecLane(settings.codec_background_model, device)}
+        self.service = TTSService(Engine(runner, settings.max_streams), scheduler_config, lanes, state_size,
+                                  settings.max_queued, settings.cancellation_check_s, state_device=device,
+                                  engine_context=self.partition)
+        self.ids = itertools.count()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            request_id = f"{request.request_id() or 'request'}#{next(self.ids)}"
+            try:
+                inputs = {}
+                for name in STRING_INPUTS + tuple(SCALAR_INPUTS):
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy()
+                parsed = self.parser.parse(request_id, inputs)
+                self.service.submit(parsed, TritonSink(request, sender, set(request.requested_output_names())))
+            except (RequestError, ServerBusy) as error:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
+            except Exception as error:  # never leave a stream without its final response
+                log.exception("tts: request %s failed before generation", request_id)
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {error}")),
+                            flags=FINAL)
+        return None
+
+    def finalize(self):
+        self.service.shutdown()
+
+
+class CodecTritonModel:
+    def __init__(self, args: dict):
+        _configure_logging()
+        self.name = json.loads(args["model_config"])["name"]
+        self.service = CodecService(CodecSettings.from_model_config(args["model_config"]))
+        log.info("%s: device %s, %s SMs, state size %d", self.name, self.service.device,
+                 self.service.settings.sm_count or "all", self.service.state_size)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                get = lambda name: from_triton(pb_utils.get_input_tensor_by_name(request, name))
+                audio, state = self.service.decode(get("codes"), get("start"), get("state"))
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[to_triton("audio", audio), to_triton("next_state", state)]))
+            except Exception as error:
+                log.error("%s: decode failed: %s", self.name, error)
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.name}: {error}")))
+        return responses

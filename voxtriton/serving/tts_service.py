@@ -1,0 +1,284 @@
+"""The `tts` scheduler model's work, without Triton types: engine loop, chunking, codec lanes.
+
+Threads:
+- the caller (Triton's execute) submits requests and returns at once (decoupled model);
+- the engine thread admits requests, runs one frame step for every running request, and hands the
+  frames to the chunk scheduler, which cuts chunks and queues them on a lane;
+- one worker per codec lane takes a batch from its queue, calls the codec (BLS in the server),
+  sends each chunk's audio to its stream, and lets the scheduler cut that stream's next chunk.
+A stream has at most one chunk in flight (the next one needs the codec state this one returns),
+so its chunks leave in order and exactly once, whichever lanes decode them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from ..engine.engine import Engine
+from ..engine.request import Request
+from ..errors import ServerBusy
+from ..scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk, ChunkScheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+LANE_CODES = {URGENT: 0, BACKGROUND: 1, INLINE: 2}
+
+
+class CodecLane(Protocol):
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """codes [B, T, Q] int32, start [B] int64, state [B, S] fp32 -> (audio [B, N] fp32, state)."""
+
+
+class ResponseSink(Protocol):
+    def send(self, audio: torch.Tensor, codes: np.ndarray, info: np.ndarray, final: bool) -> None:
+        """One chunk of one stream: audio [N] fp32 CPU, codes [T, Q], info [chunk, first frame, frames, lane]."""
+
+    def fail(self, message: str) -> None:
+        """End the stream with an error."""
+
+    def cancelled(self) -> bool:
+        """The client cancelled or went away."""
+
+
+@dataclass(eq=False)
+class Stream:
+    request: Request
+    sink: ResponseSink
+    submitted_at: float
+    frames: list[np.ndarray] = field(default_factory=list)
+    codec_state: torch.Tensor | None = None
+    ended: bool = False
+
+
+class ServiceMetrics(Protocol):
+    def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float) -> None: ...
+    def rejected(self) -> None: ...
+    def gauges(self, active: int, queues: dict[str, int], deadline_misses: int) -> None: ...
+
+
+class TTSService:
+    def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
+                 codec_state_size: int, max_queued: int, cancellation_check_s: float = 0.05,
+                 metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 state_device: torch.device | str = "cpu", engine_context=None):
+        self.engine = engine
+        self.scheduler = ChunkScheduler(scheduler_config, clock)
+        self.lanes = lanes
+        self.codec_state_size = codec_state_size
+        self.state_device = state_device
+        # Entered by the engine thread: the backbone's SM partition on a GPU.
+        self.engine_context = engine_context or contextlib.nullcontext()
+        self.max_queued = max_queued
+        self.cancellation_check_s = cancellation_check_s
+        self.metrics = metrics
+        self.clock = clock
+        self.lock = threading.Condition()
+        self.incoming: list[Stream] = []
+        self.streams: dict[str, Stream] = {}
+        self.running = True
+        self._last_cancel_check = 0.0
+        self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True)]
+        if scheduler_config.policy != "serial":
+            lanes_used = [URGENT] if scheduler_config.policy != "voxserve" else [URGENT, BACKGROUND]
+            self.threads += [threading.Thread(target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}",
+                                              daemon=True) for lane in lanes_used]
+        for thread in self.threads:
+            thread.start()
+
+    # -- submission ------------------------------------------------------------------------------
+
+    def submit(self, request: Request, sink: ResponseSink) -> None:
+        with self.lock:
+            waiting = len(self.incoming) + len(self.engine.waiting)
+            if request.request_id in self.streams:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            if len(self.streams) >= self.engine.max_running + self.max_queued:
+                if self.metrics:
+                    self.metrics.rejected()
+                raise ServerBusy(f"server busy: {len(self.streams)} streams active or queued "
+                                 f"(limit {self.engine.max_running} running + {self.max_queued} queued, "
+                                 f"{waiting} waiting now); retry later")
+            stream = Stream(request, sink, self.clock())
+            self.streams[request.request_id] = stream
+            self.incoming.append(stream)
+            self.lock.notify_all()
+
+    @property
+    def active_streams(self) -> int:
+        with self.lock:
+            return len(self.streams)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self.lock:
+            self.running = False
+            self.lock.notify_all()
+        for thread in self.threads:
+            thread.join(timeout)
+        for stream in list(self.streams.values()):
+            self._end(stream, "server shutting down")
+
+    # -- engine thread -----------------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        with self.engine_context:
+            self._run_engine()
+
+    def _run_engine(self) -> None:
+        while True:
+            with self.lock:
+                while self.running and not self.incoming and not self.engine.has_work:
+                    self.lock.wait(self.cancellation_check_s)
+                    self._check_cancellations()
+                if not self.running:
+                    return
+                for stream in self.incoming:
+                    try:
+                        self.engine.add(stream.request)
+                    except ValueError as error:
+                        self._end(stream, str(error))
+                        continue
+                    self.scheduler.open(stream.request.request_id)
+                self.incoming.clear()
+                self._check_cancellations()
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # a bug or device fault: fail the running streams, keep serving
+                log.error("engine step failed: %s", traceback.format_exc())
+                self._fail_all_running(f"generation failed: {error}")
+                continue
+            with self.lock:
+                for output in outputs:
+                    self._on_frame(output.request, output.codes, output.finish_reason)
+                self._publish_gauges()
+                self.lock.notify_all()
+            if self.scheduler.config.policy == "serial":
+                self._drain_inline()
+
+    def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
+        stream = self.streams.get(request.request_id)
+        if stream is None or stream.ended:
+            return
+        if reason == "cancelled":
+            self._end(stream, "request cancelled")
+            return
+        stream.frames.append(codes)
+        self.scheduler.frames_generated(request.request_id, 1, done=reason is not None)
+
+    def _check_cancellations(self) -> None:
+        """Poll the clients' cancellation flags (a round trip each, so not every step)."""
+        now = self.clock()
+        if now - self._last_cancel_check < self.cancellation_check_s:
+            return
+        self._last_cancel_check = now
+        for stream in list(self.streams.values()):
+            if not stream.ended and stream.sink.cancelled():
+                stream.request.cancelled = True
+                self._end(stream, "request cancelled")
+        for stream in self.incoming[:]:
+            if stream.ended:
+                self.incoming.remove(stream)
+
+    def _fail_all_running(self, message: str) -> None:
+        with self.lock:
+            for request in list(self.engine.running) + list(self.engine.waiting):
+                request.cancelled = True
+                stream = self.streams.get(request.request_id)
+                if stream is not None:
+                    self._end(stream, message)
+            self.engine.running.clear()
+            self.engine.waiting.clear()
+
+    def _end(self, stream: Stream, error: str | None) -> None:
+        """Close a stream exactly once: with an error, or (error None) after its final chunk was sent.
+
+        Its generation stops at the engine's next step (a no-op if it already finished).
+        """
+        if stream.ended:
+            return
+        stream.ended = True
+        stream.request.cancelled = True
+        self.streams.pop(stream.request.request_id, None)
+        self.scheduler.close(stream.request.request_id)
+        if error is not None:
+            try:
+                stream.sink.fail(error)
+            except Exception:  # the client may be gone; nothing else to tell it
+                log.debug("could not deliver error to %s", stream.request.request_id)
+
+    def _publish_gauges(self) -> None:
+        if self.metrics:
+            self.metrics.gauges(len(self.streams), self.scheduler.queue_depths(), self.scheduler.deadline_misses)
+
+    # -- codec lanes -----------------------------------------------------------------------------
+
+    def _lane_loop(self, lane: str) -> None:
+        while True:
+            with self.lock:
+                batch = self.scheduler.next_batch(lane)
+                while self.running and not batch:
+                    self.lock.wait(0.5)
+                    batch = self.scheduler.next_batch(lane)
+                if not self.running:
+                    return
+            self._decode_batch(lane, batch)
+
+    def _drain_inline(self) -> None:
+        while True:
+            with self.lock:
+                batch = self.scheduler.next_batch(INLINE)
+            if not batch:
+                return
+            self._decode_batch(INLINE, batch)
+
+    def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
+        with self.lock:
+            live = [(c, self.streams.get(c.stream.stream_id)) for c in batch]
+            live = [(c, s) for c, s in live if s is not None and not s.ended]
+            if not live:
+                return
+            codes = np.stack([np.stack(s.frames[c.first_frame: c.first_frame + c.frames]) for c, s in live])
+            states = [s.codec_state if s.codec_state is not None
+                      else torch.zeros(1, self.codec_state_size, device=self.state_device) for _, s in live]
+        started = self.clock()
+        try:
+            audio, state = self.lanes[URGENT if lane == INLINE else lane].decode(
+                torch.from_numpy(codes.astype(np.int32)),
+                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
+                torch.cat(states).to(self.state_device))
+        except Exception as error:
+            log.error("codec lane %s failed: %s", lane, error)
+            with self.lock:
+                for _, stream in live:
+                    self._end(stream, f"codec lane '{lane}' failed: {error}")
+                self.lock.notify_all()
+            return
+        elapsed = self.clock() - started
+        audio = audio.float().cpu()
+        with self.lock:
+            for i, (chunk, stream) in enumerate(live):
+                if stream.ended:
+                    continue
+                stream.codec_state = state[i: i + 1].clone()
+                info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
+                try:
+                    stream.sink.send(audio[i], codes[i], info, chunk.last)
+                except Exception as error:  # client gone: stop generating for it
+                    log.info("stream %s: send failed (%s); cancelling", stream.request.request_id, error)
+                    self._end(stream, None)
+                    continue
+                if self.metrics:
+                    self.metrics.chunk_sent(chunk.lane, chunk.frames, elapsed, chunk.index == 0,
+                                            self.clock() - stream.submitted_at)
+                self.scheduler.chunk_done(chunk, elapsed)
+                if chunk.last:
+                    self._end(stream, None)
+            self.lock.notify_all()
