@@ -1,0 +1,42 @@
+# voxtriton: `make serve` and `make test` work on a fresh machine (they install into .venv first).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+
+# Pinned here, not in pyproject.toml, because each needs --no-deps:
+# - the CPU build of torch (a plain `pip install torch` pulls a multi-GB CUDA build);
+# - nvidia-pytriton: only its bundled tritonserver binary, libraries and Python-backend stubs are used;
+# - qwen-tts-hf (the official implementation, for parity tests) would pull gradio; torchaudio is only
+#   imported by it, and PyPI's build is for CUDA, so its compiled extension is removed (torchaudio then
+#   loads as pure Python, which is all the reference needs for the 12 Hz model).
+TORCH := torch==2.13.0
+TRITON := nvidia-pytriton==0.7.0
+REFERENCE := qwen-tts-hf==0.1.1.post1 torchaudio==2.11.0
+
+.PHONY: install serve test test-fast clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[test,parity]"
+	$(PY) -m pip install -q --no-deps $(TRITON) $(REFERENCE)
+	rm -f $(VENV)/lib/python3*/site-packages/torchaudio/lib/*.so
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/voxtriton serve $(ARGS)
+
+# The whole suite: unit tests, parity with the reference, and a real tritonserver over gRPC.
+test: install
+	VOXTRITON_REQUIRE_PARITY=1 $(PY) -m pytest -q $(ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not server" $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
