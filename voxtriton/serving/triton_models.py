@@ -27,6 +27,7 @@ from .codec_service import CodecService
 from .requests import SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
 from .settings import CodecSettings, TTSSettings
+from .triton_metrics import TritonMetrics
 from .tts_service import TTSService
 
 log = logging.getLogger("voxtriton")
@@ -122,8 +123,8 @@ class TTSTritonModel:
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, device),
                  BACKGROUND: BLSCodecLane(settings.codec_background_model, device)}
         self.service = TTSService(Engine(runner, settings.max_streams), scheduler_config, lanes, state_size,
-                                  settings.max_queued, settings.cancellation_check_s, state_device=device,
-                                  engine_context=self.partition)
+                                  settings.max_queued, settings.cancellation_check_s, metrics=TritonMetrics(),
+                                  state_device=device, engine_context=self.partition)
         self.ids = itertools.count()
 
     def execute(self, requests):

@@ -62,7 +62,7 @@ class Stream:
 class ServiceMetrics(Protocol):
     def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float) -> None: ...
     def rejected(self) -> None: ...
-    def gauges(self, active: int, queues: dict[str, int], deadline_misses: int) -> None: ...
+    def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
 
 
 class TTSService:
@@ -133,35 +133,38 @@ class TTSService:
             self._run_engine()
 
     def _run_engine(self) -> None:
-        while True:
-            with self.lock:
-                while self.running and not self.incoming and not self.engine.has_work:
-                    self.lock.wait(self.cancellation_check_s)
-                    self._check_cancellations()
-                if not self.running:
-                    return
-                for stream in self.incoming:
-                    try:
-                        self.engine.add(stream.request)
-                    except ValueError as error:
-                        self._end(stream, str(error))
-                        continue
-                    self.scheduler.open(stream.request.request_id)
-                self.incoming.clear()
-                self._check_cancellations()
+        while self.running:
             try:
-                outputs = self.engine.step()
+                self._engine_iteration()
             except Exception as error:  # a bug or device fault: fail the running streams, keep serving
-                log.error("engine step failed: %s", traceback.format_exc())
+                log.error("engine iteration failed: %s", traceback.format_exc())
                 self._fail_all_running(f"generation failed: {error}")
-                continue
-            with self.lock:
-                for output in outputs:
-                    self._on_frame(output.request, output.codes, output.finish_reason)
+
+    def _engine_iteration(self) -> None:
+        with self.lock:
+            while self.running and not self.incoming and not self.engine.has_work:
+                self.lock.wait(self.cancellation_check_s)
+                self._check_cancellations()
                 self._publish_gauges()
-                self.lock.notify_all()
-            if self.scheduler.config.policy == "serial":
-                self._drain_inline()
+            if not self.running:
+                return
+            for stream in self.incoming:
+                try:
+                    self.engine.add(stream.request)
+                except ValueError as error:
+                    self._end(stream, str(error))
+                    continue
+                self.scheduler.open(stream.request.request_id)
+            self.incoming.clear()
+            self._check_cancellations()
+        outputs = self.engine.step()
+        with self.lock:
+            for output in outputs:
+                self._on_frame(output.request, output.codes, output.finish_reason)
+            self._publish_gauges()
+            self.lock.notify_all()
+        if self.scheduler.config.policy == "serial":
+            self._drain_inline()
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
@@ -208,6 +211,7 @@ class TTSService:
         stream.request.cancelled = True
         self.streams.pop(stream.request.request_id, None)
         self.scheduler.close(stream.request.request_id)
+        self._publish_gauges()
         if error is not None:
             try:
                 stream.sink.fail(error)
@@ -216,20 +220,20 @@ class TTSService:
 
     def _publish_gauges(self) -> None:
         if self.metrics:
-            self.metrics.gauges(len(self.streams), self.scheduler.queue_depths(), self.scheduler.deadline_misses)
+            self.metrics.gauges(len(self.streams), len(self.engine.running), self.scheduler.queue_depths(),
+                                self.scheduler.deadline_misses)
 
     # -- codec lanes -----------------------------------------------------------------------------
 
     def _lane_loop(self, lane: str) -> None:
-        while True:
+        while self.running:
             with self.lock:
                 batch = self.scheduler.next_batch(lane)
                 while self.running and not batch:
                     self.lock.wait(0.5)
                     batch = self.scheduler.next_batch(lane)
-                if not self.running:
-                    return
-            self._decode_batch(lane, batch)
+            if batch:
+                self._decode_batch(lane, batch)
 
     def _drain_inline(self) -> None:
         while True:
