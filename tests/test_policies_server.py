@@ -1,0 +1,60 @@
+"""Every policy, through a real server: the same codes and audio for the same seeds, chunks in order."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from server_helpers import start_server
+from voxtriton_client import TTSClient
+
+pytestmark = pytest.mark.server
+
+REQUESTS = [("Policies change timing, never content.", 11, 45), ("A second voice joins.", 12, 30),
+            ("Third stream, shorter.", 13, 18), ("The fourth one talks the longest of them all.", 14, 60)]
+
+
+def run_all(url: str) -> list:
+    client = TTSClient(url)
+
+    def one(item):
+        text, seed, frames = item
+        return client.synthesize(text, speaker="aiden", seed=seed, max_frames=frames, ignore_eos=True, codes=True,
+                                 info=True).raise_for_error()
+
+    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+        return list(pool.map(one, REQUESTS))
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_checkpoint):
+    with start_server(tiny_checkpoint, policy="voxserve") as server:
+        return run_all(server.grpc_url)
+
+
+@pytest.mark.parametrize("policy", ["concurrent", "serial", "disaggregated"])
+def test_policy_changes_timing_not_content(tiny_checkpoint, baseline, policy):
+    with start_server(tiny_checkpoint, policy=policy) as server:
+        results = run_all(server.grpc_url)
+    expected_lane = 2 if policy == "serial" else 0
+    for (_, _, frames), reference, result in zip(REQUESTS, baseline, results):
+        np.testing.assert_array_equal(result.codes, reference.codes)
+        assert result.codes.shape == (frames, 16)
+        assert np.abs(result.audio - reference.audio).max() <= 1e-4
+        info = np.stack([c.info for c in result.chunks])
+        assert list(info[:, 0]) == list(range(len(info)))  # in order, exactly once
+        assert info[:, 2].sum() == frames
+        assert set(info[:, 3]) == {expected_lane}
+
+
+def test_voxserve_uses_both_lanes_and_keeps_order(baseline):
+    lanes = set()
+    for (_, _, frames), result in zip(REQUESTS, baseline):
+        info = np.stack([c.info for c in result.chunks])
+        assert list(info[:, 0]) == list(range(len(info)))
+        assert list(info[:, 1]) == list(np.cumsum([0] + list(info[:-1, 2])))
+        assert info[0, 3] == 0  # first chunk urgent
+        lanes |= set(info[:, 3])
+    assert lanes == {0, 1}

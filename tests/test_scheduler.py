@@ -1,0 +1,205 @@
+"""The lane policy on a simulated clock: deadlines, urgency, batching, ordering, no starvation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT, ChunkScheduler, SchedulerConfig
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def scheduler(**overrides):
+    clock = Clock()
+    config = SchedulerConfig(**{"initial_decode_estimate_s": 0.05, **overrides})
+    return ChunkScheduler(config, clock), clock
+
+
+def serve(sched, lane, seconds=0.01):
+    """One decode call on `lane`: take a batch and complete it."""
+    batch = sched.next_batch(lane)
+    for chunk in batch:
+        sched.chunk_done(chunk, seconds)
+    return batch
+
+
+def test_chunk_sizes_grow_to_the_maximum():
+    config = SchedulerConfig(first_chunk_frames=2, chunk_growth=2.0, max_chunk_frames=25)
+    assert [config.chunk_frames(i) for i in range(7)] == [2, 4, 8, 16, 25, 25, 25]
+    assert SchedulerConfig(first_chunk_frames=3, chunk_growth=1.0).chunk_frames(5) == 3
+
+
+def test_invalid_configuration_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="fastest")
+    with pytest.raises(ValueError, match="first_chunk_frames"):
+        SchedulerConfig(first_chunk_frames=30, max_chunk_frames=25)
+
+
+def test_deadline_arithmetic_and_stall_tracking():
+    sched, clock = scheduler()
+    stream = sched.open("s")
+    assert stream.deadline() is None
+    [first] = sched.frames_generated("s", 2)
+    clock.now = 1.0
+    [second] = sched.chunk_done(sched.next_batch(URGENT)[0], 0.02) or [None]
+    assert second is None  # the next chunk needs 4 frames; none generated yet
+    assert stream.first_sent_at == 1.0 and stream.audio_sent_s == pytest.approx(0.16)
+    assert stream.deadline() == pytest.approx(1.16)
+    [chunk] = sched.frames_generated("s", 4)
+    assert (chunk.first_frame, chunk.frames) == (2, 4)
+    clock.now = 1.5  # 0.34 s after the buffer ran dry
+    sched.chunk_done(sched.next_batch(chunk.lane)[0], 0.02)
+    assert stream.stall_s == pytest.approx(0.34) and sched.deadline_misses == 1
+    assert stream.deadline() == pytest.approx(1.0 + 0.16 + 0.32 + 0.34)
+
+
+def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():
+    sched, clock = scheduler(slack_margin_s=0.3, first_chunk_frames=1, chunk_growth=1.0)
+    sched.open("s")
+    [first] = sched.frames_generated("s", 1)
+    assert first.lane == URGENT
+    serve(sched, URGENT)  # sent at t=0: deadline = 0.08
+    [late] = sched.frames_generated("s", 1)
+    assert late.lane == URGENT  # slack = 0.08 - 0 - 0.05 < 0.3
+    serve(sched, URGENT)
+    sched.frames_generated("s", 1)
+    serve(sched, URGENT)
+    # Build up buffered audio: 20 frames sent quickly give 1.6 s before the deadline.
+    for _ in range(20):
+        chunk = sched.frames_generated("s", 1)[0]
+        serve(sched, chunk.lane)
+    [relaxed] = sched.frames_generated("s", 1)
+    assert relaxed.lane == BACKGROUND
+    assert sched.slack(relaxed) >= 0.3
+
+
+def test_background_chunk_running_out_of_slack_is_promoted():
+    sched, clock = scheduler(slack_margin_s=0.3, first_chunk_frames=25, max_chunk_frames=25)
+    sched.open("s")
+    sched.frames_generated("s", 25)
+    serve(sched, URGENT)  # 2 s of audio sent at t=0
+    [chunk] = sched.frames_generated("s", 25)
+    assert chunk.lane == BACKGROUND
+    clock.now = 1.8  # the background lane never served it; the listener has 0.2 s left
+    assert sched.next_batch(URGENT) == [chunk] and chunk.promoted and chunk.lane == URGENT
+    assert sched.queues[BACKGROUND] == []
+
+
+def test_batches_respect_size_limit_and_equal_chunk_sizes():
+    sched, clock = scheduler(max_batch=3, policy="concurrent")
+    for i in range(5):
+        sched.open(f"a{i}")
+        sched.frames_generated(f"a{i}", 2)
+    for i in range(2):
+        sched.open(f"b{i}")
+        sched.frames_generated(f"b{i}", 1, done=True)  # a 1-frame final chunk
+    sizes = []
+    while batch := sched.next_batch(URGENT):
+        assert len(batch) <= 3 and len({c.frames for c in batch}) == 1
+        sizes.append([c.frames for c in batch])
+    assert sizes == [[2, 2, 2], [2, 2], [1, 1]]
+
+
+def test_background_is_earliest_deadline_first():
+    sched, clock = scheduler(max_batch=1, first_chunk_frames=4, max_chunk_frames=4, slack_margin_s=0.0)
+    for name, sent_at in (("late", 0.5), ("early", 0.0), ("middle", 0.2)):
+        sched.open(name)
+        sched.frames_generated(name, 4)
+        clock.now = sent_at
+        serve(sched, URGENT)
+    clock.now = 0.0
+    for name in ("late", "early", "middle"):
+        sched.frames_generated(name, 4)
+    order = [sched.next_batch(BACKGROUND)[0].stream.stream_id for _ in range(3)]
+    assert order == ["early", "middle", "late"]
+
+
+def test_policies_route_as_documented():
+    for policy, lane in (("serial", INLINE), ("concurrent", URGENT), ("disaggregated", URGENT)):
+        sched, clock = scheduler(policy=policy, first_chunk_frames=1, chunk_growth=1.0)
+        sched.open("s")
+        for _ in range(30):
+            [chunk] = sched.frames_generated("s", 1)
+            assert chunk.lane == lane
+            serve(sched, lane)
+
+
+def test_urgent_flood_cannot_starve_a_promoted_chunk():
+    """New streams keep arriving (first chunks are urgent); a promoted chunk still gets served."""
+    sched, clock = scheduler(slack_margin_s=0.3, first_chunk_frames=25, max_chunk_frames=25, max_batch=1)
+    sched.open("victim")
+    sched.frames_generated("victim", 25)
+    serve(sched, URGENT)
+    [victim] = sched.frames_generated("victim", 25)
+    assert victim.lane == BACKGROUND  # and the background lane is stuck from here on
+    served_at = None
+    for tick in range(1, 400):
+        clock.now = tick * 0.01
+        sched.open(f"flood{tick}")
+        sched.frames_generated(f"flood{tick}", 25)
+        batch = sched.next_batch(URGENT)
+        for chunk in batch:
+            sched.chunk_done(chunk, 0.01)
+        if victim in batch:
+            served_at = clock.now
+            break
+    assert served_at is not None and served_at <= 2.0  # before its listener's buffer runs dry
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["open", "frames", "done", "urgent", "background", "tick"]),
+                          st.integers(0, 5), st.integers(1, 30)), min_size=20, max_size=300),
+       st.sampled_from(["voxserve", "concurrent", "serial"]))
+def test_random_sequences_keep_order_and_never_starve(events, policy):
+    sched, clock = scheduler(policy=policy, max_batch=4)
+    lanes = [INLINE] if policy == "serial" else [URGENT, BACKGROUND]
+    generated: dict[str, int] = {}
+    delivered: dict[str, list[tuple[int, int]]] = {}
+
+    def run_lane(lane):
+        for chunk in sched.next_batch(lane):
+            name = chunk.stream.stream_id
+            assert chunk.stream.in_flight is chunk
+            delivered[name].append((chunk.first_frame, chunk.frames))
+            sched.chunk_done(chunk, 0.02)
+
+    for kind, which, amount in events:
+        names = sorted(generated)
+        if kind == "open":
+            name = f"s{len(generated)}"
+            sched.open(name)
+            generated[name], delivered[name] = 0, []
+        elif kind in ("frames", "done") and names:
+            name = names[which % len(names)]
+            if not sched.streams[name].generation_done:
+                sched.frames_generated(name, amount, done=kind == "done")
+                generated[name] += amount
+        elif kind == "tick":
+            clock.now += amount * 0.01
+        elif kind in ("urgent", "background"):
+            run_lane(INLINE if policy == "serial" else kind)
+    for name in generated:  # every stream finishes generating
+        if not sched.streams[name].generation_done:
+            sched.frames_generated(name, 1, done=True)
+            generated[name] += 1
+    for _ in range(sum(generated.values()) + 10):  # drain: bounded by the number of frames
+        clock.now += 0.05
+        for lane in lanes:
+            run_lane(lane)
+    for name, frames in generated.items():
+        chunks = delivered[name]
+        assert sum(size for _, size in chunks) == frames, f"{name}: not every frame delivered"
+        assert [start for start, _ in chunks] == [sum(s for _, s in chunks[:i]) for i in range(len(chunks))]
+        config = sched.config
+        assert all(size <= config.chunk_frames(i) for i, (_, size) in enumerate(chunks))
+        assert sched.streams[name].in_flight is None
+    assert all(not queue for queue in sched.queues.values())
