@@ -78,7 +78,7 @@ class Engine:
         if not self.running:
             return []
         span = max(r.position for r in self.running) + 1
-        result = self.runner.decode(len(self.running), span).cpu().numpy()
+        result = self.runner.decode(len(self.running), span).to("cpu", copy=True).numpy()
         outputs = []
         for request in list(self.running):
             row = result[request.row]

@@ -1,9 +1,12 @@
-"""Tensors of the engine: the model, its KV cache, and every running request's row state.
+"""Tensors of the engine: the model, its KV cache, every running request's row state, CUDA graphs.
 
 Running requests occupy rows 0..B-1 of every buffer (the engine keeps them contiguous by moving the
 last row into a freed one), so a batch is a prefix of each buffer and the per-frame work has static
-shapes per batch size: that is what CUDA graphs capture (see `graphs.py`). Nothing here branches on
-a request in Python; the host learns one [B, 17] array per frame step.
+shapes per batch size. On a GPU the whole frame step (15 code-predictor steps with sampling, the
+talker step, codebook-0 sampling) is captured as one CUDA graph per (batch bucket, attention-span
+bucket); a step pads the batch and the span up to the next bucket, in eager mode too, so graph and
+eager runs compute the same shapes and draw the same codes. Nothing here branches on a request in
+Python; the host learns one [B, 17] array per frame step.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from ..models.config import Qwen3TTSConfig
 from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
+from .codec_runner import capture_stream
 from .request import Request
 from .sampling import RowParams, apply_repetition_penalty, fold_seed, sample
 
@@ -45,7 +49,7 @@ class ModelRunner:
         # Trailing text ids, padded with tts_pad: row r feeds trailing[r, min(frame, last column)].
         self.trailing = torch.full((max_rows, max_text_tokens + 1), config.tts_pad_token_id, device=self.device, dtype=long)
         self.seen = zeros(max_rows, vocab, dtype=torch.bool)
-        self.penalty = zeros(max_rows, dtype=torch.float32)
+        self.penalty = torch.ones(max_rows, device=self.device, dtype=torch.float32)
         self.ignore_eos = zeros(max_rows, dtype=torch.bool)
         self.main = RowParams(zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long),
                               zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long))
@@ -61,6 +65,10 @@ class ModelRunner:
         self.suppressed[eos] = False
         self.is_eos = torch.arange(vocab, device=self.device) == eos
         self.max_text_tokens = max_text_tokens
+        self.step_output = zeros(max_rows, config.talker.num_code_groups + 1, dtype=long)
+        self.batch_buckets: list[int] = []
+        self.span_buckets: list[int] = []
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -130,12 +138,56 @@ class ModelRunner:
         self.past_hidden[rows] = last
         self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, self.frame_index[rows])
 
+    def set_buckets(self, batch_sizes: list[int], spans: list[int]) -> None:
+        """Pad steps to these batch sizes and attention spans (needed for graphs, allowed without)."""
+        self.batch_buckets = sorted(b for b in set(batch_sizes) if b <= self.max_rows)
+        self.span_buckets = sorted(s for s in set(spans) if s <= self.max_positions)
+
+    @staticmethod
+    def _bucket(value: int, buckets: list[int]) -> int:
+        return next((b for b in buckets if b >= value), value)
+
+    @torch.inference_mode()
+    def capture_graphs(self, batch_sizes: list[int], spans: list[int]) -> None:
+        """Capture the frame step for every (batch, span) bucket. Run before any request is admitted."""
+        self.set_buckets(batch_sizes, spans)
+        pool = None
+        for span in reversed(self.span_buckets):  # largest first: later graphs reuse its memory pool
+            for batch in reversed(self.batch_buckets):
+                self._reset_rows(slice(0, batch))
+                for _ in range(2):  # warm up kernels and autotuning outside the capture
+                    self._decode_into_output(batch, span)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream(self.device)):
+                    self._decode_into_output(batch, span)
+                pool = graph.pool()
+                self.graphs[(batch, span)] = graph
+        self._reset_rows(slice(0, self.max_rows))
+        torch.cuda.synchronize(self.device)
+
+    def _reset_rows(self, rows: slice) -> None:
+        """Put rows that no request uses back in a harmless state (positions inside the cache)."""
+        self.position[rows] = 0
+        self.frame_index[rows] = 0
+
     @torch.inference_mode()
     def decode(self, batch: int, span: int) -> torch.Tensor:
         """One frame for rows 0..batch-1: returns [batch, 17] = the frame's 16 codes + next codebook-0 token.
 
-        span: attention length, at least every row's position + 1.
+        span: attention length, at least every row's position + 1. Both are padded to their buckets;
+        padding rows compute throw-away frames.
         """
+        padded, span = self._bucket(batch, self.batch_buckets), self._bucket(span, self.span_buckets)
+        if padded > batch:
+            self._reset_rows(slice(batch, padded))
+        graph = self.graphs.get((padded, span))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._decode_into_output(padded, span)
+        return self.step_output[:batch]
+
+    def _decode_into_output(self, batch: int, span: int) -> None:
         rows = slice(0, batch)
         frames = self.frame_index[rows].clone()
         talker = self.talker
@@ -151,4 +203,5 @@ class ModelRunner:
         self.position[rows] += 1
         self.past_hidden[rows] = hidden
         self.last_code[rows] = self._sample_first_codebook(talker.codec_head(hidden), rows, self.frame_index[rows])
-        return torch.cat((frame, self.last_code[rows, None]), dim=1)
+        self.step_output[rows, :-1] = frame
+        self.step_output[rows, -1] = self.last_code[rows]

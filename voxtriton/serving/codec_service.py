@@ -7,9 +7,10 @@ import os
 
 import torch
 
+from ..engine.codec_runner import CodecRunner
 from ..models.loader import load_codec
 from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
-from .settings import CodecSettings
+from .settings import CodecSettings, int_list
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,11 @@ class CodecService:
         dtype = resolve_dtype(settings.dtype, self.device)
         self.model = load_codec(ensure_checkpoint(settings.checkpoint_dir), device=self.device, dtype=dtype)
         self.partition = SMPartition(self.device, settings.sm_count)
+        graphs = self.device.type == "cuda" and settings.cuda_graphs
+        with self.partition:
+            self.runner = CodecRunner(self.model, int_list(settings.graph_batch_sizes) if graphs else None,
+                                      int_list(settings.graph_frame_sizes) if graphs else None)
         self.state_size = self.model.state_size
-        self.samples_per_frame = self.model.config.samples_per_frame
         self.calls = 0
 
     def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +37,7 @@ class CodecService:
         if state.shape != (codes.shape[0], self.state_size) or start.shape != (codes.shape[0],):
             raise ValueError(f"state must be [{codes.shape[0]}, {self.state_size}] and start [{codes.shape[0]}]")
         with self.partition:
-            audio, new_state = self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
+            audio, new_state = self.runner.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
             audio, new_state = audio.float(), new_state.float()
         if self.device.type == "cuda":
             self.partition.stream.synchronize()

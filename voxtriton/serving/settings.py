@@ -69,7 +69,8 @@ class TTSSettings:
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.05
     cuda_graphs: bool = True
-    graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"
+    graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams
+    graph_spans: str = "256,512,1024,2048"  # attention-span buckets, capped at max_positions
 
     def __post_init__(self):
         if self.text_layout not in ("full", "interleaved"):
@@ -92,6 +93,9 @@ class CodecSettings:
     device: str = "auto"
     dtype: str = "float32"
     sm_count: int = 0  # 0: the whole GPU; N: a green context of N SMs
+    cuda_graphs: bool = True
+    graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
+    graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes
     test_fault: str = ""  # test-only fault injection: "raise" | "exit" (see README)
 
     @staticmethod
@@ -101,6 +105,10 @@ class CodecSettings:
         if unknown:
             raise ValueError(f"config.pbtxt: unknown parameter(s) {', '.join(unknown)}")
         return _from_parameters(CodecSettings, params)
+
+
+def int_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
 
 
 def cache_dir() -> Path:

@@ -26,7 +26,7 @@ from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
 from .requests import SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
-from .settings import CodecSettings, TTSSettings
+from .settings import CodecSettings, TTSSettings, int_list
 from .triton_metrics import TritonMetrics
 from .tts_service import TTSService
 
@@ -118,6 +118,10 @@ class TTSTritonModel:
         tokenizer = TextTokenizer(checkpoint)
         self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings)
         runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens)
+        if device.type == "cuda" and settings.cuda_graphs:
+            with self.partition:  # captured on the backbone's partition stream, replayed there
+                runner.capture_graphs(int_list(settings.graph_batch_sizes), int_list(settings.graph_spans))
+            log.info("tts: captured %d CUDA graphs", len(runner.graphs))
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, device),

@@ -1,0 +1,81 @@
+"""GPU paths (skipped on machines without CUDA): CUDA graphs against eager, codec graphs, SM partitions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from voxtriton.engine.codec_runner import CodecRunner
+from voxtriton.engine.engine import Engine
+from voxtriton.engine.model_runner import ModelRunner
+from voxtriton.engine.request import GenerationParams, Request
+from voxtriton.models.config import load_config
+from voxtriton.models.loader import load_backbone, load_codec
+from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.serving.runtime import SMPartition
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICE = torch.device("cuda:0")
+TEXTS = ["One.", "Two voices now.", "Three streams share a batch.", "Four is padded to eight.", "Five!"]
+
+
+def generate(checkpoint, graphs: bool, dtype=torch.bfloat16) -> dict[str, np.ndarray]:
+    config = load_config(checkpoint)
+    backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
+    prompts = PromptBuilder(config, TextTokenizer(checkpoint))
+    runner = ModelRunner(backbone, max_rows=8, max_positions=512, max_text_tokens=64)
+    if graphs:
+        runner.capture_graphs([1, 2, 4, 8], [128, 512])
+    else:
+        runner.set_buckets([1, 2, 4, 8], [128, 512])
+    engine = Engine(runner, max_running=8)
+    requests = [Request(f"r{i}", prompts.build(text, "ryan"), GenerationParams.create(
+        config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True)) for i, text in enumerate(TEXTS)]
+    codes: dict[str, list] = {}
+    step = 0
+    while step < 2 or engine.has_work:
+        if step == 0:
+            for request in requests[:3]:
+                engine.add(request)
+        if step == 2:
+            for request in requests[3:]:
+                engine.add(request)
+        for output in engine.step():
+            codes.setdefault(output.request.request_id, []).append(output.codes)
+        step += 1
+    return {k: np.stack(v) for k, v in codes.items()}
+
+
+def test_cuda_graphs_give_the_eager_codes(tiny_checkpoint):
+    eager = generate(tiny_checkpoint, graphs=False)
+    graphed = generate(tiny_checkpoint, graphs=True)
+    assert eager.keys() == graphed.keys() and len(eager) == 5
+    for name in eager:
+        np.testing.assert_array_equal(graphed[name], eager[name])
+
+
+def test_codec_graphs_match_eager(tiny_checkpoint):
+    codec = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
+    runner = CodecRunner(codec, batch_buckets=[1, 2, 4], frame_sizes=[4, 25])
+    codes = torch.randint(0, 2048, (3, 29, 16), device=DEVICE)
+    start = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    state_a = state_b = codec.new_state(3)
+    offset = 0
+    for size in (4, 25):  # graphed shapes: batch 3 padded to 4
+        chunk = codes[:, offset: offset + size]
+        audio_a, state_a = runner.decode(chunk, start + offset, state_a)
+        audio_b, state_b = codec.decode(chunk, start + offset, state_b)
+        assert (audio_a - audio_b).abs().max().item() <= 1e-5
+        offset += size
+    assert len(runner.graphs) == 6
+
+
+def test_green_context_partition_runs_work_on_its_stream():
+    partition = SMPartition(DEVICE, 16)
+    assert partition.stream is not None
+    with partition:
+        x = torch.randn(2048, 2048, device=DEVICE)
+        y = (x @ x).sum()
+    partition.stream.synchronize()
+    assert torch.isfinite(y)

@@ -1,0 +1,70 @@
+"""Batched codec decode with CUDA graphs for the common chunk shapes.
+
+A codec call decodes B chunks of T frames each (the scheduler batches equal sizes). On a GPU each
+(batch bucket, T) shape is captured once as a CUDA graph over static input/output buffers, and a call
+pads its batch up to the bucket; rows beyond the real batch decode silence from a fresh state and are
+dropped. Shapes that were not captured run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.codec import CodecModel
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """Capture on the caller's stream when it is a side stream (an SM partition's), so replays stay there."""
+    current = torch.cuda.current_stream(device)
+    return None if current == torch.cuda.default_stream(device) else current
+
+
+class CodecRunner:
+    def __init__(self, model: CodecModel, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None):
+        self.model = model
+        param = model.decoder.pre_conv.conv.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.quantizers = model.config.num_quantizers
+        self.batch_buckets = sorted(set(batch_buckets or []))
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
+        self.pool = None
+        if self.device.type == "cuda" and self.batch_buckets and frame_sizes:
+            for frames in sorted(set(frame_sizes), reverse=True):
+                for batch in reversed(self.batch_buckets):
+                    self._capture(batch, frames)
+
+    def _static_inputs(self, batch: int, frames: int) -> dict:
+        return {"codes": torch.zeros(batch, frames, self.quantizers, dtype=torch.long, device=self.device),
+                "start": torch.zeros(batch, dtype=torch.long, device=self.device),
+                "state": self.model.new_state(batch)}
+
+    @torch.inference_mode()
+    def _capture(self, batch: int, frames: int) -> None:
+        inputs = self._static_inputs(batch, frames)
+        for _ in range(2):
+            self.model.decode(inputs["codes"], inputs["start"], inputs["state"])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
+            outputs = self.model.decode(inputs["codes"], inputs["start"], inputs["state"])
+        self.pool = graph.pool()
+        self.graphs[(batch, frames)] = (graph, inputs, outputs)
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """codes [B, T, Q], start [B], state [B, S] -> (audio [B, T*spf], next state [B, S]), model dtype."""
+        batch, frames = codes.shape[0], codes.shape[1]
+        bucket = next((b for b in self.batch_buckets if b >= batch), None)
+        entry = self.graphs.get((bucket, frames)) if bucket else None
+        if entry is None:
+            return self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
+        graph, inputs, (audio, next_state) = entry
+        inputs["codes"][:batch].copy_(codes)
+        inputs["start"][:batch].copy_(start)
+        inputs["state"][:batch].copy_(state)
+        if bucket > batch:  # padding rows: a fresh stream decoding frame 0s
+            inputs["codes"][batch:].zero_()
+            inputs["start"][batch:].zero_()
+            inputs["state"][batch:].zero_()
+        graph.replay()
+        # Copies: the static outputs are overwritten by the next replay, before callers are done.
+        return audio[:batch].clone(), next_state[:batch].clone()
