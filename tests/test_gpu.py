@@ -79,3 +79,27 @@ def test_green_context_partition_runs_work_on_its_stream():
         y = (x @ x).sum()
     partition.stream.synchronize()
     assert torch.isfinite(y)
+
+
+def test_graphs_capture_and_replay_on_a_partition(tiny_checkpoint):
+    """The serving path: the backbone's graphs are captured and replayed on a green-context stream."""
+    config = load_config(tiny_checkpoint)
+    backbone = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=torch.bfloat16)
+    prompts = PromptBuilder(config, TextTokenizer(tiny_checkpoint))
+    total = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    results = []
+    for graphs in (False, True):
+        runner = ModelRunner(backbone, max_rows=4, max_positions=256, max_text_tokens=64)
+        with SMPartition(DEVICE, total - 16):
+            if graphs:
+                runner.capture_graphs([1, 2, 4], [128])
+            else:
+                runner.set_buckets([1, 2, 4], [128])
+            engine = Engine(runner, max_running=4)
+            engine.add(Request("p", prompts.build("Partitioned.", "ryan"), GenerationParams.create(
+                config.generation, 100, seed=3, max_frames=20, ignore_eos=True)))
+            codes = []
+            while engine.has_work:
+                codes += [o.codes for o in engine.step()]
+        results.append(np.stack(codes))
+    np.testing.assert_array_equal(results[0], results[1])

@@ -37,9 +37,12 @@ class TritonInstall:
 def find_tritonserver(explicit: str | None = None) -> TritonInstall:
     """--tritonserver, else the NGC container's, else the one bundled in the nvidia-pytriton wheel."""
     if explicit:
-        path = Path(explicit)
+        path = Path(explicit).resolve()
         if not path.is_file():
             raise SystemExit(f"--tritonserver {explicit}: no such file")
+        bundle = path.parents[1]
+        if (bundle / "python_backend_stubs").is_dir():  # an unpacked nvidia-pytriton wheel
+            return _bundle_install(bundle)
         return TritonInstall(path, None)
     if NGC_SERVER.is_file():
         return TritonInstall(NGC_SERVER, None)
@@ -51,8 +54,12 @@ def find_tritonserver(explicit: str | None = None) -> TritonInstall:
     if spec is None or spec.origin is None:
         raise SystemExit("tritonserver not found: pass --tritonserver PATH, run in the NGC tritonserver "
                          "container, or `pip install --no-deps nvidia-pytriton==0.7.0` (see README)")
-    bundle = Path(spec.origin).parent / "tritonserver"
-    libs = Path(spec.origin).parents[1] / "nvidia_pytriton.libs"
+    return _bundle_install(Path(spec.origin).parent / "tritonserver")
+
+
+def _bundle_install(bundle: Path) -> TritonInstall:
+    """The layout of the nvidia-pytriton wheel: pytriton/tritonserver/{bin,backends,...} + nvidia_pytriton.libs."""
+    libs = bundle.parents[1] / "nvidia_pytriton.libs"
     return TritonInstall(bundle / "bin" / "tritonserver", _python_backend_dir(bundle), [str(libs)])
 
 
@@ -100,9 +107,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def gpu_present() -> bool:
-    return shutil.which("nvidia-smi") is not None and subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+def gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return result.stdout.count("GPU ") if result.returncode == 0 else 0
 
 
 class MPSDaemon:
@@ -147,13 +156,20 @@ class TritonServer:
         overrides: dict[str, dict[str, str]] = {"*": {}, "tts": {}}
         if checkpoint:
             overrides["*"]["checkpoint_dir"] = str(Path(checkpoint).resolve())
+        gpus = gpu_count()
         if policy:
             overrides["tts"]["scheduler_policy"] = policy
+        if policy == "disaggregated":
+            if gpus >= 2:  # the codec lanes get the second GPU to themselves
+                for model in ("codec_urgent", "codec_background"):
+                    overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
+            else:
+                print("voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device")
         for model, values in (parameters or {}).items():
             overrides.setdefault(model, {}).update(values)
         self.repository = render_repository(repository, self.workdir / "models", overrides)
         self.log_file = log_file or self.workdir / "tritonserver.log"
-        self.mps = MPSDaemon(self.workdir) if (gpu_present() if use_mps is None else use_mps) else None
+        self.mps = MPSDaemon(self.workdir) if (gpus > 0 if use_mps is None else use_mps) else None
         self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
 

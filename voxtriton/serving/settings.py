@@ -91,7 +91,7 @@ class TTSSettings:
 class CodecSettings:
     checkpoint_dir: str = ""
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
     sm_count: int = 0  # 0: the whole GPU; N: a green context of N SMs
     cuda_graphs: bool = True
     graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch

@@ -28,6 +28,12 @@ class TritonMetrics:
         self.chunks = {lane: chunks.Metric(labels={"lane": lane}) for lane in LANES}
         codec = _family("voxtriton_codec_seconds", "Codec decode call latency (one batch of chunks), by lane", histogram)
         self.codec = {lane: codec.Metric(labels={"lane": lane}, buckets=LATENCY_BUCKETS) for lane in LANES}
+        self.first_codec = _family("voxtriton_first_chunk_codec_seconds", "Codec call latency of calls holding a first chunk",
+                                   histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.step = _family("voxtriton_frame_step_seconds", "Backbone frame step (all running requests advance one frame)",
+                            histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.step_batch = _family("voxtriton_frame_step_batch", "Requests in a backbone frame step", histogram).Metric(
+            labels={}, buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
         depth = _family("voxtriton_lane_queue_depth", "Chunks waiting for a codec lane", gauge)
         self.depth = {lane: depth.Metric(labels={"lane": lane}) for lane in LANES}
         self.active = _family("voxtriton_active_streams", "Streams admitted and not yet finished", gauge).Metric(labels={})
@@ -44,6 +50,11 @@ class TritonMetrics:
         self.codec[lane].observe(decode_s)
         if first:
             self.ttfa.observe(since_submit_s)
+            self.first_codec.observe(decode_s)
+
+    def frame_step(self, seconds, batch):
+        self.step.observe(seconds)
+        self.step_batch.observe(batch)
 
     def rejected(self):
         self.rejected_total.increment(1)

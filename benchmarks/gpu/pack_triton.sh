@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Trim the nvidia-pytriton 0.7.0 wheel to what one Python version's server needs (the tritonserver
+# binary, its libraries, the Python backend and one stub) so it fits the device machine's carry
+# limit: 55 MB wheel -> about 26 MB. Usage: pack_triton.sh 3.12 OUT.tar.xz
+set -euo pipefail
+VERSION=$1 OUT=$2
+WORK=$(mktemp -d)
+python3 -m pip download -q --no-deps nvidia-pytriton==0.7.0 -d "$WORK"
+(cd "$WORK" && unzip -q nvidia_pytriton-*.whl 'pytriton/tritonserver/*' 'nvidia_pytriton.libs/*')
+for stub in "$WORK"/pytriton/tritonserver/python_backend_stubs/*; do
+  [ "$(basename "$stub")" = "$VERSION" ] || rm -rf "$stub"
+done
+rm -f "$WORK"/nvidia_pytriton.libs/libpython3-*  # only the 3.13 stub links it
+tar cf - -C "$WORK" pytriton nvidia_pytriton.libs | xz -T0 -6 > "$OUT"
+rm -rf "$WORK"
+ls -la "$OUT"

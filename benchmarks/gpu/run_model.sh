@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Device run 1: GPU tests, model speed (0.6B and 1.7B random checkpoints), single-stream TTFA/RTF vs
+# faster-qwen3-tts. Writes $OUT/log.txt and three JSON files.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+PY=/tmp/vt/bin/python
+export PYTHONUNBUFFERED=1
+LOG=$OUT/log.txt
+cd "$ROOT"
+run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | grep -v "Warning\|warn(" | tee -a "$LOG"; }
+run nvidia-smi -L
+run timeout 240 $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider -x
+for preset in 1.7b 0.6b; do
+  [ -f /tmp/ck-$preset/speech_tokenizer/model.safetensors ] || run $PY -m voxtriton.cli make-checkpoint --preset $preset /tmp/ck-$preset
+done
+run timeout 240 $PY benchmarks/model_speed.py --checkpoint /tmp/ck-1.7b --preset 1.7b --device cuda --graphs \
+  --batch-sizes 1,2,4,8,16,32,64,128,256 --context 512 --json $OUT/model_speed_1.7b.json
+run timeout 200 $PY benchmarks/model_speed.py --checkpoint /tmp/ck-0.6b --preset 0.6b --device cuda --graphs \
+  --batch-sizes 1,8,64,256 --context 512 --json $OUT/model_speed_0.6b.json
+run timeout 240 $PY benchmarks/single_stream.py --checkpoint /tmp/ck-1.7b --runs 5 --frames 100 --json $OUT/single_stream_1.7b.json

@@ -1,0 +1,415 @@
+"""The listener's experience under load: Poisson arrivals over gRPC streaming, per policy.
+
+    # open loop: Poisson arrivals at each rate for --duration seconds, every policy, server restarted per policy
+    python benchmarks/serving_bench.py --checkpoint DIR --policies voxserve,concurrent,serial --rates 2,4,8 --out results/x
+    # goodput: the highest rate with p90 TTFA <= 200 ms and no stalled request, found by bisection
+    python benchmarks/serving_bench.py --checkpoint DIR --goodput --rate-low 1 --rate-high 64 --out results/x
+    # closed loop: N concurrent streams at all times (lane behaviour at 8, 32, 128 streams)
+    python benchmarks/serving_bench.py --checkpoint DIR --concurrency 8,32,128 --out results/x
+    # CPU smoke test (tiny random checkpoint, under a minute): what the test suite runs
+    python benchmarks/serving_bench.py --smoke --out /tmp/smoke
+
+Workload: utterances of U(3, 20) seconds of audio (max_frames at 12.5 frames/s with ignore_eos, so
+random weights behave like real ones), texts drawn from TEXTS, arrival gaps from a Gamma
+distribution with mean 1/rate and shape 1/burstiness**2 (burstiness 1 = Poisson).
+
+Metrics (client side, ../shared/design.md): TTFA = request sent to first audio received; stall =
+simulated playback that starts at the first chunk; RTF = generation time / audio duration. The
+client measures its own event-loop lag, so it can show it was not the bottleneck. Server-side
+numbers (frame step time, lane latencies, share of urgent chunks) come from the metrics endpoint.
+Checkpoints are random-weight: timings are real, audio is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+
+from voxtriton_client import AsyncTTSClient, simulate_playback  # noqa: E402
+from voxtriton.serving.launcher import TritonServer  # noqa: E402
+
+TEXTS = [
+    "Good morning, and welcome to the show.", "The weather today will be mostly sunny with a light breeze.",
+    "Please hold while I connect you to the next available agent.", "Your order has shipped and should arrive soon.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "Turn left at the next intersection, then continue straight for two kilometres.",
+    "The meeting has been moved to Thursday afternoon at three o'clock.",
+    "Streaming speech should start fast and never stall, even under heavy load.",
+]
+FRAME_RATE = 12.5
+TTFA_TARGET_S = 0.2
+
+
+@dataclass
+class RequestResult:
+    sent_at: float
+    ttfa_s: float | None
+    stall_s: float
+    audio_s: float
+    rtf: float | None
+    error: str | None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+class Progress:
+    def __init__(self, label: str, total: float):
+        self.label, self.total, self.started = label, total, time.monotonic()
+
+    def update(self, done: float, note: str = "") -> None:
+        width = 30
+        filled = int(width * min(1.0, done / self.total)) if self.total else width
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {note:<40}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+async def one_request(client: AsyncTTSClient, rng: random.Random, seconds_range, speaker: str | None) -> RequestResult:
+    seconds = rng.uniform(*seconds_range)
+    frames = max(1, round(seconds * FRAME_RATE))
+    sent = time.perf_counter()
+    try:
+        synthesis = await client.synthesize(rng.choice(TEXTS), speaker=speaker, seed=rng.randrange(2**31),
+                                            max_frames=frames, ignore_eos=True)
+    except Exception as error:  # connection-level failures count as failed requests
+        return RequestResult(sent, None, 0.0, 0.0, None, repr(error))
+    report = simulate_playback(0.0, [(c.arrived_s, c.seconds) for c in synthesis.chunks])
+    last = synthesis.chunks[-1].arrived_s if synthesis.chunks else None
+    error = synthesis.error or (None if synthesis.completed else "stream ended without its final response")
+    return RequestResult(sent, report.ttfa_s, report.stall_s, report.audio_s,
+                         last / report.audio_s if last and report.audio_s else None, error)
+
+
+async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 0.01) -> None:
+    """How late the event loop wakes up: if this grows, the client, not the server, is the bottleneck."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(interval)
+        samples.append(time.perf_counter() - start - interval)
+
+
+async def open_loop(url: str, rate: float, duration: float, burstiness: float, seconds_range, seed: int,
+                    speaker: str | None, progress: Progress | None = None) -> tuple[list[RequestResult], list[float]]:
+    rng = random.Random(seed)
+    shape = 1.0 / burstiness**2
+    lag: list[float] = []
+    stop = asyncio.Event()
+    async with AsyncTTSClient(url) as client:
+        lag_task = asyncio.create_task(loop_lag(lag, stop))
+        tasks = []
+        start = time.perf_counter()
+        next_at = 0.0
+        while next_at < duration:
+            delay = start + next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(client, random.Random(rng.random()), seconds_range, speaker)))
+            if progress:
+                progress.update(next_at, f"{len(tasks)} sent")
+            next_at += rng.gammavariate(shape, 1.0 / (rate * shape))
+        results = await asyncio.gather(*tasks)
+        stop.set()
+        await lag_task
+    return list(results), lag
+
+
+async def closed_loop(url: str, streams: int, duration: float, seconds_range, seed: int,
+                      speaker: str | None) -> tuple[list[RequestResult], list[float]]:
+    rng = random.Random(seed)
+    lag: list[float] = []
+    stop = asyncio.Event()
+    results: list[RequestResult] = []
+    async with AsyncTTSClient(url) as client:
+        lag_task = asyncio.create_task(loop_lag(lag, stop))
+        end = time.perf_counter() + duration
+
+        async def worker(index: int):
+            local = random.Random(rng.random() + index)
+            while time.perf_counter() < end:
+                results.append(await one_request(client, local, seconds_range, speaker))
+
+        await asyncio.gather(*(worker(i) for i in range(streams)))
+        stop.set()
+        await lag_task
+    return results, lag
+
+
+def summarize(results: list[RequestResult], lag: list[float]) -> dict:
+    ok = [r for r in results if r.error is None]
+    ttfa = [r.ttfa_s for r in ok if r.ttfa_s is not None]
+    rtf = [r.rtf for r in ok if r.rtf is not None]
+    stalled = [r for r in ok if r.stall_s > 0]
+    return {
+        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "ttfa_p50_ms": _ms(percentile(ttfa, 50)), "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
+        "ttfa_p99_ms": _ms(percentile(ttfa, 99)),
+        "stalled_requests": len(stalled), "stalled_fraction": len(stalled) / len(ok) if ok else None,
+        "stall_total_s": sum(r.stall_s for r in ok), "rtf_median": statistics.median(rtf) if rtf else None,
+        "audio_s": sum(r.audio_s for r in ok),
+        "client_loop_lag_p99_ms": _ms(percentile(lag, 99)), "client_loop_lag_max_ms": _ms(max(lag) if lag else None),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def meets_target(summary: dict) -> bool:
+    return (summary["failed"] == 0 and summary["stalled_requests"] == 0 and summary["ttfa_p90_ms"] is not None
+            and summary["ttfa_p90_ms"] <= TTFA_TARGET_S * 1e3)
+
+
+def scrape(server: TritonServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^(voxtriton_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """Differences of voxtriton's counters and histograms over one measurement."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+    def mean(name, labels=""):
+        count = delta.get(f"{name}_count{labels}", 0.0)
+        return round(delta.get(f"{name}_sum{labels}", 0.0) / count * 1e3, 3) if count else None
+
+    chunks = {lane: delta.get(f'voxtriton_chunks_total{{lane="{lane}"}}', 0.0) for lane in ("urgent", "background", "inline")}
+    total = sum(chunks.values())
+    return {
+        "frame_step_ms_mean": mean("voxtriton_frame_step_seconds"),
+        "frame_step_batch_mean": (delta.get("voxtriton_frame_step_batch_sum", 0.0) / delta["voxtriton_frame_step_batch_count"]
+                                  if delta.get("voxtriton_frame_step_batch_count") else None),
+        "codec_ms_mean": {lane: mean("voxtriton_codec_seconds", f'{{lane="{lane}"}}') for lane in chunks},
+        "first_chunk_codec_ms_mean": mean("voxtriton_first_chunk_codec_seconds"),
+        "chunks": chunks, "urgent_share": (chunks["urgent"] / total) if total else None,
+        "server_ttfa_ms_mean": mean("voxtriton_ttfa_seconds"),
+        "deadline_misses": delta.get("voxtriton_deadline_misses_total", 0.0),
+        "rejected": delta.get("voxtriton_rejected_requests_total", 0.0),
+    }
+
+
+def start(args, policy: str) -> TritonServer:
+    parameters = {"tts": {"max_streams": str(args.max_streams), "max_queued": str(args.max_queued)}}
+    for item in args.param:
+        model, _, assignment = item.partition(":")
+        key, _, value = assignment.partition("=")
+        parameters.setdefault(model, {})[key] = value
+    server = TritonServer(checkpoint=args.checkpoint, policy=policy, parameters=parameters, tritonserver=args.tritonserver)
+    return server.start(timeout=900)
+
+
+def measure(args, server: TritonServer, label: str, run) -> dict:
+    before = scrape(server)
+    results, lag = asyncio.run(run())
+    summary = summarize(results, lag)
+    summary["server"] = server_side(before, scrape(server))
+    print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
+    if summary["errors"]:
+        print(f"  errors: {summary['errors']}", flush=True)
+    return summary
+
+
+def warm_up(args, server: TritonServer) -> None:
+    asyncio.run(open_loop(server.grpc_url, 2.0, 2.0, 1.0, (1.0, 2.0), 999, args.speaker))
+
+
+def run_policy(args, policy: str) -> dict:
+    server = start(args, policy)
+    out: dict = {"policy": policy, "rates": [], "concurrency": []}
+    try:
+        warm_up(args, server)
+        seconds = (args.min_seconds, args.max_seconds)
+        for rate in args.rates:
+            progress = Progress(f"{policy} {rate:g}/s", args.duration)
+            summary = measure(args, server, f"{policy} rate {rate:g}/s", lambda: open_loop(
+                server.grpc_url, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker, progress))
+            progress.close()
+            out["rates"].append({"rate": rate, **summary})
+        for streams in args.concurrency:
+            summary = measure(args, server, f"{policy} {streams} streams", lambda: closed_loop(
+                server.grpc_url, streams, args.duration, seconds, args.seed, args.speaker))
+            out["concurrency"].append({"streams": streams, **summary})
+        if args.goodput:
+            out["goodput"] = find_goodput(args, server, policy)
+    finally:
+        server.stop()
+        server.cleanup()
+    return out
+
+
+def find_goodput(args, server: TritonServer, policy: str) -> dict:
+    """Bisection on the arrival rate for the highest rate meeting p90 TTFA <= 200 ms with no stall."""
+    low, high = args.rate_low, args.rate_high
+    seconds = (args.min_seconds, args.max_seconds)
+    trials = []
+
+    def trial(rate):
+        summary = measure(args, server, f"{policy} goodput probe {rate:.2f}/s", lambda: open_loop(
+            server.grpc_url, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker))
+        trials.append({"rate": rate, "meets": meets_target(summary), **summary})
+        return meets_target(summary)
+
+    if not trial(low):
+        return {"goodput": 0.0, "trials": trials}
+    if trial(high):
+        return {"goodput": high, "trials": trials, "note": "target met at --rate-high; raise it"}
+    for _ in range(args.bisection_steps):
+        middle = (low * high) ** 0.5  # geometric: rates span orders of magnitude
+        low, high = (middle, high) if trial(middle) else (low, middle)
+    return {"goodput": low, "trials": trials}
+
+
+def write_outputs(args, results: list[dict], meta: dict) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "policies": results}, indent=2))
+    lines = [f"# Serving benchmark ({meta['date']})", "", f"Command: `{meta['command']}`", "",
+             f"Hardware: {meta['hardware']}. Checkpoint: {meta['checkpoint']} (random weights: timings are real, "
+             "audio is noise).", ""]
+    if any(r["rates"] for r in results):
+        lines += ["| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | frame step ms | urgent share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            for row in r["rates"]:
+                s = row["server"]
+                lines.append(f"| {r['policy']} | {row['rate']:g} | {row['completed']} | {row['failed']} | {row['ttfa_p50_ms']} | "
+                             f"{row['ttfa_p90_ms']} | {row['ttfa_p99_ms']} | {row['stalled_requests']} | "
+                             f"{row['stall_total_s']:.2f} | {_fmt(row['rtf_median'])} | {s['frame_step_ms_mean']} | "
+                             f"{_fmt(s['urgent_share'])} |")
+        lines.append("")
+    if any(r["concurrency"] for r in results):
+        lines += ["| policy | streams | done | TTFA p90 ms | stalled | frame step ms (mean batch) | urgent codec ms | "
+                  "background codec ms | first-chunk codec ms | urgent share |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            for row in r["concurrency"]:
+                s = row["server"]
+                lines.append(f"| {r['policy']} | {row['streams']} | {row['completed']} | {row['ttfa_p90_ms']} | "
+                             f"{row['stalled_requests']} | {s['frame_step_ms_mean']} ({_fmt(s['frame_step_batch_mean'])}) | "
+                             f"{s['codec_ms_mean']['urgent']} | {s['codec_ms_mean']['background']} | "
+                             f"{s['first_chunk_codec_ms_mean']} | {_fmt(s['urgent_share'])} |")
+        lines.append("")
+    goodputs = {r["policy"]: r["goodput"]["goodput"] for r in results if "goodput" in r}
+    if goodputs:
+        lines += ["| policy | goodput (req/s) |", "|---|---|"] + [f"| {p} | {g:.2f} |" for p, g in goodputs.items()]
+        baselines = [g for p, g in goodputs.items() if p != "voxserve"]
+        if "voxserve" in goodputs and baselines and max(baselines) > 0:
+            lines += ["", f"voxserve / best baseline = {goodputs['voxserve'] / max(baselines):.2f}x"]
+        lines.append("")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    plot(results, out)
+    print("\n".join(lines))
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def plot(results: list[dict], out: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return
+    if any(r["rates"] for r in results):
+        figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        for r in results:
+            rates = [row["rate"] for row in r["rates"]]
+            left.plot(rates, [row["ttfa_p90_ms"] for row in r["rates"]], marker="o", label=r["policy"])
+            right.plot(rates, [row["stalled_fraction"] or 0 for row in r["rates"]], marker="o", label=r["policy"])
+        left.axhline(TTFA_TARGET_S * 1e3, color="grey", linestyle="--", linewidth=1)
+        left.set(xlabel="arrival rate (requests/s)", ylabel="p90 TTFA (ms)", yscale="log", title="Time to first audio")
+        right.set(xlabel="arrival rate (requests/s)", ylabel="stalled fraction", title="Requests that stalled")
+        left.legend()
+        figure.tight_layout()
+        figure.savefig(out / "ttfa_stalls_vs_rate.png", dpi=120)
+    if any(r["concurrency"] for r in results):
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for r in results:
+            axis.plot([row["streams"] for row in r["concurrency"]],
+                      [row["server"]["frame_step_ms_mean"] for row in r["concurrency"]], marker="o", label=r["policy"])
+        axis.set(xlabel="concurrent streams", ylabel="backbone frame step (ms)", xscale="log", title="Backbone step under load")
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(out / "frame_step_vs_streams.png", dpi=120)
+
+
+def hardware() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    except ImportError:
+        pass
+    return f"CPU ({platform.machine()}, {__import__('os').cpu_count()} cores)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--policies", default="voxserve,concurrent,serial")
+    parser.add_argument("--rates", default="", help="comma-separated arrival rates (requests/s)")
+    parser.add_argument("--concurrency", default="", help="comma-separated closed-loop stream counts")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per measurement")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="coefficient of variation of gaps (1 = Poisson)")
+    parser.add_argument("--min-seconds", type=float, default=3.0)
+    parser.add_argument("--max-seconds", type=float, default=20.0)
+    parser.add_argument("--goodput", action="store_true")
+    parser.add_argument("--rate-low", type=float, default=1.0)
+    parser.add_argument("--rate-high", type=float, default=64.0)
+    parser.add_argument("--bisection-steps", type=int, default=4)
+    parser.add_argument("--max-streams", type=int, default=256)
+    parser.add_argument("--max-queued", type=int, default=1024)
+    parser.add_argument("--speaker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--param", action="append", default=[], help="MODEL:KEY=VALUE config.pbtxt parameter")
+    parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke run on the tiny checkpoint (< 60 s)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.smoke:
+        from voxtriton.models.random_checkpoint import make_checkpoint
+        import tempfile
+        args.checkpoint = args.checkpoint or str(make_checkpoint("tiny", Path(tempfile.mkdtemp()) / "tiny"))
+        args.policies, args.rates = args.policies if args.policies != "voxserve,concurrent,serial" else "voxserve", "1"
+        args.duration, args.min_seconds, args.max_seconds, args.max_streams = 6.0, 1.0, 2.0, 16
+    args.rates = [float(x) for x in args.rates.split(",") if x]
+    args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    if not args.checkpoint:
+        parser.error("--checkpoint is required (or --smoke)")
+    meta = {"command": " ".join(sys.argv), "hardware": hardware(), "checkpoint": args.checkpoint,
+            "date": time.strftime("%Y-%m-%d"), "duration_s": args.duration, "burstiness": args.burstiness,
+            "utterance_seconds": [args.min_seconds, args.max_seconds], "ttfa_target_ms": TTFA_TARGET_S * 1e3}
+    results = [run_policy(args, policy) for policy in args.policies.split(",")]
+    write_outputs(args, results, meta)
+
+
+if __name__ == "__main__":
+    main()
