@@ -3,7 +3,7 @@
 # faster-qwen3-tts. Writes $OUT/log.txt and three JSON files.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PY=/tmp/vt/bin/python
+PY=python3
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
 cd "$ROOT"

@@ -3,7 +3,7 @@
 # Usage: run_serving.sh lanes|goodput. Writes $OUT/log.txt and $OUT/<mode>/results.{json,md} + plots.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PY=/tmp/vt/bin/python
+PY=python3
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
 cd "$ROOT"
