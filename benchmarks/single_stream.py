@@ -40,6 +40,40 @@ from voxtriton.serving.tts_service import TTSService
 TEXT = "The quick brown fox jumps over the lazy dog, and then it keeps running for a while."
 
 
+class TracedEngine(Engine):
+    """Records each frame step (start, end, batch) so TTFA can be broken down."""
+
+    def __init__(self, *args, trace: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trace = trace
+
+    def step(self):
+        started = time.perf_counter()
+        outputs = super().step()
+        self.trace.append(("step", started, time.perf_counter(), len(outputs)))
+        return outputs
+
+
+class TracedLane:
+    def __init__(self, lane, trace: list):
+        self.lane, self.trace = lane, trace
+
+    def decode(self, codes, start, state):
+        started = time.perf_counter()
+        result = self.lane.decode(codes, start, state)
+        self.trace.append(("codec", started, time.perf_counter(), codes.shape[0], codes.shape[1]))
+        return result
+
+
+def ttfa_breakdown(trace: list, submitted: float, first_sent: float) -> dict:
+    """Milliseconds from submission to: each of the first frame steps, the first codec call, the send."""
+    steps = [e for e in trace if e[0] == "step" and e[2] >= submitted][:3]
+    codec = next(e for e in trace if e[0] == "codec" and e[1] >= submitted)
+    ms = lambda t: round((t - submitted) * 1e3, 2)
+    return {"steps_start_end_ms": [(ms(s), ms(e)) for _, s, e, _ in steps],
+            "first_codec_start_end_ms": (ms(codec[1]), ms(codec[2])), "first_sent_ms": ms(first_sent)}
+
+
 class TimingSink:
     def __init__(self):
         self.times: list[float] = []
@@ -72,9 +106,11 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
     codec = CodecService(CodecSettings(checkpoint_dir=str(checkpoint), device=str(device),
                                        dtype="bfloat16" if gpu else "float32"))
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(checkpoint)), settings)
-    service = TTSService(Engine(runner, settings.max_streams), SchedulerConfig(), {URGENT: codec, BACKGROUND: codec},
-                         codec.state_size, max_queued=8, state_device=device)
-    ttfa, rtf = [], []
+    trace: list = []
+    lane = TracedLane(codec, trace)
+    service = TTSService(TracedEngine(runner, settings.max_streams, trace=trace), SchedulerConfig(),
+                         {URGENT: lane, BACKGROUND: lane}, codec.state_size, max_queued=8, state_device=device)
+    ttfa, rtf, breakdown = [], [], None
     try:
         for run in range(runs + 1):  # the first run warms up
             inputs = {"text": np.array([TEXT.encode()], dtype=object), "seed": np.array([run]),
@@ -86,6 +122,7 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
             if sink.error:
                 raise RuntimeError(sink.error)
             if run:
+                breakdown = ttfa_breakdown(trace, started, sink.times[0])
                 ttfa.append((sink.times[0] - started) * 1e3)
                 rtf.append((sink.times[-1] - started) / (sink.samples / config.codec.sample_rate))
     finally:
@@ -93,7 +130,8 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
     del service, runner, backbone, codec
     if gpu:
         torch.cuda.empty_cache()
-    return {"ttfa_ms": ttfa, "rtf": rtf, "ttfa_ms_median": statistics.median(ttfa), "rtf_median": statistics.median(rtf)}
+    return {"ttfa_ms": ttfa, "rtf": rtf, "ttfa_ms_median": statistics.median(ttfa), "rtf_median": statistics.median(rtf),
+            "last_run_ttfa_breakdown": breakdown}
 
 
 def run_peer(checkpoint: Path, runs: int, frames: int) -> dict:
@@ -136,7 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     ours = run_ours(args.checkpoint, args.runs, args.frames, device)
-    print("voxtriton:", json.dumps({k: v for k, v in ours.items() if "median" in k}), flush=True)
+    print("voxtriton:", json.dumps({k: v for k, v in ours.items() if "median" in k or "breakdown" in k}), flush=True)
     peer = {"error": "skipped"} if args.skip_peer or device.type != "cuda" else run_peer(args.checkpoint, args.runs,
                                                                                            args.frames)
     print("faster-qwen3-tts:", json.dumps({k: v for k, v in peer.items() if "median" in k or k == "error"}), flush=True)

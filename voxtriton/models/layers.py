@@ -24,11 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the input dtype, as the official implementation does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused kernel (it accumulates in fp32, as the official implementation normalises in
+        # fp32); fp32 results equal the official ones.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -48,20 +46,16 @@ class Rotary(nn.Module):
         self.inv_freq = self._inverse_frequencies(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin, [B, 1, T, D]: rotate-half(x) * sin == roll(x, D/2) * signed sin."""
         freqs = positions.float()[..., None] * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos = torch.cat((freqs, freqs), dim=-1).cos()
+        sin = freqs.sin()
+        return cos.to(dtype)[:, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, T, D]; cos/sin: [B, T, D]
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D] with RoPE's rotate-half layout; cos/signed_sin from `Rotary`."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class KVStore(Protocol):
@@ -71,20 +65,25 @@ class KVStore(Protocol):
         """Store this step's keys/values [B, kv_heads, T, D]; return everything to attend to."""
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias for `grouped_attention` from a [B, 1, T, L] mask (True = attend), made once per
+    step and shared by every layer: [B, 1, group*T, L], 0 where attending, -inf elsewhere."""
+    batch, _, length, span = mask.shape
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.unsqueeze(2).expand(batch, 1, group, length, span).reshape(batch, 1, group * length, span)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Grouped-query attention without repeating K/V.
 
-    q: [B, H, T, D]; k, v: [B, KVH, L, D]; mask: [B, 1, T, L] (True = attend).
-    The query heads that share a KV head are folded into the query-length axis, so one SDPA call
-    over KVH heads reads each key once (this also keeps the fused GPU kernels eligible).
+    q: [B, H, T, D]; k, v: [B, KVH, L, D]; bias from `attention_bias`. The query heads that share
+    a KV head are folded into the query-length axis, so one SDPA call over KVH heads reads each key
+    once (this also keeps the fused GPU kernels eligible).
     """
     batch, heads, length, dim = q.shape
     kv_heads = k.shape[1]
-    group = heads // kv_heads
-    q = q.reshape(batch, kv_heads, group * length, dim)
-    if group > 1:
-        mask = mask.unsqueeze(2).expand(batch, 1, group, length, mask.shape[-1]).reshape(batch, 1, group * length, -1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    q = q.reshape(batch, kv_heads, heads // kv_heads * length, dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.reshape(batch, heads, length, dim)
 
 
@@ -101,7 +100,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv: KVStore, mask):
+    def forward(self, x, cos, sin, kv: KVStore, bias):
         batch, length, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(batch, length, self.num_heads, self.head_dim)
@@ -112,7 +111,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         keys, values = kv.update(self.layer, k, v)
-        out = grouped_attention(q, keys, values, mask, self.scale)
+        out = grouped_attention(q, keys, values, bias, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -150,8 +149,8 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn_layer_scale = self.mlp_layer_scale = nn.Identity()
 
-    def forward(self, x, cos, sin, kv: KVStore, mask):
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kv, mask))
+    def forward(self, x, cos, sin, kv: KVStore, bias):
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kv, bias))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -163,11 +162,13 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, layer_scale) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.group = cfg.num_heads // cfg.num_kv_heads
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
+        bias = attention_bias(mask, self.group, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, mask)
+            x = layer(x, cos, sin, kv, bias)
         return self.norm(x)
 
 
