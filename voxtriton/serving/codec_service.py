@@ -36,6 +36,8 @@ class CodecService:
             raise ValueError(f"codes must be [batch, frames, {self.model.config.num_quantizers}], got {list(codes.shape)}")
         if state.shape != (codes.shape[0], self.state_size) or start.shape != (codes.shape[0],):
             raise ValueError(f"state must be [{codes.shape[0]}, {self.state_size}] and start [{codes.shape[0]}]")
+        if self.device.type == "cuda":  # inputs made on the caller's stream must be complete first
+            self.partition.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self.partition:
             audio, new_state = self.runner.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
             audio, new_state = audio.float(), new_state.float()

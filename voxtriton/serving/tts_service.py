@@ -75,9 +75,10 @@ class TTSService:
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
         self.codec_state_size = codec_state_size
-        self.state_device = state_device
-        # Entered by the engine thread: the backbone's SM partition on a GPU.
-        self.engine_context = engine_context or contextlib.nullcontext()
+        self.state_device = torch.device(state_device)
+        # Entered by the engine thread: the backbone's SM partition on a GPU, else a stream of its own,
+        # so nothing the lane workers queue waits behind a frame step.
+        self.engine_context = engine_context or self._own_stream()
         self.max_queued = max_queued
         self.cancellation_check_s = cancellation_check_s
         self.metrics = metrics
@@ -94,6 +95,12 @@ class TTSService:
                                               daemon=True) for lane in lanes_used]
         for thread in self.threads:
             thread.start()
+
+    def _own_stream(self):
+        """A CUDA stream for the calling thread's work (a no-op context on CPU)."""
+        if self.state_device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.Stream(self.state_device))
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -230,6 +237,10 @@ class TTSService:
     # -- codec lanes -----------------------------------------------------------------------------
 
     def _lane_loop(self, lane: str) -> None:
+        with self._own_stream():
+            self._serve_lane(lane)
+
+    def _serve_lane(self, lane: str) -> None:
         while self.running:
             with self.lock:
                 batch = self.scheduler.next_batch(lane)
@@ -258,10 +269,12 @@ class TTSService:
                       else torch.zeros(1, self.codec_state_size, device=self.state_device) for _, s in live]
         started = self.clock()
         try:
+            state = torch.cat(states)
+            if state.is_cuda:  # the codec (another process, or another stream) reads it next
+                torch.cuda.current_stream(state.device).synchronize()
             audio, state = self.lanes[URGENT if lane == INLINE else lane].decode(
                 torch.from_numpy(codes.astype(np.int32)),
-                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
-                torch.cat(states).to(self.state_device))
+                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64), state)
         except Exception as error:
             log.error("codec lane %s failed: %s", lane, error)
             with self.lock:
