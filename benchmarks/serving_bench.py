@@ -221,7 +221,7 @@ def start(args, policy: str) -> TritonServer:
         key, _, value = assignment.partition("=")
         parameters.setdefault(model, {})[key] = value
     server = TritonServer(checkpoint=args.checkpoint, policy=policy, parameters=parameters, tritonserver=args.tritonserver)
-    return server.start(timeout=900)
+    return server.start(timeout=300)
 
 
 def measure(args, server: TritonServer, label: str, run) -> dict:
@@ -407,8 +407,10 @@ def main() -> None:
     meta = {"command": " ".join(sys.argv), "hardware": hardware(), "checkpoint": args.checkpoint,
             "date": time.strftime("%Y-%m-%d"), "duration_s": args.duration, "burstiness": args.burstiness,
             "utterance_seconds": [args.min_seconds, args.max_seconds], "ttfa_target_ms": TTFA_TARGET_S * 1e3}
-    results = [run_policy(args, policy) for policy in args.policies.split(",")]
-    write_outputs(args, results, meta)
+    results = []
+    for policy in args.policies.split(","):
+        results.append(run_policy(args, policy))
+        write_outputs(args, results, meta)  # after each policy, so a cut-short run keeps what it measured
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ COMMON="--checkpoint /tmp/ck-1.7b --tritonserver /tmp/tri/pytriton/tritonserver/
 case "$1" in
   lanes)
     run timeout 560 $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
-      --concurrency 1,8,32,128 --duration 15 --out $OUT/lanes ;;
+      --concurrency 1,8,32,128 --duration 12 --out $OUT/lanes ;;
   goodput)
     run timeout 560 $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent --goodput \
       --rate-low 2 --rate-high 64 --bisection-steps 3 --duration 15 --out $OUT/goodput ;;
