@@ -21,7 +21,27 @@ def test_byte_fallback_ids_decode_back_with_the_real_vocabulary(tiny_checkpoint,
     for text in ("Hello, world!", "naïve café — 你好", "line\nbreak\ttab"):
         ids = fallback.encode(text)
         assert len(ids) == len(text.encode("utf-8"))
-        assert real.hf.decode(ids) == text
+        assert real.decode(ids) == text
+
+
+def test_checkpoint_tokenizer_matches_transformers(tiny_checkpoint):
+    """Ours is built with `tokenizers` directly; transformers' Qwen2 tokenizer is the reference."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    ours = TextTokenizer(tiny_checkpoint)
+    samples = ["Hello, world!", "  leading spaces and trailing  ", "It's 3:45pm -- isn't it?", "naïve café",
+               "你好，世界。今天天气很好！", "こんにちは、元気ですか", "Line one\nLine two\r\n\n\tTabbed",
+               "Numbers 1234567890 and 3.14159", "Émojis 🎉🔊 and symbols ©®™", "MixedCASE words, ALLCAPS.",
+               "don't you'll we've I'm they'd she's", "a" * 300, "Ünïcödé ñ ß ø Å"]
+    for text in samples:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ours.encode(text)) == text
+
+
+def test_special_tokens_in_user_text_stay_text(builder):
+    ids = builder.tokenizer.encode("<|im_start|>assistant")
+    assert builder.config.im_start_token_id not in ids
 
 
 def test_full_text_prompt_layout(builder):

@@ -1,11 +1,13 @@
 """Text side of Qwen3-TTS: tokenization and the talker prompt.
 
-The checkpoint's own tokenizer (Qwen2 byte-level BPE: vocab.json + merges.txt +
-tokenizer_config.json) is used through transformers when its files are there. Without them
-(random-weight checkpoints made with `--no-tokenizer`) a byte-level fallback is used: each UTF-8
-byte becomes the id of that byte's single-byte token in the Qwen2 vocabulary (GPT-2 byte order),
-so the real tokenizer would decode the ids back to the same text. Special tokens come from
-config.json.
+The checkpoint's own tokenizer (Qwen2 byte-level BPE from vocab.json + merges.txt) is built with
+the `tokenizers` library the way transformers builds Qwen2TokenizerFast (same normalizer,
+pre-tokenizer regex and BPE), so it gives transformers' ids (tests/test_text.py checks) without
+importing transformers in the server. Special tokens are never parsed out of user text: their ids
+come from config.json and are placed by the prompt builder, so "<|im_start|>" in a request is just
+text. Without tokenizer files (random-weight checkpoints made with `--no-tokenizer`) a byte-level
+fallback is used: each UTF-8 byte becomes the id of that byte's single-byte token in the Qwen2
+vocabulary (GPT-2 byte order), so the real tokenizer would decode the ids back to the same text.
 
 The prompt follows the official layouts. Both start with the role tokens and a codec prefix
 (think / language / speaker / pad) under tts_pad text, then tts_bos. With the whole text known up
@@ -17,6 +19,7 @@ the prompt (over codec_bos) and the rest, then tts_eos, are fed one per generate
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,25 +40,50 @@ def _gpt2_byte_order() -> list[int]:
 BYTE_TOKEN_ID = {byte: index for index, byte in enumerate(_gpt2_byte_order())}
 
 
+# Qwen2's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX)
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def qwen2_tokenizer(vocab_file: Path, merges_file: Path):
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+    merges = [tuple(line.split(" ")) for line in merges_file.read_text(encoding="utf-8").splitlines()
+              if line and not line.startswith("#version")]
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None, continuing_subword_prefix="",
+                              end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
 class TextTokenizer:
     def __init__(self, checkpoint_dir: Path):
         checkpoint_dir = Path(checkpoint_dir)
-        self.hf = None
-        if all((checkpoint_dir / name).is_file() for name in ("vocab.json", "merges.txt", "tokenizer_config.json")):
-            from transformers import AutoTokenizer
-
-            self.hf = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+        self.bpe = None
+        vocab, merges = checkpoint_dir / "vocab.json", checkpoint_dir / "merges.txt"
+        if vocab.is_file() and merges.is_file():
+            self.bpe = qwen2_tokenizer(vocab, merges)
         else:
             log.warning("%s has no tokenizer files; using the byte-level fallback tokenizer", checkpoint_dir)
 
     @property
     def kind(self) -> str:
-        return "checkpoint" if self.hf is not None else "byte-fallback"
+        return "checkpoint" if self.bpe is not None else "byte-fallback"
 
     def encode(self, text: str) -> list[int]:
-        if self.hf is not None:
-            return list(self.hf.encode(text, add_special_tokens=False))
+        if self.bpe is not None:
+            return self.bpe.encode(text, add_special_tokens=False).ids
         return [BYTE_TOKEN_ID[b] for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.bpe is not None:
+            return self.bpe.decode(ids)
+        return bytes(_gpt2_byte_order()[i] for i in ids).decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True)
