@@ -28,6 +28,7 @@ import json
 import platform
 import random
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -259,6 +260,9 @@ def run_policy(args, policy: str) -> dict:
             out["goodput"] = find_goodput(args, server, policy)
     finally:
         server.stop()
+        if args.keep_logs:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(server.log_file, Path(args.out) / f"server_{policy}.log")
         server.cleanup()
     return out
 
@@ -391,6 +395,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="MODEL:KEY=VALUE config.pbtxt parameter")
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
+    parser.add_argument("--keep-logs", action="store_true", help="copy each server's log into --out")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run on the tiny checkpoint (< 60 s)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -16,5 +16,5 @@ case "$1" in
       --concurrency 1,8,32,128 --duration 12 --out $OUT/lanes ;;
   goodput)
     run timeout 560 $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent --goodput \
-      --rate-low 2 --rate-high 64 --bisection-steps 3 --duration 15 --out $OUT/goodput ;;
+      --rate-low 1 --rate-high 32 --bisection-steps 3 --duration 12 --keep-logs --out $OUT/goodput ;;
 esac

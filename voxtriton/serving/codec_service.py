@@ -36,6 +36,12 @@ class CodecService:
             raise ValueError(f"codes must be [batch, frames, {self.model.config.num_quantizers}], got {list(codes.shape)}")
         if state.shape != (codes.shape[0], self.state_size) or start.shape != (codes.shape[0],):
             raise ValueError(f"state must be [{codes.shape[0]}, {self.state_size}] and start [{codes.shape[0]}]")
+        # An out-of-range code would be a device-side assert, which ends this process (and under MPS
+        # can take its neighbours down): refuse it here with a clear error instead.
+        low, high = int(codes.min()), int(codes.max())
+        if low < 0 or high >= self.model.config.codebook_size:
+            raise ValueError(f"codes must be in [0, {self.model.config.codebook_size}), got [{low}, {high}] "
+                             f"(codes tensor on {codes.device})")
         if self.device.type == "cuda":  # inputs made on the caller's stream must be complete first
             self.partition.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self.partition:

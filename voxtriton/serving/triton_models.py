@@ -168,7 +168,10 @@ class CodecTritonModel:
         for request in requests:
             try:
                 get = lambda name: from_triton(pb_utils.get_input_tensor_by_name(request, name))
-                audio, state = self.service.decode(get("codes"), get("start"), get("state"))
+                codes, start, state = get("codes"), get("start"), get("state")
+                if state.is_cuda:  # the copies above ran on this process's stream: finish them first
+                    torch.cuda.current_stream(state.device).synchronize()
+                audio, state = self.service.decode(codes, start, state)
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[to_triton("audio", audio), to_triton("next_state", state)]))
             except Exception as error:
