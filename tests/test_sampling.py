@@ -7,8 +7,8 @@ import torch
 from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from voxtriton.engine.sampling import (RowParams, apply_repetition_penalty, filter_top_k_top_p, fold_seed,
-                                       sample, uniform_noise)
+from voxtriton.engine.sampling import (RowParams, apply_repetition_penalty, bits_to_uniform, filter_top_k_top_p,
+                                       fold_seed, sample, uniform_noise)
 
 
 def params(batch, temperature=0.9, top_k=50, top_p=1.0, seed=7):
@@ -46,6 +46,24 @@ def test_noise_is_uniform_and_keyed():
     assert torch.equal(u, uniform_noise(seeds, frames, 0, 50000))
     assert not torch.equal(u, uniform_noise(seeds, frames + 1, 0, 50000))
     assert not torch.equal(u, uniform_noise(seeds, frames, 1, 50000))
+
+
+def test_noise_stays_strictly_inside_zero_one():
+    """A noise value of exactly 1.0 gives +inf Gumbel noise, and inf + -inf = NaN wins an argmax."""
+    extremes = torch.tensor([0, 1, 2**8 - 1, 2**30, 2**31 - 256, 2**31 - 2, 2**31 - 1])
+    u = bits_to_uniform(extremes)
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_masked_tokens_are_never_drawn():
+    logits = torch.randn(512, 3072)
+    logits[:, 2048:] = float("-inf")  # suppressed, as codebook 0's control ids are
+    p = params(512, temperature=1.0, top_k=0)
+    p.seeds[:] = torch.arange(512)
+    for frame in range(20):
+        drawn = sample(logits, p, torch.full((512,), frame), group=0)
+        assert drawn.max() < 2048
 
 
 def test_draws_follow_the_distribution():

@@ -41,8 +41,16 @@ def uniform_noise(seeds: torch.Tensor, frames: torch.Tensor, group: int, vocab: 
     row = _mix((_mix(seeds) + frames * 0x27D4EB2F % (1 << 27)) & _MASK31)
     row = _mix((row + (group + 1) * 0x165667B1 % (1 << 27)) & _MASK31)
     tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x61C8864F % (1 << 27)
-    bits = _mix((row[:, None] + tokens) & _MASK31)
-    return ((bits >> 7).float() + 0.5) * (1.0 / (1 << 24))
+    return bits_to_uniform(_mix((row[:, None] + tokens) & _MASK31))
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """31-bit integers -> floats strictly inside (0, 1).
+
+    23 bits, so k + 0.5 is exact in float32: with 24, the top value rounds to exactly 1.0, whose
+    Gumbel noise is +inf, and +inf + (-inf) = NaN would let a masked token win the argmax.
+    """
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -81,7 +89,8 @@ def sample(logits: torch.Tensor, params: RowParams, frames: torch.Tensor, group:
     scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
     filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(params.seeds, frames, group, logits.shape[-1])))
-    drawn = (filtered + gumbel).argmax(dim=-1)
+    # Masked tokens stay out whatever the noise (and whatever NaN the model might produce).
+    drawn = torch.where(torch.isfinite(filtered), filtered + gumbel, float("-inf")).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
