@@ -342,15 +342,20 @@ def plot(results: list[dict], out: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plots", file=sys.stderr)
         return
-    if any(r["rates"] for r in results):
+    def by_rate(r):  # open-loop rates, else the goodput search's probes
+        return sorted(r["rates"] or r.get("goodput", {}).get("trials", []), key=lambda row: row["rate"])
+
+    if any(by_rate(r) for r in results):
         figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
         for r in results:
-            rates = [row["rate"] for row in r["rates"]]
-            left.plot(rates, [row["ttfa_p90_ms"] for row in r["rates"]], marker="o", label=r["policy"])
-            right.plot(rates, [row["stalled_fraction"] or 0 for row in r["rates"]], marker="o", label=r["policy"])
+            rows = by_rate(r)
+            rates = [row["rate"] for row in rows]
+            left.plot(rates, [row["ttfa_p90_ms"] for row in rows], marker="o", label=r["policy"])
+            right.plot(rates, [row["stalled_fraction"] or 0 for row in rows], marker="o", label=r["policy"])
         left.axhline(TTFA_TARGET_S * 1e3, color="grey", linestyle="--", linewidth=1)
-        left.set(xlabel="arrival rate (requests/s)", ylabel="p90 TTFA (ms)", yscale="log", title="Time to first audio")
-        right.set(xlabel="arrival rate (requests/s)", ylabel="stalled fraction", title="Requests that stalled")
+        left.set(xlabel="arrival rate (requests/s)", ylabel="p90 TTFA (ms)", xscale="log", yscale="log",
+                 title="Time to first audio")
+        right.set(xlabel="arrival rate (requests/s)", ylabel="stalled fraction", xscale="log", title="Requests that stalled")
         left.legend()
         figure.tight_layout()
         figure.savefig(out / "ttfa_stalls_vs_rate.png", dpi=120)
@@ -398,7 +403,11 @@ def main() -> None:
     parser.add_argument("--keep-logs", action="store_true", help="copy each server's log into --out")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run on the tiny checkpoint (< 60 s)")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--replot", action="store_true", help="only redraw the plots of --out/results.json")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((Path(args.out) / "results.json").read_text())["policies"], Path(args.out))
+        return
     if args.smoke:
         from voxtriton.models.random_checkpoint import make_checkpoint
         import tempfile
