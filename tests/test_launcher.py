@@ -1,0 +1,80 @@
+"""`voxtriton serve`: renders the repository, binds loopback, and leaves no process behind on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from voxtriton.serving.launcher import REPOSITORY, free_port, render_repository, set_parameter
+from voxtriton_client import TTSClient
+
+pytestmark = pytest.mark.server
+
+
+def test_set_parameter_replaces_or_appends():
+    text = 'name: "x"\nparameters { key: "device" value: { string_value: "auto" } }\n'
+    replaced = set_parameter(text, "device", "cuda:1")
+    assert 'string_value: "cuda:1"' in replaced and "auto" not in replaced
+    appended = set_parameter(text, "sm_count", "20")
+    assert appended.endswith('parameters { key: "sm_count" value: { string_value: "20" } }\n')
+
+
+def test_render_sets_per_model_parameters(tmp_path):
+    target = render_repository(REPOSITORY, tmp_path / "repo", {"*": {"checkpoint_dir": "/ckpt"},
+                                                               "tts": {"scheduler_policy": "serial"}})
+    tts = (target / "tts" / "config.pbtxt").read_text()
+    codec = (target / "codec_urgent" / "config.pbtxt").read_text()
+    assert 'key: "scheduler_policy" value: { string_value: "serial" }' in tts
+    assert '"checkpoint_dir" value: { string_value: "/ckpt" }' in tts and '"/ckpt"' in codec
+    assert "scheduler_policy" not in codec
+    assert (REPOSITORY / "tts" / "config.pbtxt").read_text() != tts  # the source is untouched
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
+    grpc, http, metrics = free_port(), free_port(), free_port()
+    env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "voxtriton.cli", "serve", "--checkpoint", str(tiny_checkpoint), "--grpc-port", str(grpc),
+         "--http-port", str(http), "--metrics-port", str(metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        lines = []
+        for line in launcher.stdout:
+            lines.append(line)
+            if "  log: " in line or time.monotonic() > deadline:  # the last line of the ready message
+                break
+        assert any("voxtriton: ready" in line for line in lines), "".join(lines)
+        assert f"gRPC 127.0.0.1:{grpc}" in "".join(lines)
+        workdir = next(line.split("log: ")[1].strip() for line in lines if "log: " in line)
+        workdir = str(Path(workdir).parent)
+        synthesis = TTSClient(f"127.0.0.1:{grpc}").synthesize("Hello from the launcher test.", max_frames=10,
+                                                               ignore_eos=True, seed=1)
+        assert synthesis.completed and len(synthesis.audio) == 10 * 1920
+        assert processes_mentioning(workdir), "tritonserver should be running from the rendered repository"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0
+        time.sleep(1)
+        assert processes_mentioning(workdir) == [], "SIGTERM must stop tritonserver and its stubs"
+        assert not Path(workdir).exists()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
