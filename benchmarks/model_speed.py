@@ -123,7 +123,6 @@ def main() -> None:
         state = codec.new_state(batch)
         codec_runner = CodecRunner(codec, [batch] if args.graphs else None, [args.chunk_frames] if args.graphs else None)
         codec_s = timed(lambda: codec_runner.decode(codes, start, state), device, max(3, args.repeat // 2))
-        del codec_runner
         audio_s = batch * args.chunk_frames * config.codec.samples_per_frame / config.codec.sample_rate
         if args.graphs:
             talker_step, predictor = graphed(talker_step, device), graphed(predictor, device)

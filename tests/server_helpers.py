@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import queue
 import re
 import time
 import urllib.request
+import uuid
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
 
 from voxtriton.serving.launcher import TritonServer
+from voxtriton_client.api import request_inputs
 
 
 def start_server(checkpoint, policy: str | None = None, parameters: dict | None = None) -> TritonServer:
@@ -36,3 +42,39 @@ def wait_for_metric(server: TritonServer, name: str, predicate, timeout: float =
             return value
         time.sleep(0.1)
     raise AssertionError(f"metric {name} = {value} did not reach the expected value in {timeout} s")
+
+
+def stream_and_abandon(url: str, text: str, after_chunks: int, how: str = "cancel", **options) -> int:
+    """Start a long request, read `after_chunks` responses, then cancel (or drop the connection)."""
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    options = {"speaker": "ryan", "max_frames": 1500, "ignore_eos": True, **options}
+    client.async_stream_infer("tts", request_inputs(grpcclient, text, **options), request_id=uuid.uuid4().hex)
+    seen = 0
+    while seen < after_chunks:
+        result, error = responses.get(timeout=60)
+        assert error is None, error
+        seen += 1
+    if how == "cancel":
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    else:  # "disconnect": the connection drops under the open stream, as when a client dies
+        client._channel.close()
+    return seen
+
+
+def stub_rss_mb(server: TritonServer, model: str) -> float:
+    """Resident memory of a model's Python stub process (found by its model.py path)."""
+    marker = str(server.repository / model / "1" / "model.py")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                for line in (entry / "status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    raise AssertionError(f"no stub process for {model}")

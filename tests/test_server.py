@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from server_helpers import metrics, start_server, wait_for_metric
+from server_helpers import metrics, start_server, stream_and_abandon, wait_for_metric
 from voxtriton_client import StreamingWavWriter, TTSClient
 from voxtriton_client.api import request_inputs
 
@@ -86,29 +86,11 @@ def test_first_chunk_is_urgent_and_chunks_grow(client):
     assert synthesis.chunks[0].info[3] == 0  # urgent lane
 
 
-def stream_and_abandon(url: str, how: str) -> int:
-    """Start a long request, read two chunks, then cancel or drop the connection. Returns chunks seen."""
-    client = grpcclient.InferenceServerClient(url)
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    client.async_stream_infer("tts", request_inputs(grpcclient, TEXTS[0], speaker="ryan", max_frames=1500,
-                                                    ignore_eos=True), request_id=uuid.uuid4().hex)
-    seen = 0
-    while seen < 2:
-        result, error = responses.get(timeout=60)
-        assert error is None, error
-        seen += 1
-    if how == "cancel":
-        client.stop_stream(cancel_requests=True)
-    client.close()  # "disconnect": the channel goes away without a cancel
-    return seen
-
-
 @pytest.mark.parametrize("how", ["cancel", "disconnect"])
 def test_abandoned_streams_free_their_rows(server, client, how):
     wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0)
     for _ in range(3):
-        stream_and_abandon(server.grpc_url, how)
+        stream_and_abandon(server.grpc_url, TEXTS[0], after_chunks=2, how=how)
     # 1500 frames would take far longer than this on the tiny model: generation must have stopped.
     wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0, timeout=30)
     wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda v: v == 0, timeout=30)

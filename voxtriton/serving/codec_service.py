@@ -10,14 +10,14 @@ import torch
 from ..engine.codec_runner import CodecRunner
 from ..models.loader import load_codec
 from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
-from .settings import CodecSettings, int_list
+from .settings import CodecSettings, cache_dir, int_list
 
 log = logging.getLogger(__name__)
 
 
 class CodecService:
-    def __init__(self, settings: CodecSettings):
-        self.settings = settings
+    def __init__(self, settings: CodecSettings, name: str = "codec"):
+        self.settings, self.name = settings, name
         self.device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, self.device)
         self.model = load_codec(ensure_checkpoint(settings.checkpoint_dir), device=self.device, dtype=dtype)
@@ -52,7 +52,10 @@ class CodecService:
         return audio, new_state
 
     def _maybe_fail(self) -> None:
-        """Test-only fault injection (parameter test_fault), to prove one failing lane fails only its requests."""
+        """Test-only fault injection (config parameter `test_fault`), to prove a failing lane fails
+        only the requests it was serving. "raise:N": every Nth call raises. "exit:N": the Nth call
+        kills this process, once per server (a marker file outlives the process, so the reloaded
+        lane runs normally)."""
         self.calls += 1
         fault = self.settings.test_fault
         if not fault:
@@ -63,5 +66,9 @@ class CodecService:
         if kind == "raise":
             raise RuntimeError("injected codec fault (test_fault=raise)")
         if kind == "exit":
-            log.error("injected codec fault: exiting the process (test_fault=exit)")
-            os._exit(17)
+            marker = cache_dir() / "faults" / f"{self.name}-exit-{os.getppid()}"
+            if not marker.exists():
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+                log.error("injected codec fault: exiting the process (test_fault=exit)")
+                os._exit(17)

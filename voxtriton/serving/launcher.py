@@ -195,7 +195,9 @@ class TritonServer:
                    "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
                    "--http-address", self.host, "--http-port", str(self.http_port),
                    "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
-                   "--exit-timeout-secs", "10"]
+                   "--exit-timeout-secs", "10",
+                   # explicit mode lets the tts model reload a codec lane whose process died
+                   "--model-control-mode", "explicit", "--load-model", "*"]
         if self.install.backend_dir is not None:
             command += ["--backend-directory", str(self.install.backend_dir)]
         return command + self.extra_args

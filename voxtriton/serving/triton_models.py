@@ -90,9 +90,27 @@ class BLSCodecLane:
             preferred_memory=self.memory)
         response = request.exec()
         if response.has_error():
-            raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+            message = response.error().message()
+            if "is not healthy" in message:
+                self._restart()
+            raise RuntimeError(f"{self.model_name}: {message}")
         return (from_triton(pb_utils.get_output_tensor_by_name(response, "audio")),
                 from_triton(pb_utils.get_output_tensor_by_name(response, "next_state")))
+
+    def _restart(self) -> None:
+        """The lane's process died, and Triton 2.51 does not restart Python stubs: reload the model.
+
+        Needs tritonserver in explicit model-control mode (`voxtriton serve` starts it so). The
+        requests of the failed call still fail; the next ones go to the new process.
+        """
+        log.error("%s: its process is gone; reloading the model", self.model_name)
+        try:
+            pb_utils.unload_model(self.model_name)
+            pb_utils.load_model(self.model_name)
+            log.info("%s: reloaded", self.model_name)
+        except Exception as error:
+            log.error("%s: reload failed (%s); start tritonserver with --model-control-mode=explicit "
+                      "--load-model=* so voxtriton can restart a failed codec lane", self.model_name, error)
 
 
 class TTSTritonModel:
@@ -159,7 +177,7 @@ class CodecTritonModel:
     def __init__(self, args: dict):
         _configure_logging()
         self.name = json.loads(args["model_config"])["name"]
-        self.service = CodecService(CodecSettings.from_model_config(args["model_config"]))
+        self.service = CodecService(CodecSettings.from_model_config(args["model_config"]), self.name)
         log.info("%s: device %s, %s SMs, state size %d", self.name, self.service.device,
                  self.service.settings.sm_count or "all", self.service.state_size)
 
