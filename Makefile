@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[test,parity]"
+	$(PY) -m pip install -q -e ".[test,parity,gateway]"
 	$(PY) -m pip install -q --no-deps $(TRITON) $(REFERENCE)
 	rm -f $(VENV)/lib/python3*/site-packages/torchaudio/lib/*.so
 	touch $(STAMP)

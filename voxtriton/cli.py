@@ -1,4 +1,4 @@
-"""`voxtriton` command line: make-checkpoint, serve."""
+"""`voxtriton` command line: make-checkpoint, serve, gateway."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def serve_command(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def gateway_command(args: argparse.Namespace) -> int:
+    from .serving.gateway import run_gateway
+
+    return run_gateway(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voxtriton", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start tritonserver with the voxtriton model repository")
     add_serve_arguments(serve)
     serve.set_defaults(run=serve_command)
+
+    from .serving.gateway import add_gateway_arguments
+
+    gateway = commands.add_parser("gateway", help="OpenAI-compatible HTTP speech endpoint and browser playground")
+    add_gateway_arguments(gateway)
+    gateway.set_defaults(run=gateway_command)
     return parser
 
 

@@ -7,6 +7,7 @@ start CUDA MPS when a GPU is present, run the server, wait until it is ready, st
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -114,6 +115,14 @@ def gpu_count() -> int:
     return result.stdout.count("GPU ") if result.returncode == 0 else 0
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL this process when the launching process exits (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class MPSDaemon:
     """The CUDA MPS control daemon, with private pipe and log directories, for one server run."""
 
@@ -206,9 +215,10 @@ class TritonServer:
         if self.mps is not None:
             self.mps.start()
         log = open(self.log_file, "ab")
-        # A new session, so stop() can end the server and every stub process it started.
+        # A new session, so stop() can end the server and every stub process it started; and killed
+        # with us if we die without stopping it (its stubs follow their parent).
         self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=_die_with_parent)
         self.wait_ready(timeout)
         return self
 

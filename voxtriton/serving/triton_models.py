@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import subprocess
 
 import numpy as np
 import torch
@@ -40,6 +42,14 @@ def to_triton(name: str, tensor: torch.Tensor):
 
 def from_triton(tensor) -> torch.Tensor:
     return torch.from_dlpack(tensor.to_dlpack()).clone()
+
+
+def _exit_with_server() -> None:
+    """Die with tritonserver. A stub of Triton 2.51 can outlive a killed server (blocked with the GIL
+    held, so no Python thread of ours could notice), so a tiny shell process watches both pids."""
+    server, stub = os.getppid(), os.getpid()
+    subprocess.Popen(["sh", "-c", f"while kill -0 {server} && kill -0 {stub}; do sleep 1; done 2>/dev/null; "
+                                  f"kill -9 {stub} 2>/dev/null"], start_new_session=True)
 
 
 def _configure_logging() -> None:
@@ -116,6 +126,7 @@ class BLSCodecLane:
 class TTSTritonModel:
     def __init__(self, args: dict):
         _configure_logging()
+        _exit_with_server()
         settings, scheduler_config = TTSSettings.from_model_config(args["model_config"])
         self.settings = settings
         device = resolve_device(settings.device)
@@ -176,6 +187,7 @@ class TTSTritonModel:
 class CodecTritonModel:
     def __init__(self, args: dict):
         _configure_logging()
+        _exit_with_server()
         self.name = json.loads(args["model_config"])["name"]
         self.service = CodecService(CodecSettings.from_model_config(args["model_config"]), self.name)
         log.info("%s: device %s, %s SMs, state size %d", self.name, self.service.device,
