@@ -27,12 +27,10 @@ import asyncio
 import json
 import platform
 import random
-import re
 import shutil
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,17 +179,6 @@ def meets_target(summary: dict) -> bool:
             and summary["ttfa_p90_ms"] <= TTFA_TARGET_S * 1e3)
 
 
-def scrape(server: TritonServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        match = re.match(r"^(voxtriton_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
-        if match:
-            samples[match.group(1)] = float(match.group(2))
-    return samples
-
-
 def server_side(before: dict, after: dict) -> dict:
     """Differences of voxtriton's counters and histograms over one measurement."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -226,10 +213,10 @@ def start(args, policy: str) -> TritonServer:
 
 
 def measure(args, server: TritonServer, label: str, run) -> dict:
-    before = scrape(server)
+    before = server.metrics()
     results, lag = asyncio.run(run())
     summary = summarize(results, lag)
-    summary["server"] = server_side(before, scrape(server))
+    summary["server"] = server_side(before, server.metrics())
     print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
     if summary["errors"]:
         print(f"  errors: {summary['errors']}", flush=True)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import queue
-import re
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -22,15 +20,7 @@ def start_server(checkpoint, policy: str | None = None, parameters: dict | None 
 
 
 def metrics(server: TritonServer) -> dict[str, float]:
-    """voxtriton_* samples from the Prometheus endpoint: {'name{labels}': value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        match = re.match(r"^(voxtriton_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
-        if match:
-            samples[match.group(1)] = float(match.group(2))
-    return samples
+    return server.metrics()
 
 
 def wait_for_metric(server: TritonServer, name: str, predicate, timeout: float = 20.0) -> float:

@@ -102,6 +102,19 @@ def _is_final(result) -> bool:
     return parameter is not None and parameter.bool_param
 
 
+def _consume(synthesis: Synthesis, result, error, sent_at: float) -> tuple[Chunk | None, bool]:
+    """Apply one stream event to `synthesis`: (the chunk it carried, if any; whether the stream is over)."""
+    if error is not None:
+        synthesis.error = error.message() if isinstance(error, InferenceServerException) else str(error)
+        return None, True
+    chunk = None
+    if result.get_response().outputs:
+        chunk = _chunk_from(result, sent_at)
+        synthesis.chunks.append(chunk)
+    synthesis.completed = _is_final(result)
+    return chunk, synthesis.completed
+
+
 class TTSClient:
     """Blocking client. One gRPC stream per synthesis, so several can run from several threads."""
 
@@ -109,13 +122,12 @@ class TTSClient:
         self.url, self.model = url, model
 
     def stream(self, text: str, *, codes: bool = False, info: bool = False, timeout: float = 300.0,
-               cancel_after_chunks: int | None = None, **options) -> Iterator[tuple[Chunk | None, Synthesis]]:
+               **options) -> Iterator[tuple[Chunk | None, Synthesis]]:
         """Yield (chunk, synthesis so far) as chunks arrive; the last item has chunk None."""
         client = grpcclient.InferenceServerClient(self.url)
         responses: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         synthesis = Synthesis()
-        cancelled = False
         try:
             sent_at = time.perf_counter()
             client.async_stream_infer(self.model, request_inputs(grpcclient, text, **options),
@@ -128,21 +140,13 @@ class TTSClient:
                 except queue.Empty:
                     synthesis.error = f"no final response within {timeout} s"
                     break
-                if error is not None:
-                    synthesis.error = error.message() if isinstance(error, InferenceServerException) else str(error)
-                    break
-                if result.get_response().outputs:
-                    chunk = _chunk_from(result, sent_at)
-                    synthesis.chunks.append(chunk)
+                chunk, over = _consume(synthesis, result, error, sent_at)
+                if chunk is not None:
                     yield chunk, synthesis
-                if _is_final(result):
-                    synthesis.completed = True
+                if over:
                     break
-                if cancel_after_chunks is not None and len(synthesis.chunks) >= cancel_after_chunks:
-                    cancelled = True
-                    break
-        finally:
-            client.stop_stream(cancel_requests=cancelled or not synthesis.completed)
+        finally:  # a stream left early (an exception, or the caller stopped iterating) is cancelled
+            client.stop_stream(cancel_requests=not synthesis.completed)
             client.close()
         yield None, synthesis
 
@@ -182,15 +186,9 @@ class AsyncTTSClient:
 
         sent_at = time.perf_counter()
         async for result, error in self.client.stream_infer(requests()):
-            if error is not None:
-                synthesis.error = error.message() if isinstance(error, InferenceServerException) else str(error)
-                break
-            if result.get_response().outputs:
-                chunk = _chunk_from(result, sent_at)
-                synthesis.chunks.append(chunk)
-                if on_chunk is not None:
-                    on_chunk(chunk)
-            if _is_final(result):
-                synthesis.completed = True
+            chunk, over = _consume(synthesis, result, error, sent_at)
+            if chunk is not None and on_chunk is not None:
+                on_chunk(chunk)
+            if over:
                 break
         return synthesis

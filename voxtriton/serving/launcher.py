@@ -240,6 +240,18 @@ class TritonServer:
         self.stop()
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
 
+    def metrics(self) -> dict[str, float]:
+        """voxtriton's samples from the Prometheus endpoint: {'name{labels}': value}."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            match = re.match(r"^(voxtriton_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+            if match:
+                samples[match.group(1)] = float(match.group(2))
+        return samples
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
