@@ -33,7 +33,7 @@ def serve(sched, lane, seconds=0.01):
 
 def test_chunk_sizes_grow_to_the_maximum():
     config = SchedulerConfig(first_chunk_frames=2, chunk_growth=2.0, max_chunk_frames=25)
-    assert [config.chunk_frames(i) for i in range(7)] == [2, 4, 8, 16, 25, 25, 25]
+    assert [config.chunk_frames(i) for i in range(8)] == [2, 2, 4, 8, 16, 25, 25, 25]
     assert SchedulerConfig(first_chunk_frames=3, chunk_growth=1.0).chunk_frames(5) == 3
 
 
@@ -51,15 +51,15 @@ def test_deadline_arithmetic_and_stall_tracking():
     [first] = sched.frames_generated("s", 2)
     clock.now = 1.0
     [second] = sched.chunk_done(sched.next_batch(URGENT)[0], 0.02) or [None]
-    assert second is None  # the next chunk needs 4 frames; none generated yet
+    assert second is None  # the next chunk needs 2 more frames; none generated yet
     assert stream.first_sent_at == 1.0 and stream.audio_sent_s == pytest.approx(0.16)
     assert stream.deadline() == pytest.approx(1.16)
-    [chunk] = sched.frames_generated("s", 4)
-    assert (chunk.first_frame, chunk.frames) == (2, 4)
+    [chunk] = sched.frames_generated("s", 2)
+    assert (chunk.first_frame, chunk.frames) == (2, 2)
     clock.now = 1.5  # 0.34 s after the buffer ran dry
     sched.chunk_done(sched.next_batch(chunk.lane)[0], 0.02)
     assert stream.stall_s == pytest.approx(0.34) and sched.deadline_misses == 1
-    assert stream.deadline() == pytest.approx(1.0 + 0.16 + 0.32 + 0.34)
+    assert stream.deadline() == pytest.approx(1.0 + 0.16 + 0.16 + 0.34)
 
 
 def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():

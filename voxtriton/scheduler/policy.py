@@ -42,8 +42,14 @@ class SchedulerConfig:
             raise ValueError("chunk_growth >= 1, max_batch >= 1 and slack_margin_s >= 0 are required")
 
     def chunk_frames(self, index: int) -> int:
-        """Frames in a stream's chunk number `index` (the last chunk may be shorter)."""
-        return min(self.max_chunk_frames, max(1, round(self.first_chunk_frames * self.chunk_growth ** index)))
+        """Frames in a stream's chunk number `index` (the last chunk may be shorter).
+
+        The second chunk is as small as the first: it must arrive while the first plays (160 ms at
+        2 frames), and on the H200 under load (lanes_h200.md) four frames plus a codec call was
+        cutting that close. Growth starts from the third chunk: 2, 2, 4, 8, 16, 25, 25, ...
+        """
+        return min(self.max_chunk_frames,
+                   max(1, round(self.first_chunk_frames * self.chunk_growth ** max(0, index - 1))))
 
 
 @dataclass(eq=False)
