@@ -2,12 +2,7 @@
 # Device run 1: GPU tests, model speed (0.6B and 1.7B random checkpoints), single-stream TTFA/RTF vs
 # faster-qwen3-tts. Writes $OUT/log.txt and three JSON files.
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PY=python3
-export PYTHONUNBUFFERED=1
-LOG=$OUT/log.txt
-cd "$ROOT"
-run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | grep -v "Warning\|warn(" | tee -a "$LOG"; }
+source "$(dirname "$0")/common.sh"
 run nvidia-smi -L
 run timeout 240 $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider -x
 for preset in 1.7b 0.6b; do

@@ -2,12 +2,7 @@
 # Device run 2: the full Triton server on the GPU (MPS, green contexts, BLS with GPU tensors).
 # Usage: run_serving.sh lanes|goodput. Writes $OUT/log.txt and $OUT/<mode>/results.{json,md} + plots.
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PY=python3
-export PYTHONUNBUFFERED=1
-LOG=$OUT/log.txt
-cd "$ROOT"
-run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | grep -v "Warning\|warn(" | tee -a "$LOG"; }
+source "$(dirname "$0")/common.sh"
 [ -f /tmp/ck-1.7b/speech_tokenizer/model.safetensors ] || run $PY -m voxtriton.cli make-checkpoint --preset 1.7b /tmp/ck-1.7b
 COMMON="--checkpoint /tmp/ck-1.7b --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --param tts:max_positions=512"
 case "$1" in
