@@ -98,7 +98,3 @@ class Request:
     def position(self) -> int:
         """Next KV-cache position: prompt tokens plus one per frame fed back."""
         return len(self.prompt.text_ids) + self.frames
-
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED

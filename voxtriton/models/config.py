@@ -44,9 +44,6 @@ class _Fields:
         value = self.data.get(key, "<missing>")
         return CheckpointError(f"{self.source}: {self._name(key)} = {value!r} is not supported (expected {expected})")
 
-    def has(self, key: str) -> bool:
-        return key in self.data
-
     def int(self, key: str, minimum: int = 1, default: int | None = None) -> int:
         value = self.data.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -120,11 +120,6 @@ class TTSService:
             self.incoming.append(stream)
             self.lock.notify_all()
 
-    @property
-    def active_streams(self) -> int:
-        with self.lock:
-            return len(self.streams)
-
     def shutdown(self, timeout: float = 5.0) -> None:
         with self.lock:
             self.running = False
