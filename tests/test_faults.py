@@ -13,9 +13,9 @@ pytestmark = pytest.mark.server
 
 @pytest.fixture
 def faulty_server(tiny_checkpoint):
-    # Every 4th call of the urgent codec raises; all chunks go there under `concurrent`.
+    # Every 7th call of the urgent codec raises; all chunks go there under `concurrent`.
     with start_server(tiny_checkpoint, policy="concurrent",
-                      parameters={"codec_urgent": {"test_fault": "raise:4"}}) as running:
+                      parameters={"codec_urgent": {"test_fault": "raise:7"}}) as running:
         yield running
 
 
