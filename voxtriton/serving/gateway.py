@@ -31,6 +31,7 @@ if str(CLIENT_DIR) not in sys.path:  # the client package lives in client/ of a 
     sys.path.insert(0, str(CLIENT_DIR))
 
 from voxtriton_client import AsyncTTSClient  # noqa: E402
+from voxtriton_client.api import INPUT_TYPES  # noqa: E402
 
 SAMPLE_RATE = 24000
 PLAYGROUND = Path(__file__).parent / "playground.html"
@@ -121,7 +122,7 @@ def error_from_server(message: str) -> SpeechError:
     if message.startswith("server busy"):
         return SpeechError(503, message, kind="server_busy")
     field_name = message.split(":", 1)[0]
-    if field_name in ("text", "speaker", "language", "instruct", "seed", "max_frames") and ":" in message:
+    if field_name in INPUT_TYPES and ":" in message:
         name = FIELD_NAMES.get(field_name, field_name)
         return SpeechError(400, name + message[len(field_name):], name)
     return SpeechError(502, f"voxtriton server error: {message}", kind="server_error")

@@ -5,7 +5,6 @@ Triton already checks declared datatypes and shapes against config.pbtxt; this c
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -61,9 +60,6 @@ class RequestParser:
         if not text.strip():
             raise RequestError("text", "is empty")
         scalars = {name: _single(name, inputs[name]).item() for name in SCALAR_INPUTS if name in inputs}
-        for name in ("temperature", "top_p", "repetition_penalty"):
-            if name in scalars and not math.isfinite(scalars[name]):
-                raise RequestError(name, f"must be a finite number, got {scalars[name]}")
         speaker = strings.get("speaker") or (self.default_speaker if self.config.model_type == "custom_voice" else None)
         prompt = self.prompts.build(text, speaker, strings.get("language") or None, strings.get("instruct") or None,
                                     interleaved=self.settings.text_layout == "interleaved")
@@ -72,11 +68,9 @@ class RequestParser:
         frames_limit = min(self.settings.max_frames, self.settings.max_positions - len(prompt.text_ids))
         if frames_limit < 1:
             raise RequestError("text", "too long for the server's KV cache (max_positions)")
-        max_frames = scalars.get("max_frames")
-        if max_frames is not None and max_frames > frames_limit:
-            raise RequestError("max_frames", f"must be between 1 and {frames_limit}, got {max_frames}")
+        # GenerationParams.create checks every sampling value and max_frames against frames_limit.
         params = GenerationParams.create(
             self.config.generation, frames_limit, temperature=scalars.get("temperature"), top_k=scalars.get("top_k"),
             top_p=scalars.get("top_p"), repetition_penalty=scalars.get("repetition_penalty"), seed=scalars.get("seed"),
-            max_frames=max_frames, ignore_eos=bool(scalars.get("ignore_eos", False)))
+            max_frames=scalars.get("max_frames"), ignore_eos=bool(scalars.get("ignore_eos", False)))
         return Request(request_id, prompt, params)

@@ -37,6 +37,12 @@ def _coerce(kind, text: str, name: str):
         raise ValueError(f"config.pbtxt parameter {name!r}: cannot read {text!r} as {kind.__name__}") from None
 
 
+def _check_known(params: dict[str, str], known: set[str]) -> None:
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"config.pbtxt: unknown parameter(s) {', '.join(unknown)}")
+
+
 def _from_parameters(cls, params: dict[str, str], prefix: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
@@ -79,11 +85,8 @@ class TTSSettings:
     @staticmethod
     def from_model_config(model_config: dict | str) -> tuple["TTSSettings", SchedulerConfig]:
         params = _parameters(model_config)
-        known = {f.name for f in dataclasses.fields(TTSSettings)} | {
-            "scheduler_" + f.name for f in dataclasses.fields(SchedulerConfig)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"config.pbtxt: unknown parameter(s) {', '.join(unknown)}")
+        _check_known(params, {f.name for f in dataclasses.fields(TTSSettings)}
+                     | {"scheduler_" + f.name for f in dataclasses.fields(SchedulerConfig)})
         return _from_parameters(TTSSettings, params), _from_parameters(SchedulerConfig, params, "scheduler_")
 
 
@@ -101,9 +104,7 @@ class CodecSettings:
     @staticmethod
     def from_model_config(model_config: dict | str) -> "CodecSettings":
         params = _parameters(model_config)
-        unknown = sorted(set(params) - {f.name for f in dataclasses.fields(CodecSettings)})
-        if unknown:
-            raise ValueError(f"config.pbtxt: unknown parameter(s) {', '.join(unknown)}")
+        _check_known(params, {f.name for f in dataclasses.fields(CodecSettings)})
         return _from_parameters(CodecSettings, params)
 
 

@@ -198,13 +198,11 @@ class CodecTritonModel:
         for request in requests:
             try:
                 get = lambda name: from_triton(pb_utils.get_input_tensor_by_name(request, name))
-                codes, start, state = get("codes"), get("start"), get("state")
-                if state.is_cuda:  # the copies above ran on this process's stream: finish them first
-                    torch.cuda.current_stream(state.device).synchronize()
-                audio, state = self.service.decode(codes, start, state)
+                audio, state = self.service.decode(get("codes"), get("start"), get("state"))
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[to_triton("audio", audio), to_triton("next_state", state)]))
             except Exception as error:
                 log.error("%s: decode failed: %s", self.name, error)
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.name}: {error}")))
+                # The calling lane names this model in the error it reports.
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
         return responses

@@ -190,7 +190,6 @@ class TTSService:
         self._last_cancel_check = now
         for stream in list(self.streams.values()):
             if not stream.ended and stream.sink.cancelled():
-                stream.request.cancelled = True
                 self._end(stream, "request cancelled")
         for stream in self.incoming[:]:
             if stream.ended:
