@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import platform
 import random
@@ -36,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
-from voxtriton_client import AsyncTTSClient, simulate_playback  # noqa: E402
+from voxtriton_client import simulate_playback  # noqa: E402
+from voxtriton.serving.gateway import Router  # noqa: E402
 from voxtriton.serving.launcher import TritonServer  # noqa: E402
 
 TEXTS = [
@@ -83,7 +85,7 @@ class Progress:
         sys.stderr.write("\n")
 
 
-async def one_request(client: AsyncTTSClient, rng: random.Random, seconds_range, speaker: str | None) -> RequestResult:
+async def one_request(client: Router, rng: random.Random, seconds_range, speaker: str | None) -> RequestResult:
     seconds = rng.uniform(*seconds_range)
     frames = max(1, round(seconds * FRAME_RATE))
     sent = time.perf_counter()
@@ -107,13 +109,14 @@ async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 
         samples.append(time.perf_counter() - start - interval)
 
 
-async def open_loop(url: str, rate: float, duration: float, burstiness: float, seconds_range, seed: int,
+async def open_loop(urls: list[str], rate: float, duration: float, burstiness: float, seconds_range, seed: int,
                     speaker: str | None, progress: Progress | None = None) -> tuple[list[RequestResult], list[float]]:
     rng = random.Random(seed)
     shape = 1.0 / burstiness**2
     lag: list[float] = []
     stop = asyncio.Event()
-    async with AsyncTTSClient(url) as client:
+    client = Router(urls)  # least-loaded over the servers, as the gateway routes
+    try:
         lag_task = asyncio.create_task(loop_lag(lag, stop))
         tasks = []
         start = time.perf_counter()
@@ -129,16 +132,19 @@ async def open_loop(url: str, rate: float, duration: float, burstiness: float, s
         results = await asyncio.gather(*tasks)
         stop.set()
         await lag_task
+    finally:
+        await client.close()
     return list(results), lag
 
 
-async def closed_loop(url: str, streams: int, duration: float, seconds_range, seed: int,
+async def closed_loop(urls: list[str], streams: int, duration: float, seconds_range, seed: int,
                       speaker: str | None) -> tuple[list[RequestResult], list[float]]:
     rng = random.Random(seed)
     lag: list[float] = []
     stop = asyncio.Event()
     results: list[RequestResult] = []
-    async with AsyncTTSClient(url) as client:
+    client = Router(urls)
+    try:
         lag_task = asyncio.create_task(loop_lag(lag, stop))
         end = time.perf_counter() + duration
 
@@ -150,6 +156,8 @@ async def closed_loop(url: str, streams: int, duration: float, seconds_range, se
         await asyncio.gather(*(worker(i) for i in range(streams)))
         stop.set()
         await lag_task
+    finally:
+        await client.close()
     return results, lag
 
 
@@ -202,67 +210,95 @@ def server_side(before: dict, after: dict) -> dict:
     }
 
 
-def start(args, policy: str) -> TritonServer:
-    parameters = {"tts": {"max_streams": str(args.max_streams), "max_queued": str(args.max_queued)}}
-    for item in args.param:
-        model, _, assignment = item.partition(":")
-        key, _, value = assignment.partition("=")
-        parameters.setdefault(model, {})[key] = value
-    server = TritonServer(checkpoint=args.checkpoint, policy=policy, parameters=parameters, tritonserver=args.tritonserver)
-    return server.start(timeout=300)
+class Fleet:
+    """The servers of one measurement: one tritonserver, or one per GPU ("POLICY*N" in --policies),
+    which the load generator reaches least-loaded, as the gateway does."""
+
+    def __init__(self, args, spec: str):
+        self.policy, _, count = spec.partition("*")
+        self.label = f"{self.policy} x{count} GPUs" if count else self.policy
+        parameters = {"tts": {"max_streams": str(args.max_streams), "max_queued": str(args.max_queued)}}
+        for item in args.param:
+            model, _, assignment = item.partition(":")
+            key, _, value = assignment.partition("=")
+            parameters.setdefault(model, {})[key] = value
+        gpus = range(int(count)) if count else [None]
+        self.servers = [TritonServer(checkpoint=args.checkpoint, policy=self.policy, parameters=parameters,
+                                     tritonserver=args.tritonserver, gpu=gpu) for gpu in gpus]
+        self.urls = [server.grpc_url for server in self.servers]
+
+    def start(self) -> None:
+        with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:  # in parallel: minutes each
+            for started in [pool.submit(server.start, 300) for server in self.servers]:
+                started.result()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters summed over the servers."""
+        total: dict[str, float] = {}
+        for server in self.servers:
+            for name, value in server.metrics().items():
+                total[name] = total.get(name, 0.0) + value
+        return total
+
+    def stop(self, logs: Path | None) -> None:
+        for index, server in enumerate(self.servers):
+            server.stop()
+            if logs and server.log_file.exists():
+                logs.mkdir(parents=True, exist_ok=True)
+                suffix = f"_gpu{index}" if len(self.servers) > 1 else ""
+                shutil.copyfile(server.log_file, logs / f"server_{self.policy}{suffix}.log")
+            server.cleanup()
 
 
-def measure(args, server: TritonServer, label: str, run) -> dict:
-    before = server.metrics()
+def measure(args, fleet: Fleet, label: str, run) -> dict:
+    before = fleet.metrics()
     results, lag = asyncio.run(run())
     summary = summarize(results, lag)
-    summary["server"] = server_side(before, server.metrics())
+    summary["server"] = server_side(before, fleet.metrics())
     print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
     if summary["errors"]:
         print(f"  errors: {summary['errors']}", flush=True)
     return summary
 
 
-def warm_up(args, server: TritonServer) -> None:
-    asyncio.run(open_loop(server.grpc_url, 2.0, 2.0, 1.0, (1.0, 2.0), 999, args.speaker))
+def warm_up(args, fleet: Fleet) -> None:
+    asyncio.run(open_loop(fleet.urls, 2.0 * len(fleet.urls), 2.0, 1.0, (1.0, 2.0), 999, args.speaker))
 
 
-def run_policy(args, policy: str) -> dict:
-    server = start(args, policy)
+def run_policy(args, spec: str) -> dict:
+    fleet = Fleet(args, spec)
+    policy = fleet.label
     out: dict = {"policy": policy, "rates": [], "concurrency": []}
     try:
-        warm_up(args, server)
+        fleet.start()
+        warm_up(args, fleet)
         seconds = (args.min_seconds, args.max_seconds)
         for rate in args.rates:
             progress = Progress(f"{policy} {rate:g}/s", args.duration)
-            summary = measure(args, server, f"{policy} rate {rate:g}/s", lambda: open_loop(
-                server.grpc_url, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker, progress))
+            summary = measure(args, fleet, f"{policy} rate {rate:g}/s", lambda: open_loop(
+                fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker, progress))
             progress.close()
             out["rates"].append({"rate": rate, **summary})
         for streams in args.concurrency:
-            summary = measure(args, server, f"{policy} {streams} streams", lambda: closed_loop(
-                server.grpc_url, streams, args.duration, seconds, args.seed, args.speaker))
+            summary = measure(args, fleet, f"{policy} {streams} streams", lambda: closed_loop(
+                fleet.urls, streams, args.duration, seconds, args.seed, args.speaker))
             out["concurrency"].append({"streams": streams, **summary})
         if args.goodput:
-            out["goodput"] = find_goodput(args, server, policy)
+            out["goodput"] = find_goodput(args, fleet, policy)
     finally:
-        server.stop()
-        if args.keep_logs:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(server.log_file, Path(args.out) / f"server_{policy}.log")
-        server.cleanup()
+        fleet.stop(Path(args.out) if args.keep_logs else None)
     return out
 
 
-def find_goodput(args, server: TritonServer, policy: str) -> dict:
+def find_goodput(args, fleet: Fleet, policy: str) -> dict:
     """Bisection on the arrival rate for the highest rate meeting p90 TTFA <= 200 ms with no stall."""
     low, high = args.rate_low, args.rate_high
     seconds = (args.min_seconds, args.max_seconds)
     trials = []
 
     def trial(rate):
-        summary = measure(args, server, f"{policy} goodput probe {rate:.2f}/s", lambda: open_loop(
-            server.grpc_url, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker))
+        summary = measure(args, fleet, f"{policy} goodput probe {rate:.2f}/s", lambda: open_loop(
+            fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker))
         trials.append({"rate": rate, "meets": meets_target(summary), **summary})
         return meets_target(summary)
 
@@ -370,7 +406,8 @@ def hardware() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint")
-    parser.add_argument("--policies", default="voxserve,concurrent,serial")
+    parser.add_argument("--policies", default="voxserve,concurrent,serial",
+                        help="comma-separated; POLICY*N runs N servers, one per GPU, behind least-loaded routing")
     parser.add_argument("--rates", default="", help="comma-separated arrival rates (requests/s)")
     parser.add_argument("--concurrency", default="", help="comma-separated closed-loop stream counts")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per measurement")

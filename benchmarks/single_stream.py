@@ -32,10 +32,11 @@ from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
-from voxtriton.serving.codec_service import CodecService
+from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
 from voxtriton.serving.settings import CodecSettings, TTSSettings
-from voxtriton.serving.tts_service import TTSService
+from voxtriton.serving.state_pool import CodecStatePool
+from voxtriton.serving.tts_service import TTSService, codec_slots
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it keeps running for a while."
 
@@ -58,9 +59,9 @@ class TracedLane:
     def __init__(self, lane, trace: list):
         self.lane, self.trace = lane, trace
 
-    def decode(self, codes, start, state):
+    def decode(self, codes, start, slots):
         started = time.perf_counter()
-        result = self.lane.decode(codes, start, state)
+        result = self.lane.decode(codes, start, slots)
         self.trace.append(("codec", started, time.perf_counter(), codes.shape[0], codes.shape[1]))
         return result
 
@@ -102,14 +103,15 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
     backbone = load_backbone(checkpoint, config, device=device, dtype=torch.bfloat16 if gpu else torch.float32)
     runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens)
     if gpu:
-        runner.capture_graphs([1, 2, 4, 8], [256, 512, 1024])
+        runner.capture_graphs(**settings.graph_buckets())
     codec = CodecService(CodecSettings(checkpoint_dir=str(checkpoint), device=str(device),
-                                       dtype="bfloat16" if gpu else "float32"))
+                                       dtype="bfloat16" if gpu else "float32", high_priority=True))
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(checkpoint)), settings)
     trace: list = []
-    lane = TracedLane(codec, trace)
-    service = TTSService(TracedEngine(runner, settings.max_streams, trace=trace), SchedulerConfig(),
-                         {URGENT: lane, BACKGROUND: lane}, codec.state_size, max_queued=8, state_device=device)
+    engine = TracedEngine(runner, settings.max_streams, trace=trace)
+    pool = CodecStatePool(codec_slots(engine, 8), codec.state_size, device)
+    lane = TracedLane(InProcessLane(codec, pool.tensor), trace)
+    service = TTSService(engine, SchedulerConfig(), {URGENT: lane, BACKGROUND: lane}, max_queued=8, device=device)
     ttfa, rtf, breakdown = [], [], None
     try:
         for run in range(runs + 1):  # the first run warms up
@@ -127,6 +129,7 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
                 rtf.append((sink.times[-1] - started) / (sink.samples / config.codec.sample_rate))
     finally:
         service.shutdown()
+        pool.close()
     del service, runner, backbone, codec
     if gpu:
         torch.cuda.empty_cache()

@@ -105,3 +105,16 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
     assert (eager.finish_reason, len(result["eager"])) == ("eos", 2)
     assert (stubborn.finish_reason, len(result["stubborn"])) == ("max_frames", 5)
     assert config.talker.codec_eos_id not in result["stubborn"][:, 0]
+
+
+def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup):
+    """The padded prefill (static buffers, scratch cache, groups of the largest batch bucket: what
+    the GPU replays as graphs) must not change a request's codes, also when it joins a running batch."""
+    arrivals = lambda: {0: [make_request(setup, 0, 10)], 1: [make_request(setup, i, 10) for i in (1, 2, 3, 4)]}
+    exact = run(new_engine(setup), arrivals())
+    engine = new_engine(setup)
+    engine.runner.set_buckets([], [], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
+    padded = run(engine, arrivals())
+    assert exact.keys() == padded.keys() and len(exact) == 5
+    for request_id, codes in exact.items():
+        np.testing.assert_array_equal(padded[request_id], codes)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.runtime import SMPartition
+from voxtriton.serving.state_pool import CodecStatePool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICE = torch.device("cuda:0")
@@ -25,10 +29,12 @@ def generate(checkpoint, graphs: bool, dtype=torch.bfloat16) -> dict[str, np.nda
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
     runner = ModelRunner(backbone, max_rows=8, max_positions=512, max_text_tokens=64)
+    buckets = dict(batch_sizes=[1, 2, 4, 8], spans=[128, 512], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
     if graphs:
-        runner.capture_graphs([1, 2, 4, 8], [128, 512])
+        runner.capture_graphs(**buckets)
+        assert len(runner.prefill_graphs) == 4
     else:
-        runner.set_buckets([1, 2, 4, 8], [128, 512])
+        runner.set_buckets(**buckets)
     engine = Engine(runner, max_running=8)
     requests = [Request(f"r{i}", prompts.build(text, "ryan"), GenerationParams.create(
         config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True)) for i, text in enumerate(TEXTS)]
@@ -103,3 +109,11 @@ def test_graphs_capture_and_replay_on_a_partition(tiny_checkpoint):
                 codes += [o.codes for o in engine.step()]
         results.append(np.stack(codes))
     np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_codec_state_pool_is_shared_with_another_process_through_cuda_ipc():
+    pool = CodecStatePool(rows=4, state_size=1000, device=DEVICE)
+    script = ("import sys, torch; from voxtriton.serving.state_pool import attach; "
+              "attach(sys.stdin.buffer.read())[2] += 7; torch.cuda.synchronize()")
+    subprocess.run([sys.executable, "-c", script], input=pool.handle, check=True, timeout=120)
+    assert pool.tensor[2].eq(7).all() and pool.tensor[[0, 1, 3]].eq(0).all()

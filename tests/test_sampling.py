@@ -8,7 +8,13 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TopPLogitsWarper)
 
 from voxtriton.engine.sampling import (RowParams, apply_repetition_penalty, bits_to_uniform, filter_top_k_top_p,
-                                       fold_seed, sample, uniform_noise)
+                                       fold_seed, gumbel_noise, sample, uniform_noise)
+
+
+def draw(logits, p, frames, group):
+    """One codebook group's draw, with the noise the engine would give it."""
+    noise = gumbel_noise(p.seeds, frames[:, None], torch.tensor([group]), logits.shape[-1])
+    return sample(logits, p, noise[:, 0])
 
 
 def params(batch, temperature=0.9, top_k=50, top_p=1.0, seed=7):
@@ -39,13 +45,25 @@ def test_repetition_penalty_matches_transformers():
 
 def test_noise_is_uniform_and_keyed():
     seeds = torch.tensor([fold_seed(1), fold_seed(2)])
-    frames = torch.tensor([0, 0])
-    u = uniform_noise(seeds, frames, group=0, vocab=50000)
+    frames = torch.tensor([[0], [0]])
+    noise = lambda frames, group: uniform_noise(seeds, frames, torch.tensor([group]), 50000)[:, 0]
+    u = noise(frames, 0)
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     assert not torch.equal(u[0], u[1])
-    assert torch.equal(u, uniform_noise(seeds, frames, 0, 50000))
-    assert not torch.equal(u, uniform_noise(seeds, frames + 1, 0, 50000))
-    assert not torch.equal(u, uniform_noise(seeds, frames, 1, 50000))
+    assert torch.equal(u, noise(frames, 0))
+    assert not torch.equal(u, noise(frames + 1, 0))
+    assert not torch.equal(u, noise(frames, 1))
+
+
+def test_noise_of_all_groups_at_once_equals_each_group_alone():
+    """The engine draws one step's noise for 16 groups (each with its own frame) in one pass."""
+    seeds = torch.tensor([fold_seed(5), fold_seed(6), fold_seed(7)])
+    groups = torch.arange(16)
+    frames = torch.tensor([[0], [3], [9]]) + (groups == 0)
+    together = uniform_noise(seeds, frames, groups, 3072)
+    for group in range(16):
+        alone = uniform_noise(seeds, frames[:, group: group + 1], groups[group: group + 1], 2048)[:, 0]
+        assert torch.equal(together[:, group, :2048], alone)
 
 
 def test_noise_stays_strictly_inside_zero_one():
@@ -62,7 +80,7 @@ def test_masked_tokens_are_never_drawn():
     p = params(512, temperature=1.0, top_k=0)
     p.seeds[:] = torch.arange(512)
     for frame in range(20):
-        drawn = sample(logits, p, torch.full((512,), frame), group=0)
+        drawn = draw(logits, p, torch.full((512,), frame), group=0)
         assert drawn.max() < 2048
 
 
@@ -70,7 +88,7 @@ def test_draws_follow_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).expand(4000, 4)
     p = params(4000, temperature=1.0, top_k=0)
     p.seeds[:] = torch.arange(4000)
-    counts = torch.bincount(sample(logits, p, torch.zeros(4000, dtype=torch.long), 0), minlength=4).float() / 4000
+    counts = torch.bincount(draw(logits, p, torch.zeros(4000, dtype=torch.long), 0), minlength=4).float() / 4000
     assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
 
 
@@ -79,15 +97,15 @@ def test_same_seed_same_draw_whatever_the_batch():
     batch = params(5)
     batch.seeds[:] = torch.tensor([fold_seed(s) for s in (11, 12, 13, 14, 15)])
     frames = torch.tensor([3, 1, 4, 1, 5])
-    together = sample(logits, batch, frames, group=2)
+    together = draw(logits, batch, frames, group=2)
     for row in range(5):
         alone = RowParams(*(t[row: row + 1] for t in (batch.temperature, batch.top_k, batch.top_p, batch.seeds)))
-        assert sample(logits[row: row + 1], alone, frames[row: row + 1], group=2).item() == together[row].item()
+        assert draw(logits[row: row + 1], alone, frames[row: row + 1], group=2).item() == together[row].item()
 
 
 def test_temperature_zero_is_greedy():
     logits = torch.randn(3, 300)
-    assert torch.equal(sample(logits, params(3, temperature=0.0), torch.zeros(3, dtype=torch.long), 0),
+    assert torch.equal(draw(logits, params(3, temperature=0.0), torch.zeros(3, dtype=torch.long), 0),
                        logits.argmax(-1))
 
 

@@ -18,7 +18,7 @@ from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
 from .codec_runner import capture_stream
 from .request import Request
-from .sampling import RowParams, apply_repetition_penalty, fold_seed, sample
+from .sampling import RowParams, apply_repetition_penalty, fold_seed, gumbel_noise, sample
 
 NO_CODEC = -1
 
@@ -64,11 +64,13 @@ class ModelRunner:
         self.suppressed = torch.arange(vocab, device=self.device) >= vocab - 1024
         self.suppressed[eos] = False
         self.is_eos = torch.arange(vocab, device=self.device) == eos
+        self.vocab = vocab
+        self.code_groups = torch.arange(config.talker.num_code_groups, device=self.device)
         self.max_text_tokens = max_text_tokens
         self.step_output = zeros(max_rows, config.talker.num_code_groups + 1, dtype=long)
-        self.batch_buckets: list[int] = []
-        self.span_buckets: list[int] = []
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.set_buckets([], [])
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -101,13 +103,14 @@ class ModelRunner:
 
     # -- codebook 0 --------------------------------------------------------------------------------
 
-    def _sample_first_codebook(self, logits: torch.Tensor, rows: slice, frames: torch.Tensor) -> torch.Tensor:
+    def _sample_first_codebook(self, logits: torch.Tensor, rows: slice, frames: torch.Tensor,
+                               gumbel: torch.Tensor) -> torch.Tensor:
         """Penalties, suppression and the official minimum of two frames, then sampling."""
         logits = apply_repetition_penalty(logits.float(), self.seen[rows], self.penalty[rows])
         block_eos = (frames < 2) | self.ignore_eos[rows]
         logits = logits.masked_fill(self.suppressed | (block_eos[:, None] & self.is_eos), float("-inf"))
         params = RowParams(self.main.temperature[rows], self.main.top_k[rows], self.main.top_p[rows], self.main.seeds[rows])
-        code = sample(logits, params, frames, group=0)
+        code = sample(logits, params, gumbel)
         self.seen[rows].scatter_(1, code[:, None], True)
         return code
 
@@ -115,55 +118,120 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, requests: list[Request], first_row: int) -> None:
-        """Run the prompts of new requests into rows first_row.. and draw their first codebook-0 token."""
+        """Run the prompts of new requests into rows first_row.. and draw their first codebook-0 token.
+
+        Admissions larger than the largest prefill batch bucket go in groups of that size.
+        """
+        group = max(self.prefill_batch_buckets, default=len(requests))
+        for start in range(0, len(requests), group):
+            self._prefill_group(requests[start: start + group], first_row + start)
+
+    def _prefill_group(self, requests: list[Request], first_row: int) -> None:
         count = len(requests)
         rows = slice(first_row, first_row + count)
         lengths = [len(r.prompt.text_ids) for r in requests]
-        longest = max(lengths)
-        text = torch.zeros(count, longest, dtype=torch.long)
-        codec = torch.full((count, longest), NO_CODEC, dtype=torch.long)
+        batch = self._bucket(count, self.prefill_batch_buckets)
+        length = self._bucket(max(lengths), self.prefill_length_buckets)
+        padded = batch in self.prefill_batch_buckets and length in self.prefill_length_buckets
+        if not padded:  # no bucket fits: eager, exact shapes, straight into the rows
+            batch, length = count, max(lengths)
+        text = torch.zeros(batch, length, dtype=torch.long)
+        codec = torch.full((batch, length), NO_CODEC, dtype=torch.long)
         for i, request in enumerate(requests):
             text[i, : lengths[i]] = torch.tensor(request.prompt.text_ids)
             codec[i, : lengths[i]] = torch.tensor(request.prompt.codec_ids)
-        text, codec = text.to(self.device), codec.to(self.device)
-        positions = torch.arange(longest, device=self.device).expand(count, longest)
-        embeds = self.talker.prompt_embeds(text, codec)
-        cache = StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows])
-        hidden = self.talker(embeds, positions, cache, longest)
-        last = hidden[torch.arange(count, device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        last_index = torch.tensor(lengths + [1] * (batch - count)) - 1
+        if padded:
+            self.prefill_text[:batch, :length].copy_(text)
+            self.prefill_codec[:batch, :length].copy_(codec)
+            self.prefill_last[:batch].copy_(last_index)
+            entry = self.prefill_graphs.get((batch, length))
+            if entry is not None:
+                entry[0].replay()
+                last = entry[1]
+            else:
+                last = self._prefill_padded(batch, length)
+            # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
+            self.cache.keys[:, rows, :, :length] = self.prefill_kv.keys[:, :count, :, :length]
+            self.cache.values[:, rows, :, :length] = self.prefill_kv.values[:, :count, :, :length]
+        else:
+            cache = StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows])
+            last = self._prompt_last_hidden(text.to(self.device), codec.to(self.device), last_index.to(self.device), cache)
+        last = last[:count]
         self._set_params(rows, requests)
         self.seen[rows] = False
         self.frame_index[rows] = 0
         self.position[rows] = torch.tensor(lengths, device=self.device)
         self.past_hidden[rows] = last
-        self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, self.frame_index[rows])
+        frames = self.frame_index[rows]
+        gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None], self.code_groups[:1], self.vocab)[:, 0]
+        self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, frames, gumbel)
 
-    def set_buckets(self, batch_sizes: list[int], spans: list[int]) -> None:
-        """Pad steps to these batch sizes and attention spans (needed for graphs, allowed without)."""
+    def _prompt_last_hidden(self, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor,
+                            cache: StaticKV) -> torch.Tensor:
+        """Prompts [B, L] into `cache`; returns each prompt's final hidden state [B, D]."""
+        batch, length = text.shape
+        positions = torch.arange(length, device=self.device).expand(batch, length)
+        hidden = self.talker(self.talker.prompt_embeds(text, codec), positions, cache, length)
+        return hidden[torch.arange(batch, device=self.device), last_index]
+
+    def _prefill_padded(self, batch: int, length: int) -> torch.Tensor:
+        """The prefill of one (batch, length) bucket, on the static buffers (what its graph replays)."""
+        cache = StaticKV(self.prefill_kv.keys[:, :batch], self.prefill_kv.values[:, :batch])
+        return self._prompt_last_hidden(self.prefill_text[:batch, :length], self.prefill_codec[:batch, :length],
+                                        self.prefill_last[:batch], cache)
+
+    def set_buckets(self, batch_sizes: list[int], spans: list[int], prefill_batch_sizes: list[int] = (),
+                    prefill_lengths: list[int] = ()) -> None:
+        """Pad steps to these batch sizes and attention spans, and prompts to these prefill batch sizes
+        and lengths (needed for graphs, allowed without)."""
         self.batch_buckets = sorted(b for b in set(batch_sizes) if b <= self.max_rows)
         self.span_buckets = sorted(s for s in set(spans) if s <= self.max_positions)
+        self.prefill_batch_buckets = sorted(b for b in set(prefill_batch_sizes) if b <= self.max_rows)
+        self.prefill_length_buckets = sorted(n for n in set(prefill_lengths) if n <= self.max_positions)
+        if self.prefill_batch_buckets and self.prefill_length_buckets:
+            batch, length = self.prefill_batch_buckets[-1], self.prefill_length_buckets[-1]
+            t = self.config.talker.transformer
+            scratch = lambda: torch.zeros(t.num_layers, batch, t.num_kv_heads, length, t.head_dim,
+                                          device=self.device, dtype=self.dtype)
+            self.prefill_kv = StaticKV(scratch(), scratch())
+            self.prefill_text = torch.zeros(batch, length, device=self.device, dtype=torch.long)
+            self.prefill_codec = torch.full((batch, length), NO_CODEC, device=self.device, dtype=torch.long)
+            self.prefill_last = torch.zeros(batch, device=self.device, dtype=torch.long)
+        else:
+            self.prefill_batch_buckets, self.prefill_length_buckets = [], []
 
     @staticmethod
     def _bucket(value: int, buckets: list[int]) -> int:
         return next((b for b in buckets if b >= value), value)
 
     @torch.inference_mode()
-    def capture_graphs(self, batch_sizes: list[int], spans: list[int]) -> None:
-        """Capture the frame step for every (batch, span) bucket. Run before any request is admitted."""
-        self.set_buckets(batch_sizes, spans)
+    def capture_graphs(self, batch_sizes: list[int], spans: list[int], prefill_batch_sizes: list[int] = (),
+                       prefill_lengths: list[int] = ()) -> None:
+        """Capture the frame step for every (batch, span) bucket and the prefill for every (batch,
+        length) bucket. Run before any request is admitted."""
+        self.set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
         pool = None
         for span in reversed(self.span_buckets):  # largest first: later graphs reuse its memory pool
             for batch in reversed(self.batch_buckets):
                 self._reset_rows(slice(0, batch))
-                for _ in range(2):  # warm up kernels and autotuning outside the capture
-                    self._decode_into_output(batch, span)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=capture_stream(self.device)):
-                    self._decode_into_output(batch, span)
-                pool = graph.pool()
+                graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
                 self.graphs[(batch, span)] = graph
+        for length in reversed(self.prefill_length_buckets):
+            for batch in reversed(self.prefill_batch_buckets):
+                self.prefill_last[:batch] = length - 1
+                graph, pool = self._capture(lambda: self._prefill_padded(batch, length), pool, keep_output=True)
+                self.prefill_graphs[(batch, length)] = graph
         self._reset_rows(slice(0, self.max_rows))
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, work, pool, keep_output: bool = False):
+        for _ in range(2):  # warm up kernels and autotuning outside the capture
+            work()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(self.device)):
+            output = work()
+        return ((graph, output) if keep_output else graph), graph.pool()
 
     def _reset_rows(self, rows: slice) -> None:
         """Put rows that no request uses back in a harmless state (positions inside the cache)."""
@@ -191,10 +259,13 @@ class ModelRunner:
         rows = slice(0, batch)
         frames = self.frame_index[rows].clone()
         talker = self.talker
+        # Noise for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
+        groups = self.code_groups
+        gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None] + (groups == 0), groups, self.vocab)
         sub = RowParams(self.sub.temperature[rows], self.sub.top_k[rows], self.sub.top_p[rows], self.sub.seeds[rows])
         residual = talker.code_predictor.predict_frame(
             self.past_hidden[rows], talker.model.codec_embedding(self.last_code[rows]),
-            self.predictor_keys, self.predictor_values, lambda logits, group: sample(logits, sub, frames, group))
+            self.predictor_keys, self.predictor_values, lambda logits, group: sample(logits, sub, gumbel[:, group]))
         frame = torch.cat((self.last_code[rows, None], residual), dim=1)
         text = self.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
         embeds = (talker.frame_embeds(frame) + talker.text_embeds(text))[:, None]
@@ -202,6 +273,7 @@ class ModelRunner:
         self.frame_index[rows] += 1
         self.position[rows] += 1
         self.past_hidden[rows] = hidden
-        self.last_code[rows] = self._sample_first_codebook(talker.codec_head(hidden), rows, self.frame_index[rows])
+        self.last_code[rows] = self._sample_first_codebook(talker.codec_head(hidden), rows, self.frame_index[rows],
+                                                           gumbel[:, 0])
         self.step_output[rows, :-1] = frame
         self.step_output[rows, -1] = self.last_code[rows]

@@ -36,12 +36,21 @@ def fold_seed(seed: int) -> int:
     return int(folded)
 
 
-def uniform_noise(seeds: torch.Tensor, frames: torch.Tensor, group: int, vocab: int) -> torch.Tensor:
-    """U(0, 1) noise [B, vocab] keyed by (seed [B], frame [B], codebook group, token index)."""
-    row = _mix((_mix(seeds) + frames * 0x27D4EB2F % (1 << 27)) & _MASK31)
-    row = _mix((row + (group + 1) * 0x165667B1 % (1 << 27)) & _MASK31)
+def uniform_noise(seeds: torch.Tensor, frames: torch.Tensor, groups: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) noise [B, G, vocab] keyed by (seed [B], frame [B, G], codebook group [G], token index).
+
+    All the codebook groups a step samples come from one pass: per-group calls cost ~40 small kernels
+    each, which was a third of a frame step at batch 1.
+    """
+    row = _mix((_mix(seeds)[:, None] + frames * 0x27D4EB2F % (1 << 27)) & _MASK31)
+    row = _mix((row + (groups + 1) * 0x165667B1 % (1 << 27)) & _MASK31)
     tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x61C8864F % (1 << 27)
-    return bits_to_uniform(_mix((row[:, None] + tokens) & _MASK31))
+    return bits_to_uniform(_mix((row[:, :, None] + tokens) & _MASK31))
+
+
+def gumbel_noise(seeds: torch.Tensor, frames: torch.Tensor, groups: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [B, G, vocab] for `sample` (see `uniform_noise`)."""
+    return -torch.log(-torch.log(uniform_noise(seeds, frames, groups, vocab)))
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -82,15 +91,18 @@ def filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return scores.masked_fill(scores < kept, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: RowParams, frames: torch.Tensor, group: int) -> torch.Tensor:
-    """Draw one token per row from processed logits [B, V] (penalties already applied)."""
+def sample(logits: torch.Tensor, params: RowParams, gumbel: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from processed logits [B, V] (penalties already applied).
+
+    gumbel: [B, >= V] noise from `gumbel_noise` for this row's (seed, frame, group); only the
+    first V columns are used, so one noise tensor serves heads of different vocabulary sizes.
+    """
     logits = logits.float()
     greedy = params.temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
     filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(params.seeds, frames, group, logits.shape[-1])))
     # Masked tokens stay out whatever the noise (and whatever NaN the model might produce).
-    drawn = torch.where(torch.isfinite(filtered), filtered + gumbel, float("-inf")).argmax(dim=-1)
+    drawn = torch.where(torch.isfinite(filtered), filtered + gumbel[:, : logits.shape[-1]], float("-inf")).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 

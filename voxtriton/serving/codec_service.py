@@ -21,7 +21,7 @@ class CodecService:
         self.device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, self.device)
         self.model = load_codec(ensure_checkpoint(settings.checkpoint_dir), device=self.device, dtype=dtype)
-        self.partition = SMPartition(self.device, settings.sm_count)
+        self.partition = SMPartition(self.device, settings.sm_count, settings.high_priority)
         graphs = self.device.type == "cuda" and settings.cuda_graphs
         with self.partition:
             self.runner = CodecRunner(self.model, int_list(settings.graph_batch_sizes) if graphs else None,
@@ -29,27 +29,35 @@ class CodecService:
         self.state_size = self.model.state_size
         self.calls = 0
 
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """codes [B, T, Q] int, start [B] int64, state [B, S] -> (audio [B, T*spf] fp32, state [B, S] fp32)."""
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, Q] int, start [B] int64, slots [B] int64 -> audio [B, T*spf] fp32.
+
+        Each stream's codec state is row `slots[i]` of `pool` (see state_pool): read, advanced and
+        written back in place; a stream at frame 0 starts from a fresh state, whatever its row holds.
+        """
         self._maybe_fail()
+        batch = codes.shape[0]
         if codes.dim() != 3 or codes.shape[2] != self.model.config.num_quantizers:
             raise ValueError(f"codes must be [batch, frames, {self.model.config.num_quantizers}], got {list(codes.shape)}")
-        if state.shape != (codes.shape[0], self.state_size) or start.shape != (codes.shape[0],):
-            raise ValueError(f"state must be [{codes.shape[0]}, {self.state_size}] and start [{codes.shape[0]}]")
-        # An out-of-range code would be a device-side assert, which ends this process (and under MPS
-        # can take its neighbours down): refuse it here with a clear error instead.
+        if start.shape != (batch,) or slots.shape != (batch,):
+            raise ValueError(f"start and slots must be [{batch}], got {list(start.shape)} and {list(slots.shape)}")
+        if pool.dim() != 2 or pool.shape[1] != self.state_size:
+            raise ValueError(f"state_pool holds states of {pool.shape[1:]} values, this codec needs {self.state_size}")
+        # An out-of-range code or slot would be a device-side assert, which ends this process (and
+        # under MPS can take its neighbours down): refuse it here with a clear error instead.
         low, high = int(codes.min()), int(codes.max())
         if low < 0 or high >= self.model.config.codebook_size:
-            raise ValueError(f"codes must be in [0, {self.model.config.codebook_size}), got [{low}, {high}] "
-                             f"(codes tensor on {codes.device})")
-        if self.device.type == "cuda":  # inputs made on the caller's stream must be complete first
-            self.partition.stream.wait_stream(torch.cuda.current_stream(self.device))
+            raise ValueError(f"codes must be in [0, {self.model.config.codebook_size}), got [{low}, {high}]")
+        if len(set(slots.tolist())) != batch or int(slots.min()) < 0 or int(slots.max()) >= pool.shape[0]:
+            raise ValueError(f"slots must be distinct rows of the state pool [0, {pool.shape[0]}), got {slots.tolist()}")
+        slots = slots.to(pool.device)
         with self.partition:
-            audio, new_state = self.runner.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
-            audio, new_state = audio.float(), new_state.float()
-        if self.device.type == "cuda":
-            self.partition.stream.synchronize()
-        return audio, new_state
+            start = start.to(self.device)
+            state = pool[slots].to(self.device).masked_fill_((start == 0)[:, None], 0.0)
+            audio, new_state = self.runner.decode(codes.to(self.device), start, state)
+            pool[slots] = new_state.float().to(pool.device)
+            audio = audio.float().cpu()  # waits for the decode and the state write-back
+        return audio
 
     def _maybe_fail(self) -> None:
         """Test-only fault injection (config parameter `test_fault`), to prove a failing lane fails
@@ -72,3 +80,13 @@ class CodecService:
                 marker.touch()
                 log.error("injected codec fault: exiting the process (test_fault=exit)")
                 os._exit(17)
+
+
+class InProcessLane:
+    """A codec lane in the caller's process (benchmarks, tools): the `CodecLane` protocol without BLS."""
+
+    def __init__(self, service: CodecService, pool: torch.Tensor):
+        self.service, self.pool = service, pool
+
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.service.decode(codes, start, slots, self.pool)

@@ -117,6 +117,23 @@ class Router:
         count = len(self.backends)
         return min((self.backends[(turn + i) % count] for i in range(count)), key=lambda b: b.in_flight)
 
+    async def synthesize(self, text: str, **options):
+        """One synthesis on the least-loaded backend (`AsyncTTSClient.synthesize`'s arguments)."""
+        backend = self.pick()
+        backend.in_flight += 1
+        try:
+            return await backend.client().synthesize(text, **options)
+        finally:
+            backend.in_flight -= 1
+
+    async def close(self) -> None:
+        """Close this event loop's clients."""
+        loop = asyncio.get_running_loop()
+        for backend in self.backends:
+            client = backend.clients.pop(loop, None)
+            if client is not None:
+                await client.close()
+
 
 def error_from_server(message: str) -> SpeechError:
     if message.startswith("server busy"):
@@ -164,19 +181,13 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
         options = parse_speech_request(body)
         response_format = options.pop("format")
         text = options.pop("text")
-        backend = router.pick()
         chunks: asyncio.Queue = asyncio.Queue()
-        backend.in_flight += 1
 
         async def produce():
             try:
-                result = await backend.client().synthesize(text, on_chunk=lambda c: chunks.put_nowait(c.audio),
-                                                           **options)
-                chunks.put_nowait(result)
+                chunks.put_nowait(await router.synthesize(text, on_chunk=lambda c: chunks.put_nowait(c.audio), **options))
             except Exception as error:  # connection-level failure to the backend
                 chunks.put_nowait(error)
-            finally:
-                backend.in_flight -= 1
 
         task = asyncio.create_task(produce())
         first = await chunks.get()

@@ -126,8 +126,9 @@ def _die_with_parent() -> None:
 class MPSDaemon:
     """The CUDA MPS control daemon, with private pipe and log directories, for one server run."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, pinned: dict[str, str] | None = None):
         self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log")}
+        self.pinned = pinned or {}  # CUDA_VISIBLE_DEVICES of a server pinned to one GPU
         self.started = False
 
     def start(self) -> None:
@@ -136,7 +137,8 @@ class MPSDaemon:
             return
         for path in self.env.values():
             Path(path).mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, capture_output=True)
+        result = subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env, **self.pinned},
+                                capture_output=True)
         self.started = result.returncode == 0
         if not self.started:
             print(f"voxtriton: could not start CUDA MPS ({result.stderr.decode().strip()}); lanes will time-slice")
@@ -155,8 +157,10 @@ class TritonServer:
                  grpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
                  repository: Path = REPOSITORY, tritonserver: str | None = None,
                  parameters: dict[str, dict[str, str]] | None = None, log_file: Path | None = None,
-                 use_mps: bool | None = None, extra_args: list[str] | None = None):
+                 use_mps: bool | None = None, extra_args: list[str] | None = None, gpu: int | None = None):
+        """gpu: pin the server (and its MPS daemon) to this one GPU, e.g. one server per GPU."""
         self.install = find_tritonserver(tritonserver)
+        self.pinned = {"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}
         self.host = host
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
@@ -165,7 +169,7 @@ class TritonServer:
         overrides: dict[str, dict[str, str]] = {"*": {}, "tts": {}}
         if checkpoint:
             overrides["*"]["checkpoint_dir"] = str(Path(checkpoint).resolve())
-        gpus = gpu_count()
+        gpus = 1 if gpu is not None else gpu_count()
         if policy:
             overrides["tts"]["scheduler_policy"] = policy
         if policy == "disaggregated":
@@ -178,7 +182,7 @@ class TritonServer:
             overrides.setdefault(model, {}).update(values)
         self.repository = render_repository(repository, self.workdir / "models", overrides)
         self.log_file = log_file or self.workdir / "tritonserver.log"
-        self.mps = MPSDaemon(self.workdir) if (gpus > 0 if use_mps is None else use_mps) else None
+        self.mps = MPSDaemon(self.workdir, self.pinned) if (gpus > 0 if use_mps is None else use_mps) else None
         self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
 
@@ -197,7 +201,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path + [env.get("LD_LIBRARY_PATH", "")])
         if self.mps is not None:
             env.update(self.mps.env)
-        return env
+        return env | self.pinned
 
     def command(self) -> list[str]:
         command = [str(self.install.server), "--model-repository", str(self.repository),

@@ -58,10 +58,12 @@ def ensure_checkpoint(configured: str) -> Path:
 class SMPartition:
     """Run this process's GPU work on `sm_count` SMs (a CUDA green context), or the whole GPU (0).
 
-    Kernels launched on `stream` are limited to the partition; on CPU it is a no-op.
+    Kernels launched on `stream` are limited to the partition; on CPU it is a no-op. A whole-GPU
+    partition can be `high_priority`: its blocks are scheduled ahead of normal-priority work, so an
+    urgent chunk does not queue behind the backbone's kernels.
     """
 
-    def __init__(self, device: torch.device, sm_count: int):
+    def __init__(self, device: torch.device, sm_count: int, high_priority: bool = False):
         self.device, self.sm_count = device, sm_count
         self.stream = None
         self.context = None
@@ -75,7 +77,7 @@ class SMPartition:
             self.stream = self.context.Stream()
             log.info("using a green context of %d of %d SMs", sm_count, total)
         else:
-            self.stream = torch.cuda.Stream(device)
+            self.stream = torch.cuda.Stream(device, priority=-1 if high_priority else 0)
 
     def __enter__(self):
         if self.stream is not None:

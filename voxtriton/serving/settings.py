@@ -77,6 +77,14 @@ class TTSSettings:
     cuda_graphs: bool = True
     graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams
     graph_spans: str = "256,512,1024,2048"  # attention-span buckets, capped at max_positions
+    prefill_graph_batch_sizes: str = "1,2,4,8"  # prompts admitted together (larger admissions go in groups)
+    prefill_graph_lengths: str = "32,64,128,256"  # prompt-length buckets; longer prompts prefill eagerly
+
+    def graph_buckets(self) -> dict[str, list[int]]:
+        """The shapes `ModelRunner.capture_graphs` captures."""
+        return {"batch_sizes": int_list(self.graph_batch_sizes), "spans": int_list(self.graph_spans),
+                "prefill_batch_sizes": int_list(self.prefill_graph_batch_sizes),
+                "prefill_lengths": int_list(self.prefill_graph_lengths)}
 
     def __post_init__(self):
         if self.text_layout not in ("full", "interleaved"):
@@ -96,6 +104,7 @@ class CodecSettings:
     device: str = "auto"
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
     sm_count: int = 0  # 0: the whole GPU; N: a green context of N SMs
+    high_priority: bool = False  # whole-GPU lanes only: a high-priority CUDA stream (the urgent lane)
     cuda_graphs: bool = True
     graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
     graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes

@@ -28,9 +28,10 @@ from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
 from .requests import SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
-from .settings import CodecSettings, TTSSettings, int_list
+from .settings import CodecSettings, TTSSettings
+from .state_pool import CodecStatePool, attach
 from .triton_metrics import TritonMetrics
-from .tts_service import TTSService
+from .tts_service import TTSService, codec_slots
 
 log = logging.getLogger("voxtriton")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -84,28 +85,26 @@ class TritonSink:
 
 
 class BLSCodecLane:
-    """A codec lane is another Triton model, called through BLS; the codec state rides along."""
+    """A codec lane is another Triton model, called through BLS. A call carries the chunks' codes and
+    their rows of the codec state pool (plus the pool's handle); the audio comes back on the CPU."""
 
-    def __init__(self, model_name: str, device: torch.device):
+    def __init__(self, model_name: str, pool: CodecStatePool):
         self.model_name = model_name
-        if device.type == "cuda":
-            self.memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device.index or 0)
-        else:
-            self.memory = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+        self.pool_handle = pool.handle_tensor()
 
-    def decode(self, codes, start, state):
+    def decode(self, codes, start, slots):
         request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=["audio", "next_state"],
-            inputs=[to_triton("codes", codes), to_triton("start", start), to_triton("state", state)],
-            preferred_memory=self.memory)
+            model_name=self.model_name, requested_output_names=["audio"],
+            inputs=[to_triton("codes", codes), to_triton("start", start), to_triton("slots", slots),
+                    to_triton("state_pool", self.pool_handle)],
+            preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
         response = request.exec()
         if response.has_error():
             message = response.error().message()
             if "is not healthy" in message:
                 self._restart()
             raise RuntimeError(f"{self.model_name}: {message}")
-        return (from_triton(pb_utils.get_output_tensor_by_name(response, "audio")),
-                from_triton(pb_utils.get_output_tensor_by_name(response, "next_state")))
+        return from_triton(pb_utils.get_output_tensor_by_name(response, "audio"))
 
     def _restart(self) -> None:
         """The lane's process died, and Triton 2.51 does not restart Python stubs: reload the model.
@@ -149,15 +148,19 @@ class TTSTritonModel:
         runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens)
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
-                runner.capture_graphs(int_list(settings.graph_batch_sizes), int_list(settings.graph_spans))
+                runner.capture_graphs(**settings.graph_buckets())
             log.info("tts: captured %d CUDA graphs", len(runner.graphs))
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
-        lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, device),
-                 BACKGROUND: BLSCodecLane(settings.codec_background_model, device)}
-        self.service = TTSService(Engine(runner, settings.max_streams), scheduler_config, lanes, state_size,
-                                  settings.max_queued, settings.cancellation_check_s, metrics=TritonMetrics(),
-                                  state_device=device, engine_context=self.partition)
+        engine = Engine(runner, settings.max_streams)
+        self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued), state_size, device)
+        log.info("tts: codec state pool of %d streams (%.0f MB)", self.state_pool.rows,
+                 self.state_pool.rows * state_size * 4 / 1e6)
+        lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
+                 BACKGROUND: BLSCodecLane(settings.codec_background_model, self.state_pool)}
+        self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
+                                  settings.cancellation_check_s, metrics=TritonMetrics(), device=device,
+                                  engine_context=self.partition)
         self.ids = itertools.count()
 
     def execute(self, requests):
@@ -182,6 +185,7 @@ class TTSTritonModel:
 
     def finalize(self):
         self.service.shutdown()
+        self.state_pool.close()
 
 
 class CodecTritonModel:
@@ -198,9 +202,9 @@ class CodecTritonModel:
         for request in requests:
             try:
                 get = lambda name: from_triton(pb_utils.get_input_tensor_by_name(request, name))
-                audio, state = self.service.decode(get("codes"), get("start"), get("state"))
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[to_triton("audio", audio), to_triton("next_state", state)]))
+                pool = attach(get("state_pool").cpu().numpy().tobytes())
+                audio = self.service.decode(get("codes"), get("start"), get("slots"), pool)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton("audio", audio)]))
             except Exception as error:
                 log.error("%s: decode failed: %s", self.name, error)
                 # The calling lane names this model in the error it reports.

@@ -6,8 +6,9 @@ Threads:
   frames to the chunk scheduler, which cuts chunks and queues them on a lane;
 - one worker per codec lane takes a batch from its queue, calls the codec (BLS in the server),
   sends each chunk's audio to its stream, and lets the scheduler cut that stream's next chunk.
-A stream has at most one chunk in flight (the next one needs the codec state this one returns),
-so its chunks leave in order and exactly once, whichever lanes decode them.
+A stream has at most one chunk in flight (the next one continues the codec state this one leaves in
+the stream's row of the codec state pool), so its chunks leave in order and exactly once, whichever
+lanes decode them.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ LANE_CODES = {URGENT: 0, BACKGROUND: 1, INLINE: 2}
 
 
 class CodecLane(Protocol):
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """codes [B, T, Q] int32, start [B] int64, state [B, S] fp32 -> (audio [B, N] fp32, state)."""
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, Q] int32, start [B] int64, slots [B] int64 (rows of the codec state pool)
+        -> audio [B, N] fp32 on the CPU."""
 
 
 class ResponseSink(Protocol):
@@ -54,9 +56,10 @@ class Stream:
     request: Request
     sink: ResponseSink
     submitted_at: float
+    codec_slot: int | None  # row of the codec state pool, held until the stream ends and no chunk is in flight
     frames: list[np.ndarray] = field(default_factory=list)
-    codec_state: torch.Tensor | None = None
     ended: bool = False
+    decoding: bool = False  # a chunk of this stream is in a codec lane
 
 
 class ServiceMetrics(Protocol):
@@ -66,16 +69,21 @@ class ServiceMetrics(Protocol):
     def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
 
 
+def codec_slots(engine: Engine, max_queued: int) -> int:
+    """Rows the codec state pool needs: one per stream the service holds at once."""
+    return engine.max_running + max_queued
+
+
 class TTSService:
     def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
-                 codec_state_size: int, max_queued: int, cancellation_check_s: float = 0.05,
+                 max_queued: int, cancellation_check_s: float = 0.05,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 state_device: torch.device | str = "cpu", engine_context=None):
+                 device: torch.device | str = "cpu", engine_context=None):
+        """lanes share one codec state pool of at least `codec_slots(engine, max_queued)` rows."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
-        self.codec_state_size = codec_state_size
-        self.state_device = torch.device(state_device)
+        self.device = torch.device(device)
         # Entered by the engine thread: the backbone's SM partition on a GPU, else a stream of its own,
         # so nothing the lane workers queue waits behind a frame step.
         self.engine_context = engine_context or self._own_stream()
@@ -86,6 +94,7 @@ class TTSService:
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
+        self.free_slots = list(range(codec_slots(engine, max_queued)))
         self.running = True
         self._last_cancel_check = 0.0
         self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True)]
@@ -98,9 +107,9 @@ class TTSService:
 
     def _own_stream(self):
         """A CUDA stream for the calling thread's work (a no-op context on CPU)."""
-        if self.state_device.type != "cuda":
+        if self.device.type != "cuda":
             return contextlib.nullcontext()
-        return torch.cuda.stream(torch.cuda.Stream(self.state_device))
+        return torch.cuda.stream(torch.cuda.Stream(self.device))
 
     # -- submission ------------------------------------------------------------------------------
 
@@ -115,7 +124,7 @@ class TTSService:
                 raise ServerBusy(f"server busy: {len(self.streams)} streams active or queued "
                                  f"(limit {self.engine.max_running} running + {self.max_queued} queued, "
                                  f"{waiting} waiting now); retry later")
-            stream = Stream(request, sink, self.clock())
+            stream = Stream(request, sink, self.clock(), self.free_slots.pop())
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             self.lock.notify_all()
@@ -215,6 +224,7 @@ class TTSService:
         stream.ended = True
         stream.request.cancelled = True
         self.streams.pop(stream.request.request_id, None)
+        self._free_slot(stream)
         self.scheduler.close(stream.request.request_id)
         self._publish_gauges()
         if error is not None:
@@ -222,6 +232,12 @@ class TTSService:
                 stream.sink.fail(error)
             except Exception:  # the client may be gone; nothing else to tell it
                 log.debug("could not deliver error to %s", stream.request.request_id)
+
+    def _free_slot(self, stream: Stream) -> None:
+        """Return an ended stream's codec slot, unless a lane may still write it (then on return)."""
+        if stream.ended and not stream.decoding and stream.codec_slot is not None:
+            self.free_slots.append(stream.codec_slot)
+            stream.codec_slot = None
 
     def _publish_gauges(self) -> None:
         if self.metrics:
@@ -258,31 +274,30 @@ class TTSService:
             live = [(c, s) for c, s in live if s is not None and not s.ended]
             if not live:
                 return
+            for _, stream in live:
+                stream.decoding = True
             codes = np.stack([np.stack(s.frames[c.first_frame: c.first_frame + c.frames]) for c, s in live])
-            states = [s.codec_state if s.codec_state is not None
-                      else torch.zeros(1, self.codec_state_size, device=self.state_device) for _, s in live]
         started = self.clock()
         try:
-            state = torch.cat(states)
-            if state.is_cuda:  # the codec (another process, or another stream) reads it next
-                torch.cuda.current_stream(state.device).synchronize()
-            audio, state = self.lanes[URGENT if lane == INLINE else lane].decode(
+            audio = self.lanes[URGENT if lane == INLINE else lane].decode(
                 torch.from_numpy(codes.astype(np.int32)),
-                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64), state)
+                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
+                torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64))
         except Exception as error:
             log.error("codec lane %s failed: %s", lane, error)
             with self.lock:
                 for _, stream in live:
+                    stream.decoding = False
                     self._end(stream, f"codec lane '{lane}' failed: {error}")
                 self.lock.notify_all()
             return
         elapsed = self.clock() - started
-        audio = audio.float().cpu()
         with self.lock:
             for i, (chunk, stream) in enumerate(live):
+                stream.decoding = False
                 if stream.ended:
+                    self._free_slot(stream)
                     continue
-                stream.codec_state = state[i: i + 1].clone()
                 info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
                 try:
                     stream.sink.send(audio[i], codes[i], info, chunk.last)

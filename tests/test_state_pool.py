@@ -1,0 +1,63 @@
+"""The codec state pool: codec lanes in other processes advance streams' states in place."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from voxtriton.models.loader import load_codec
+from voxtriton.serving.codec_service import CodecService
+from voxtriton.serving.settings import CodecSettings
+from voxtriton.serving.state_pool import CodecStatePool, attach
+
+
+@pytest.fixture()
+def pool():
+    pool = CodecStatePool(rows=4, state_size=1000, device="cpu")
+    yield pool
+    pool.close()
+
+
+def test_another_process_writes_the_rows_in_place(pool):
+    script = ("import sys; from voxtriton.serving.state_pool import attach; "
+              "attach(sys.stdin.buffer.read())[2] += 7")
+    subprocess.run([sys.executable, "-c", script], input=pool.handle, check=True, timeout=120)
+    assert pool.tensor[2].eq(7).all() and pool.tensor[[0, 1, 3]].eq(0).all()
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/shm/other-file", "/dev/shm/voxtriton-codec-state-missing"])
+def test_handles_naming_other_files_are_refused(path):
+    with pytest.raises(ValueError, match="state_pool"):
+        attach(json.dumps({"rows": 1, "state_size": 1, "kind": "file", "path": path}).encode())
+
+
+def test_garbage_handle_is_refused():
+    with pytest.raises(ValueError, match="state_pool: not a codec state pool handle"):
+        attach(b"\x80not json")
+
+
+def test_chunks_decoded_through_the_pool_equal_one_whole_decode(tiny_checkpoint):
+    """Two streams, in rows 3 and 1, decoded chunk by chunk (2, 2, 4, 8 frames) through the pool."""
+    service = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint)))
+    pool = CodecStatePool(rows=4, state_size=service.state_size, device="cpu")
+    try:
+        pool.tensor.fill_(3.0)  # a reused row's leftovers: frame 0 must start fresh anyway
+        codes = torch.randint(0, 2048, (2, 16, 16), generator=torch.Generator().manual_seed(5))
+        slots = torch.tensor([3, 1])
+        pieces, start = [], 0
+        for size in (2, 2, 4, 8):
+            pieces.append(service.decode(codes[:, start: start + size].int(), torch.full((2,), start), slots, pool.tensor))
+            start += size
+        whole, _ = load_codec(tiny_checkpoint).decode(codes, torch.zeros(2, dtype=torch.long),
+                                                        service.model.new_state(2))
+        assert (torch.cat(pieces, dim=1) - whole).abs().max().item() <= 1e-4
+        with pytest.raises(ValueError, match="slots must be distinct rows"):
+            service.decode(codes[:, :2].int(), torch.zeros(2, dtype=torch.long), torch.tensor([1, 1]), pool.tensor)
+        with pytest.raises(ValueError, match="slots must be distinct rows"):
+            service.decode(codes[:, :2].int(), torch.zeros(2, dtype=torch.long), torch.tensor([0, 4]), pool.tensor)
+    finally:
+        pool.close()
