@@ -109,7 +109,7 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(checkpoint)), settings)
     trace: list = []
     engine = TracedEngine(runner, settings.max_streams, trace=trace)
-    pool = CodecStatePool(codec_slots(engine, 8), codec.state_size, device)
+    pool = CodecStatePool(codec_slots(engine, 8, SchedulerConfig()), codec.state_size, device)
     lane = TracedLane(InProcessLane(codec, pool.tensor), trace)
     service = TTSService(engine, SchedulerConfig(), {URGENT: lane, BACKGROUND: lane}, max_queued=8, device=device)
     ttfa, rtf, breakdown = [], [], None

@@ -153,7 +153,7 @@ class TTSTritonModel:
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
         engine = Engine(runner, settings.max_streams)
-        self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued), state_size, device)
+        self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued, scheduler_config), state_size, device)
         log.info("tts: codec state pool of %d streams (%.0f MB)", self.state_pool.rows,
                  self.state_pool.rows * state_size * 4 / 1e6)
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),

@@ -69,9 +69,10 @@ class ServiceMetrics(Protocol):
     def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
 
 
-def codec_slots(engine: Engine, max_queued: int) -> int:
-    """Rows the codec state pool needs: one per stream the service holds at once."""
-    return engine.max_running + max_queued
+def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig) -> int:
+    """Rows the codec state pool needs: one per stream the service holds, plus the rows of streams
+    that ended while a lane was decoding their chunk (up to one batch per lane; freed on return)."""
+    return engine.max_running + max_queued + 2 * scheduler_config.max_batch
 
 
 class TTSService:
@@ -79,7 +80,7 @@ class TTSService:
                  max_queued: int, cancellation_check_s: float = 0.05,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                  device: torch.device | str = "cpu", engine_context=None):
-        """lanes share one codec state pool of at least `codec_slots(engine, max_queued)` rows."""
+        """lanes share one codec state pool of at least `codec_slots(...)` rows."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -94,7 +95,7 @@ class TTSService:
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
-        self.free_slots = list(range(codec_slots(engine, max_queued)))
+        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config)))
         self.running = True
         self._last_cancel_check = 0.0
         self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True)]
@@ -118,7 +119,7 @@ class TTSService:
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
-            if len(self.streams) >= self.engine.max_running + self.max_queued:
+            if len(self.streams) >= self.engine.max_running + self.max_queued or not self.free_slots:
                 if self.metrics:
                     self.metrics.rejected()
                 raise ServerBusy(f"server busy: {len(self.streams)} streams active or queued "
