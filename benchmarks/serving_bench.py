@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import platform
 import random
@@ -228,9 +227,10 @@ class Fleet:
         self.urls = [server.grpc_url for server in self.servers]
 
     def start(self) -> None:
-        with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:  # in parallel: minutes each
-            for started in [pool.submit(server.start, 300) for server in self.servers]:
-                started.result()
+        for server in self.servers:  # they come up together (graph capture takes a while)
+            server.launch()
+        for server in self.servers:
+            server.wait_ready(300)
 
     def metrics(self) -> dict[str, float]:
         """Counters summed over the servers."""

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Device runs 2 and 3: the full Triton server on the GPU (MPS, green contexts, BLS, codec state pool).
-# Usage: run_serving.sh lanes|goodput|multi [PRESET]. Writes $OUT/log.txt and $OUT/<mode>/results.{json,md} + plots.
-#   goodput: voxserve, concurrent and serial on one GPU;
-#   multi (two GPUs): voxserve on one GPU, on two (one server per GPU), and disaggregated.
+# Device runs of the full Triton server (MPS, green contexts, BLS, codec state pool).
+#   run_serving.sh lanes   PRESET                                  closed loop, 1-128 streams, every policy
+#   run_serving.sh goodput PRESET POLICIES LOW HIGH STEPS NAME     goodput bisection (POLICY*N: N servers, one per GPU)
+# Set CUDA_VISIBLE_DEVICES to run on one GPU of several (two measurements side by side on two GPUs).
+# Results go to $OUT/NAME/ (results.json, results.md, plots, server logs); log lines to $OUT/log.txt.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
-PRESET=${2:-1.7b}
+MODE=$1 PRESET=${2:-1.7b}
 CK=/tmp/ck-$PRESET
-[ -f $CK/speech_tokenizer/model.safetensors ] || run $PY -m voxtriton.cli make-checkpoint --preset $PRESET $CK
-COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --param tts:max_positions=512 --keep-logs"
-GOODPUT="--goodput --bisection-steps 3 --duration 10"
-case "$1" in
+mkdir -p /tmp/locks
+( flock 9; [ -f $CK/speech_tokenizer/model.safetensors ] || run $PY -m voxtriton.cli make-checkpoint --preset $PRESET $CK ) 9>/tmp/locks/$PRESET
+COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --keep-logs
+  --param tts:max_positions=512 --max-streams 512 --max-queued 256
+  --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512"
+case "$MODE" in
   lanes)
     run timeout 590 $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
-      --concurrency 1,8,32,128 --duration 12 --out $OUT/lanes ;;
+      --concurrency 1,8,32,128 --duration 12 --out $OUT/lanes_$PRESET ;;
   goodput)
-    run timeout 590 $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial $GOODPUT \
-      --rate-low 4 --rate-high 48 --out $OUT/goodput_$PRESET ;;
-  multi)
-    run timeout 590 $PY benchmarks/serving_bench.py $COMMON --policies 'voxserve,voxserve*2,disaggregated' $GOODPUT \
-      --rate-low 4 --rate-high 96 --out $OUT/multi_$PRESET ;;
+    run timeout 590 $PY benchmarks/serving_bench.py $COMMON --policies "$3" --goodput --rate-low $4 --rate-high $5 \
+      --bisection-steps $6 --duration 12 --out $OUT/$7 ;;
 esac

@@ -56,7 +56,9 @@ class CodecService:
             state = pool[slots].to(self.device).masked_fill_((start == 0)[:, None], 0.0)
             audio, new_state = self.runner.decode(codes.to(self.device), start, state)
             pool[slots] = new_state.float().to(pool.device)
-            audio = audio.float().cpu()  # waits for the decode and the state write-back
+            audio = audio.float().cpu()  # waits for the decode and (same device) the state write-back
+        if pool.device != self.device and pool.device.type == "cuda":  # disaggregated: the pool is elsewhere
+            torch.cuda.current_stream(pool.device).synchronize()
         return audio
 
     def _maybe_fail(self) -> None:

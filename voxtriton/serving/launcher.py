@@ -116,7 +116,7 @@ def gpu_count() -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL this process when the launching process exits (Linux)."""
+    """In the child before exec: SIGKILL this process when the thread that launched it exits (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -216,6 +216,13 @@ class TritonServer:
         return command + self.extra_args
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def launch(self) -> None:
+        """Start MPS and tritonserver without waiting (several servers can then come up together).
+        Call from a thread that outlives the server: the server is killed when that thread exits."""
         if self.mps is not None:
             self.mps.start()
         log = open(self.log_file, "ab")
@@ -223,8 +230,6 @@ class TritonServer:
         # with us if we die without stopping it (its stubs follow their parent).
         self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True, preexec_fn=_die_with_parent)
-        self.wait_ready(timeout)
-        return self
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -299,6 +304,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--tritonserver", help="path to the tritonserver binary")
+    parser.add_argument("--gpu", type=int, help="pin the server and its MPS daemon to this GPU (one server per "
+                        "GPU, each on its own ports, behind `voxtriton gateway --backend ...`)")
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
     parser.add_argument("--param", action="append", default=[], metavar="MODEL:KEY=VALUE",
                         help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)")
@@ -321,7 +328,7 @@ def serve(args: argparse.Namespace) -> int:
               "It produces noise, not speech. Serve real weights with --checkpoint DIR.")
     server = TritonServer(checkpoint=args.checkpoint, policy=args.policy, host=args.host, grpc_port=args.grpc_port,
                           http_port=args.http_port, metrics_port=args.metrics_port, repository=args.model_repository,
-                          tritonserver=args.tritonserver, parameters=parse_params(args.param))
+                          tritonserver=args.tritonserver, parameters=parse_params(args.param), gpu=args.gpu)
     stopping = False
 
     def on_signal(signum, frame):
