@@ -210,10 +210,11 @@ def server_side(before: dict, after: dict) -> dict:
 
 
 class Fleet:
-    """The servers of one measurement: one tritonserver, or one per GPU ("POLICY*N" in --policies),
-    which the load generator reaches least-loaded, as the gateway does."""
+    """The servers of one measurement: one tritonserver (on GPU G with "POLICY@G"), or one per GPU
+    ("POLICY*N"), which the load generator reaches least-loaded, as the gateway does."""
 
     def __init__(self, args, spec: str):
+        spec, _, pinned = spec.partition("@")
         self.policy, _, count = spec.partition("*")
         self.label = f"{self.policy} x{count} GPUs" if count else self.policy
         parameters = {"tts": {"max_streams": str(args.max_streams), "max_queued": str(args.max_queued)}}
@@ -221,7 +222,7 @@ class Fleet:
             model, _, assignment = item.partition(":")
             key, _, value = assignment.partition("=")
             parameters.setdefault(model, {})[key] = value
-        gpus = range(int(count)) if count else [None]
+        gpus = range(int(count)) if count else [int(pinned) if pinned else None]
         self.servers = [TritonServer(checkpoint=args.checkpoint, policy=self.policy, parameters=parameters,
                                      tritonserver=args.tritonserver, gpu=gpu) for gpu in gpus]
         self.urls = [server.grpc_url for server in self.servers]
@@ -407,7 +408,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint")
     parser.add_argument("--policies", default="voxserve,concurrent,serial",
-                        help="comma-separated; POLICY*N runs N servers, one per GPU, behind least-loaded routing")
+                        help="comma-separated; POLICY*N: N servers, one per GPU, behind least-loaded routing; "
+                        "POLICY@G: one server pinned to GPU G")
     parser.add_argument("--rates", default="", help="comma-separated arrival rates (requests/s)")
     parser.add_argument("--concurrency", default="", help="comma-separated closed-loop stream counts")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per measurement")

@@ -3,7 +3,8 @@
 #   run_serving.sh lanes   PRESET                                  closed loop, 1-128 streams, every policy
 #   run_serving.sh goodput PRESET POLICIES LOW HIGH STEPS NAME     goodput bisection (POLICY*N: N servers, one per GPU)
 # Set CUDA_VISIBLE_DEVICES to run on one GPU of several (two measurements side by side on two GPUs).
-# Results go to $OUT/NAME/ (results.json, results.md, plots, server logs); log lines to $OUT/log.txt.
+# Results go to $OUT/NAME.tgz (results.json, results.md, plots, server logs: one file, as $OUT returns
+# only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590).
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 MODE=$1 PRESET=${2:-1.7b}
@@ -15,9 +16,12 @@ COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/trito
   --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512"
 case "$MODE" in
   lanes)
-    run timeout 590 $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
-      --concurrency 1,8,32,128 --duration 12 --out $OUT/lanes_$PRESET ;;
+    NAME=lanes_$PRESET
+    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
+      --concurrency 1,8,32,128 --duration 12 --out $OUT/$NAME ;;
   goodput)
-    run timeout 590 $PY benchmarks/serving_bench.py $COMMON --policies "$3" --goodput --rate-low $4 --rate-high $5 \
-      --bisection-steps $6 --duration 12 --out $OUT/$7 ;;
+    NAME=$7
+    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --goodput --rate-low $4 \
+      --rate-high $5 --bisection-steps $6 --duration 12 --out $OUT/$NAME ;;
 esac
+[ -d $OUT/$NAME ] && tar czf $OUT/$NAME.tgz -C $OUT $NAME && rm -rf $OUT/$NAME

@@ -18,7 +18,12 @@ log = logging.getLogger(__name__)
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda:0")
+        if Path("/dev/nvidia0").exists():
+            log.warning("a GPU is present but CUDA is not available to this process (CUDA_VISIBLE_DEVICES, or "
+                        "an MPS server that does not see that device?): running on the CPU, slowly")
+        return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
