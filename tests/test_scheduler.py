@@ -69,7 +69,7 @@ def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():
     assert first.lane == URGENT
     serve(sched, URGENT)  # sent at t=0: deadline = 0.08
     [late] = sched.frames_generated("s", 1)
-    assert late.lane == URGENT  # slack = 0.08 - 0 - 0.05 < 0.3
+    assert late.lane == URGENT  # slack = 0.08 - 0 - 2 x 0.05 (a call in progress, then its own) < 0.3
     serve(sched, URGENT)
     sched.frames_generated("s", 1)
     serve(sched, URGENT)
@@ -80,6 +80,20 @@ def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():
     [relaxed] = sched.frames_generated("s", 1)
     assert relaxed.lane == BACKGROUND
     assert sched.slack(relaxed) >= 0.3
+
+
+def test_background_slack_counts_the_call_in_progress_and_the_batches_queued():
+    sched, clock = scheduler(slack_margin_s=0.0, first_chunk_frames=25, max_chunk_frames=25, max_batch=2)
+    estimate = sched.estimates[BACKGROUND].seconds
+    assert sched.expected_background_s() == pytest.approx(2 * estimate)
+    for name in ("a", "b", "c", "d"):  # first chunks are urgent: send them so the next ones have a deadline
+        sched.open(name)
+        sched.frames_generated(name, 25)
+    serve(sched, URGENT)
+    serve(sched, URGENT)
+    for name in ("a", "b", "c", "d"):
+        assert sched.frames_generated(name, 25)[0].lane == BACKGROUND
+    assert sched.expected_background_s() == pytest.approx(4 * estimate)  # two full batches ahead
 
 
 def test_background_chunk_running_out_of_slack_is_promoted():

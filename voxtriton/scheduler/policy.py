@@ -156,9 +156,11 @@ class ChunkScheduler:
     # -- routing ---------------------------------------------------------------------------------
 
     def expected_background_s(self) -> float:
-        """Decode time of a chunk sent to the background lane now, its queue included."""
+        """Decode time of a chunk sent to the background lane now: the batches queued ahead of it, its
+        own call, and the call the lane may be in the middle of (counted whole: under load the lane
+        is busy, and a chunk that waits for a call it did not foresee is a stall)."""
         batches_ahead = len(self.queues[BACKGROUND]) // self.config.max_batch
-        return self.estimates[BACKGROUND].seconds * (1 + batches_ahead)
+        return self.estimates[BACKGROUND].seconds * (2 + batches_ahead)
 
     def slack(self, chunk: Chunk, now: float | None = None) -> float | None:
         deadline = chunk.stream.deadline()
