@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -112,8 +113,9 @@ def test_graphs_capture_and_replay_on_a_partition(tiny_checkpoint):
 
 
 def test_codec_state_pool_is_shared_with_another_process_through_cuda_ipc():
-    pool = CodecStatePool(rows=4, state_size=1000, device=DEVICE)
-    script = ("import sys, torch; from voxtriton.serving.state_pool import attach; "
-              "attach(sys.stdin.buffer.read())[2] += 7; torch.cuda.synchronize()")
+    pool = CodecStatePool(rows=4, state_size=1000, device=DEVICE, publish_for=os.getpid())
+    script = ("import os, sys, torch; from voxtriton.serving.state_pool import attach; "
+              "attach(sys.stdin.buffer.read(), os.getppid())[2] += 7; torch.cuda.synchronize()")
     subprocess.run([sys.executable, "-c", script], input=pool.handle, check=True, timeout=120)
     assert pool.tensor[2].eq(7).all() and pool.tensor[[0, 1, 3]].eq(0).all()
+    pool.close()

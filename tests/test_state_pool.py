@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,30 +15,38 @@ from voxtriton.serving.codec_service import CodecService
 from voxtriton.serving.settings import CodecSettings
 from voxtriton.serving.state_pool import CodecStatePool, attach
 
+ATTACH_FROM_STDIN = ("import os, sys; from voxtriton.serving.state_pool import attach; "
+                     "attach(sys.stdin.buffer.read(), os.getppid())[2] += 7")
+
 
 @pytest.fixture()
 def pool():
-    pool = CodecStatePool(rows=4, state_size=1000, device="cpu")
+    pool = CodecStatePool(rows=4, state_size=1000, device="cpu", publish_for=os.getpid())
     yield pool
     pool.close()
 
 
 def test_another_process_writes_the_rows_in_place(pool):
-    script = ("import sys; from voxtriton.serving.state_pool import attach; "
-              "attach(sys.stdin.buffer.read())[2] += 7")
-    subprocess.run([sys.executable, "-c", script], input=pool.handle, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", ATTACH_FROM_STDIN], input=pool.handle, check=True, timeout=120)
     assert pool.tensor[2].eq(7).all() and pool.tensor[[0, 1, 3]].eq(0).all()
 
 
-@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/shm/other-file", "/dev/shm/voxtriton-codec-state-missing"])
-def test_handles_naming_other_files_are_refused(path):
-    with pytest.raises(ValueError, match="state_pool"):
-        attach(json.dumps({"rows": 1, "state_size": 1, "kind": "file", "path": path}).encode())
+@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/shm/voxtriton-codec-state-other"])
+def test_a_forged_handle_is_refused_before_anything_is_opened(pool, path):
+    forged = json.dumps({"rows": 1, "state_size": 1, "kind": "file", "path": path}).encode()
+    with pytest.raises(ValueError, match="not this server's codec state pool"):
+        attach(forged, os.getpid())
+    with pytest.raises(ValueError, match="not this server's codec state pool"):
+        attach(b"\x80not json", os.getpid())
 
 
-def test_garbage_handle_is_refused():
-    with pytest.raises(ValueError, match="state_pool: not a codec state pool handle"):
-        attach(b"\x80not json")
+def test_nothing_attaches_once_the_pool_is_closed(pool):
+    handle = pool.handle
+    pool.close()
+    with pytest.raises(ValueError, match="published no codec state pool"):
+        attach(handle, os.getpid())
+    failed = subprocess.run([sys.executable, "-c", ATTACH_FROM_STDIN], input=handle, capture_output=True, timeout=120)
+    assert failed.returncode != 0 and b"published no codec state pool" in failed.stderr
 
 
 def test_chunks_decoded_through_the_pool_equal_one_whole_decode(tiny_checkpoint):

@@ -201,7 +201,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path + [env.get("LD_LIBRARY_PATH", "")])
         if self.mps is not None:
             env.update(self.mps.env)
-        if self.pinned and self.mps is not None:
+        if self.pinned and self.mps is not None and self.mps.started:
             # An MPS client numbers the GPUs its MPS server sees, and the pinned server sees one.
             return env | {"CUDA_VISIBLE_DEVICES": "0"}
         return env | self.pinned

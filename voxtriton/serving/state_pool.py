@@ -3,13 +3,17 @@
 A stream's codec state (~5 MB for the 12 Hz codec: its transformer's key/value window and every
 causal convolution's history) used to travel through BLS with each chunk, both ways. That copy,
 not the decode, dominated a codec call. Now the `tts` model owns one pool with a row per stream
-slot; a BLS call carries only the slot numbers and a small handle to the pool, and the codec
-instance that decodes the chunk reads and writes the rows in place. Any chunk can still go to
-either lane, and a restarted lane re-attaches from the handle its next call brings.
+slot; a BLS call carries only the slot numbers and the pool's handle, and the codec instance that
+decodes the chunk reads and writes the rows in place. Any chunk can still go to either lane, and a
+restarted lane re-attaches from the handle its next call brings.
 
 On a GPU the pool is device memory shared through CUDA IPC; on CPU it is a file in shared memory.
 A stream has one chunk in flight at a time, so no row is ever touched by two lanes at once, and a
 codec call synchronises before it answers, so the next call (in any process) sees its writes.
+
+The handle arrives as a model input, and clients can call the codec models too: a codec process
+only attaches the handle that the `tts` model of its own server published in a private file
+(keyed by the tritonserver process id), so a forged handle is refused before anything is opened.
 """
 
 from __future__ import annotations
@@ -23,43 +27,64 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-# Only files we made can be attached: a handle comes in as a model input, so a client could send one.
-_FILE_PREFIX = "voxtriton-codec-state-"
-_FILE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+from .settings import cache_dir
 
-_attached: dict[bytes, torch.Tensor] = {}
+_FILE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_attached: dict[str, tuple[bytes, torch.Tensor]] = {}  # one pool per process: the latest genuine one
 _attach_lock = threading.Lock()
 
 
-class CodecStatePool:
-    """rows x state_size fp32, zeros; owned by the process that creates it (the `tts` model)."""
+def published_path(server_pid: int) -> Path:
+    return cache_dir() / "state-pools" / f"{server_pid}.json"
 
-    def __init__(self, rows: int, state_size: int, device: torch.device | str):
+
+class CodecStatePool:
+    """rows x state_size fp32, zeros, owned by the process that creates it (the `tts` model).
+
+    publish_for: the tritonserver pid whose codec processes may attach it (None: in-process use only).
+    """
+
+    def __init__(self, rows: int, state_size: int, device: torch.device | str, publish_for: int | None = None):
         device = torch.device(device)
         self.rows, self.state_size = rows, state_size
         self._path: Path | None = None
+        self._published: Path | None = None
         if device.type == "cuda":
             self.tensor = torch.zeros(rows, state_size, device=device)
-            # What torch.multiprocessing sends for a CUDA tensor, as plain data (never pickle: a
-            # handle arrives as a model input).
+            # What torch.multiprocessing sends for a CUDA tensor, as plain data.
             (index, memory, size_bytes, offset_bytes, counter, counter_offset, event,
              event_sync) = self.tensor._typed_storage()._share_cuda_()
             description = {"kind": "cuda", "device": index, "memory": memory.hex(), "size_bytes": size_bytes,
                            "offset_bytes": offset_bytes, "counter": counter.hex(), "counter_offset": counter_offset,
                            "event": event.hex() if event else None, "event_sync": bool(event_sync)}
         else:
-            descriptor, name = tempfile.mkstemp(prefix=_FILE_PREFIX, dir=_FILE_DIR)
+            descriptor, name = tempfile.mkstemp(prefix="voxtriton-codec-state-", dir=_FILE_DIR)
             os.close(descriptor)
             self._path = Path(name)
             self.tensor = _map_file(name, rows, state_size)
             description = {"kind": "file", "path": name}
         self.handle = json.dumps({"rows": rows, "state_size": state_size, **description}).encode()
+        if publish_for is not None:
+            self._published = published_path(publish_for)
+            self._published.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            staging = self._published.with_suffix(f".{os.getpid()}.tmp")
+            descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(self.handle)
+            os.replace(staging, self._published)
 
     def handle_tensor(self) -> torch.Tensor:
         """The handle as a uint8 tensor, to send as a BLS input."""
         return torch.frombuffer(bytearray(self.handle), dtype=torch.uint8)
 
     def close(self) -> None:
+        if self._published is not None:
+            try:
+                if self._published.read_bytes() == self.handle:
+                    self._published.unlink()
+            except OSError:
+                pass
+            self._published = None
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
@@ -69,34 +94,29 @@ def _map_file(path: str, rows: int, state_size: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=rows * state_size, dtype=torch.float32).view(rows, state_size)
 
 
-def attach(handle: bytes) -> torch.Tensor:
-    """The pool a handle names, opened once per process."""
+def attach(handle: bytes, server_pid: int) -> torch.Tensor:
+    """The pool a handle names, if it is the one this server's `tts` model published; opened once."""
+    try:
+        genuine = published_path(server_pid).read_bytes()
+    except OSError:
+        raise ValueError("state_pool: this server's tts model has published no codec state pool") from None
+    if handle != genuine:
+        raise ValueError("state_pool: the handle is not this server's codec state pool")
     with _attach_lock:
-        tensor = _attached.get(handle)
-        if tensor is None:
-            tensor = _open(handle)
-            _attached[handle] = tensor
-        return tensor
+        current = _attached.get("pool")
+        if current is None or current[0] != handle:  # first call, or the tts model was reloaded
+            _attached["pool"] = (handle, _open(handle))
+        return _attached["pool"][1]
 
 
 def _open(handle: bytes) -> torch.Tensor:
-    try:
-        description = json.loads(handle)
-        rows, state_size, kind = int(description["rows"]), int(description["state_size"]), description["kind"]
-        if kind == "cuda":
-            bytes_or_none = lambda text: bytes.fromhex(text) if text else None
-            return rebuild_cuda_tensor(
-                torch.Tensor, torch.Size((rows, state_size)), (state_size, 1), 0, torch.storage.TypedStorage,
-                torch.float32, int(description["device"]), bytes.fromhex(description["memory"]),
-                int(description["size_bytes"]), int(description["offset_bytes"]), False,
-                bytes.fromhex(description["counter"]), int(description["counter_offset"]),
-                bytes_or_none(description["event"]), bool(description["event_sync"]))
-        path = Path(description["path"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"state_pool: not a codec state pool handle ({error})") from None
-    if (kind != "file" or path.parent != _FILE_DIR or not path.name.startswith(_FILE_PREFIX)
-            or path.is_symlink() or not path.is_file()):
-        raise ValueError(f"state_pool: {path} is not a codec state file of this server")
-    if path.stat().st_size != rows * state_size * 4:
-        raise ValueError(f"state_pool: {path} does not hold {rows} x {state_size} states")
-    return _map_file(str(path), rows, state_size)
+    description = json.loads(handle)
+    rows, state_size = description["rows"], description["state_size"]
+    if description["kind"] == "file":
+        return _map_file(description["path"], rows, state_size)
+    bytes_or_none = lambda text: bytes.fromhex(text) if text else None
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size((rows, state_size)), (state_size, 1), 0, torch.storage.TypedStorage, torch.float32,
+        description["device"], bytes.fromhex(description["memory"]), description["size_bytes"],
+        description["offset_bytes"], False, bytes.fromhex(description["counter"]), description["counter_offset"],
+        bytes_or_none(description["event"]), description["event_sync"])

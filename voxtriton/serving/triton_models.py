@@ -153,7 +153,9 @@ class TTSTritonModel:
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
         engine = Engine(runner, settings.max_streams)
-        self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued, scheduler_config), state_size, device)
+        # Published for the codec processes of this tritonserver (the parent of every model's stub).
+        self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued, scheduler_config), state_size, device,
+                                         publish_for=os.getppid())
         log.info("tts: codec state pool of %d streams (%.0f MB)", self.state_pool.rows,
                  self.state_pool.rows * state_size * 4 / 1e6)
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
@@ -202,7 +204,7 @@ class CodecTritonModel:
         for request in requests:
             try:
                 get = lambda name: from_triton(pb_utils.get_input_tensor_by_name(request, name))
-                pool = attach(get("state_pool").cpu().numpy().tobytes())
+                pool = attach(get("state_pool").cpu().numpy().tobytes(), server_pid=os.getppid())
                 audio = self.service.decode(get("codes"), get("start"), get("slots"), pool)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton("audio", audio)]))
             except Exception as error:

@@ -271,13 +271,15 @@ class TTSService:
 
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
-            live = [(c, self.streams.get(c.stream.stream_id)) for c in batch]
+            # Only chunks of streams still open: the scheduler's timeline must be the chunk's own.
+            live = [(c, self.streams.get(c.stream.stream_id)) for c in batch
+                    if self.scheduler.streams.get(c.stream.stream_id) is c.stream]
             live = [(c, s) for c, s in live if s is not None and not s.ended]
             if not live:
                 return
+            codes = np.stack([np.stack(s.frames[c.first_frame: c.first_frame + c.frames]) for c, s in live])
             for _, stream in live:
                 stream.decoding = True
-            codes = np.stack([np.stack(s.frames[c.first_frame: c.first_frame + c.frames]) for c, s in live])
         started = self.clock()
         try:
             audio = self.lanes[URGENT if lane == INLINE else lane].decode(
@@ -290,6 +292,7 @@ class TTSService:
                 for _, stream in live:
                     stream.decoding = False
                     self._end(stream, f"codec lane '{lane}' failed: {error}")
+                    self._free_slot(stream)  # also when it had already ended (cancelled) meanwhile
                 self.lock.notify_all()
             return
         elapsed = self.clock() - started
