@@ -11,5 +11,5 @@ done
 run timeout 240 $PY benchmarks/model_speed.py --checkpoint /tmp/ck-1.7b --preset 1.7b --device cuda --graphs \
   --batch-sizes 1,2,4,8,16,32,64,128,256 --context 512 --json $OUT/model_speed_1.7b.json
 run timeout 200 $PY benchmarks/model_speed.py --checkpoint /tmp/ck-0.6b --preset 0.6b --device cuda --graphs \
-  --batch-sizes 1,8,64,256 --context 512 --json $OUT/model_speed_0.6b.json
+  --batch-sizes 1,2,4,8,16,32,64,128,256 --context 512 --json $OUT/model_speed_0.6b.json
 run timeout 240 $PY benchmarks/single_stream.py --checkpoint /tmp/ck-1.7b --runs 5 --frames 100 --json $OUT/single_stream_1.7b.json

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device runs of the full Triton server (MPS, green contexts, BLS, codec state pool).
 #   run_serving.sh lanes   PRESET                                  closed loop, 1-128 streams, every policy
+#   run_serving.sh single  PRESET                                  one stream at a time: TTFA and RTF per policy
 #   run_serving.sh goodput PRESET POLICIES LOW HIGH STEPS NAME     goodput bisection (POLICY*N: N servers, one per GPU)
 # Set CUDA_VISIBLE_DEVICES to run on one GPU of several (two measurements side by side on two GPUs).
 # Results go to $OUT/NAME.tgz (results.json, results.md, plots, server logs: one file, as $OUT returns
@@ -19,6 +20,10 @@ case "$MODE" in
     NAME=lanes_$PRESET
     run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
       --concurrency 1,8,32,128 --duration 12 --out $OUT/$NAME ;;
+  single)
+    NAME=single_$PRESET
+    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
+      --concurrency 1 --duration 20 --out $OUT/$NAME ;;
   goodput)
     NAME=$7
     run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --goodput --rate-low $4 \
