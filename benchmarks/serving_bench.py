@@ -160,6 +160,21 @@ async def closed_loop(urls: list[str], streams: int, duration: float, seconds_ra
     return results, lag
 
 
+def peak_listeners(results: list[RequestResult]) -> int:
+    """Most listeners playing at once: each plays from its first audio to the end of its audio
+    (stalls included), on the client's clock."""
+    events = []
+    for r in results:
+        if r.error is None and r.ttfa_s is not None:
+            start = r.sent_at + r.ttfa_s
+            events += [(start, 1), (start + r.audio_s + r.stall_s, -1)]
+    playing = peak = 0
+    for _, change in sorted(events):  # at equal times an end (-1) sorts before a start
+        playing += change
+        peak = max(peak, playing)
+    return peak
+
+
 def summarize(results: list[RequestResult], lag: list[float]) -> dict:
     ok = [r for r in results if r.error is None]
     ttfa = [r.ttfa_s for r in ok if r.ttfa_s is not None]
@@ -172,7 +187,7 @@ def summarize(results: list[RequestResult], lag: list[float]) -> dict:
         "ttfa_p99_ms": _ms(percentile(ttfa, 99)),
         "stalled_requests": len(stalled), "stalled_fraction": len(stalled) / len(ok) if ok else None,
         "stall_total_s": sum(r.stall_s for r in ok), "rtf_median": statistics.median(rtf) if rtf else None,
-        "audio_s": sum(r.audio_s for r in ok),
+        "audio_s": sum(r.audio_s for r in ok), "listeners_peak": peak_listeners(results),
         "client_loop_lag_p99_ms": _ms(percentile(lag, 99)), "client_loop_lag_max_ms": _ms(max(lag) if lag else None),
     }
 
@@ -344,7 +359,12 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
         lines.append("")
     goodputs = {r["policy"]: r["goodput"]["goodput"] for r in results if "goodput" in r}
     if goodputs:
-        lines += ["| policy | goodput (req/s) |", "|---|---|"] + [f"| {p} | {g:.2f} |" for p, g in goodputs.items()]
+        lines += ["| policy | goodput (req/s) | peak listeners at that rate |", "|---|---|---|"]
+        for r in results:
+            if "goodput" in r:
+                passing = [t for t in r["goodput"]["trials"] if t["meets"] and t["rate"] == r["goodput"]["goodput"]]
+                peak = passing[0].get("listeners_peak", "-") if passing else "-"
+                lines.append(f"| {r['policy']} | {r['goodput']['goodput']:.2f} | {peak} |")
         baselines = [g for p, g in goodputs.items() if p != "voxserve"]
         if "voxserve" in goodputs and baselines and max(baselines) > 0:
             lines += ["", f"voxserve / best baseline = {goodputs['voxserve'] / max(baselines):.2f}x"]
