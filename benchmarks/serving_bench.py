@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
 from voxtriton_client import simulate_playback  # noqa: E402
 from voxtriton.serving.gateway import Router  # noqa: E402
-from voxtriton.serving.launcher import TritonServer  # noqa: E402
+from voxtriton.serving.launcher import TritonServer, parse_params  # noqa: E402
 
 TEXTS = [
     "Good morning, and welcome to the show.", "The weather today will be mostly sunny with a light breeze.",
@@ -233,10 +233,8 @@ class Fleet:
         self.policy, _, count = spec.partition("*")
         self.label = f"{self.policy} x{count} GPUs" if count else self.policy
         parameters = {"tts": {"max_streams": str(args.max_streams), "max_queued": str(args.max_queued)}}
-        for item in args.param:
-            model, _, assignment = item.partition(":")
-            key, _, value = assignment.partition("=")
-            parameters.setdefault(model, {})[key] = value
+        for model, values in parse_params(args.param).items():
+            parameters.setdefault(model, {}).update(values)
         gpus = range(int(count)) if count else [int(pinned) if pinned else None]
         self.servers = [TritonServer(checkpoint=args.checkpoint, policy=self.policy, parameters=parameters,
                                      tritonserver=args.tritonserver, gpu=gpu) for gpu in gpus]

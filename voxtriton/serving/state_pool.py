@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from .settings import cache_dir
 
 _FILE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-_attached: dict[str, tuple[bytes, torch.Tensor]] = {}  # one pool per process: the latest genuine one
+_attached: tuple[bytes, torch.Tensor] | None = None  # (handle, pool): the latest genuine one
 _attach_lock = threading.Lock()
 
 
@@ -102,11 +102,11 @@ def attach(handle: bytes, server_pid: int) -> torch.Tensor:
         raise ValueError("state_pool: this server's tts model has published no codec state pool") from None
     if handle != genuine:
         raise ValueError("state_pool: the handle is not this server's codec state pool")
+    global _attached
     with _attach_lock:
-        current = _attached.get("pool")
-        if current is None or current[0] != handle:  # first call, or the tts model was reloaded
-            _attached["pool"] = (handle, _open(handle))
-        return _attached["pool"][1]
+        if _attached is None or _attached[0] != handle:  # first call, or the tts model was reloaded
+            _attached = (handle, _open(handle))
+        return _attached[1]
 
 
 def _open(handle: bytes) -> torch.Tensor:
