@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from voxtriton.serving.launcher import REPOSITORY, free_port, render_repository, set_parameter
+from voxtriton.serving.launcher import REPOSITORY, TritonServer, free_port, render_repository, set_parameter
 from voxtriton_client import TTSClient
 
 pytestmark = pytest.mark.server
@@ -34,6 +34,21 @@ def test_render_sets_per_model_parameters(tmp_path):
     assert '"checkpoint_dir" value: { string_value: "/ckpt" }' in tts and '"/ckpt"' in codec
     assert "scheduler_policy" not in codec
     assert (REPOSITORY / "tts" / "config.pbtxt").read_text() != tts  # the source is untouched
+
+
+def test_background_partition_is_one_setting():
+    """tts:background_sms and codec_background:sm_count size the same SMs: either sets both."""
+    for given in ({"tts": {"background_sms": "48"}}, {"codec_background": {"sm_count": "48"}}):
+        server = TritonServer(policy="voxserve", parameters=given, use_mps=False)
+        try:
+            tts = (server.repository / "tts" / "config.pbtxt").read_text()
+            lane = (server.repository / "codec_background" / "config.pbtxt").read_text()
+            assert 'key: "background_sms" value: { string_value: "48" }' in tts
+            assert 'key: "sm_count" value: { string_value: "48" }' in lane
+        finally:
+            server.cleanup()
+    with pytest.raises(SystemExit, match="codec_background:sm_count=32 and tts:background_sms=48 must agree"):
+        TritonServer(parameters={"tts": {"background_sms": "48"}, "codec_background": {"sm_count": "32"}})
 
 
 def processes_mentioning(marker: str) -> list[int]:

@@ -5,9 +5,8 @@ set -uo pipefail
 source "$(dirname "$0")/common.sh"
 run nvidia-smi -L
 run timeout 240 $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider -x
-for preset in 1.7b 0.6b; do
-  [ -f /tmp/ck-$preset/speech_tokenizer/model.safetensors ] || run $PY -m voxtriton.cli make-checkpoint --preset $preset /tmp/ck-$preset
-done
+checkpoint 1.7b
+checkpoint 0.6b
 run timeout 240 $PY benchmarks/model_speed.py --checkpoint /tmp/ck-1.7b --preset 1.7b --device cuda --graphs \
   --batch-sizes 1,2,4,8,16,32,64,128,256 --context 512 --json $OUT/model_speed_1.7b.json
 run timeout 200 $PY benchmarks/model_speed.py --checkpoint /tmp/ck-0.6b --preset 0.6b --device cuda --graphs \

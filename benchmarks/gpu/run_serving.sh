@@ -3,18 +3,20 @@
 #   run_serving.sh lanes   PRESET                                  closed loop, 1-128 streams, every policy
 #   run_serving.sh single  PRESET                                  one stream at a time: TTFA and RTF per policy
 #   run_serving.sh goodput PRESET POLICIES LOW HIGH STEPS NAME     goodput bisection (POLICY*N: N servers, one per GPU)
+#   run_serving.sh rates   PRESET POLICIES RATES NAME              open loop at fixed rates (e.g. 20,26,32)
 # Set CUDA_VISIBLE_DEVICES to run on one GPU of several (two measurements side by side on two GPUs).
 # Results go to $OUT/NAME.tgz (results.json, results.md, plots, server logs: one file, as $OUT returns
-# only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590).
+# only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590);
+# D: seconds of arrivals per open-loop probe (30); P: more serving_bench arguments, e.g.
+# P='--param tts:background_sms=48'.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 MODE=$1 PRESET=${2:-1.7b}
 CK=/tmp/ck-$PRESET
-mkdir -p /tmp/locks
-( flock 9; [ -f $CK/speech_tokenizer/model.safetensors ] || run $PY -m voxtriton.cli make-checkpoint --preset $PRESET $CK ) 9>/tmp/locks/$PRESET
+checkpoint $PRESET
 COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --keep-logs
   --param tts:max_positions=512 --max-streams 512 --max-queued 256
-  --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512"
+  --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 ${P:-}"
 case "$MODE" in
   lanes)
     NAME=lanes_$PRESET
@@ -27,6 +29,10 @@ case "$MODE" in
   goodput)
     NAME=$7
     run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --goodput --rate-low $4 \
-      --rate-high $5 --bisection-steps $6 --duration 12 --out $OUT/$NAME ;;
+      --rate-high $5 --bisection-steps $6 --duration ${D:-30} --out $OUT/$NAME ;;
+  rates)
+    NAME=$5
+    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --rates $4 \
+      --duration ${D:-30} --out $OUT/$NAME ;;
 esac
 [ -d $OUT/$NAME ] && tar czf $OUT/$NAME.tgz -C $OUT $NAME && rm -rf $OUT/$NAME

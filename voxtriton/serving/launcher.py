@@ -178,7 +178,7 @@ class TritonServer:
                     overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
             else:
                 print("voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device")
-        for model, values in (parameters or {}).items():
+        for model, values in align_background_partition(parameters or {}).items():
             overrides.setdefault(model, {}).update(values)
         self.repository = render_repository(repository, self.workdir / "models", overrides)
         self.log_file = log_file or self.workdir / "tritonserver.log"
@@ -312,6 +312,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
     parser.add_argument("--param", action="append", default=[], metavar="MODEL:KEY=VALUE",
                         help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)")
+
+
+def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """One setting, two readers: the background lane's size is `codec_background:sm_count` (its green
+    context) and `tts:background_sms` (the SMs the backbone leaves free). Setting either sets both, so
+    the partitions neither overlap nor leave SMs idle; setting both differently is refused."""
+    lane = parameters.get("codec_background", {}).get("sm_count")
+    tts = parameters.get("tts", {}).get("background_sms")
+    if lane is not None and tts is not None and lane != tts:
+        raise SystemExit(f"codec_background:sm_count={lane} and tts:background_sms={tts} must agree "
+                         "(the background lane's SMs); set one of them")
+    if lane is None and tts is None:
+        return parameters
+    size = lane if lane is not None else tts
+    aligned = {model: dict(values) for model, values in parameters.items()}
+    aligned.setdefault("codec_background", {})["sm_count"] = size
+    aligned.setdefault("tts", {})["background_sms"] = size
+    return aligned
 
 
 def parse_params(items: list[str]) -> dict[str, dict[str, str]]:
