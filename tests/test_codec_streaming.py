@@ -48,6 +48,16 @@ def test_chunked_equals_whole(codec, codes, schedule):
     assert (chunked - whole).abs().max().item() <= 1e-4
 
 
+def test_frames_after_the_end_leave_the_audio_before_them_unchanged(codec, codes):
+    """Why a stream's short last chunk may be decoded padded to a captured size (Chunk.decode_frames)."""
+    start = torch.zeros(2, dtype=torch.long)
+    exact, _ = codec.decode(codes[:, :7], start, codec.new_state(2))
+    padding = codes[:, 6:7].expand(2, 9, 16)
+    padded, _ = codec.decode(torch.cat([codes[:, :7], padding], dim=1), start, codec.new_state(2))
+    assert padded.shape == (2, 16 * 1920)
+    assert (padded[:, : 7 * 1920] - exact).abs().max().item() <= 1e-5
+
+
 def test_state_survives_serialisation_between_calls(codec, codes):
     """State handed to "another process": through bytes, as a BLS call would carry it."""
     def through_bytes(state: torch.Tensor) -> torch.Tensor:

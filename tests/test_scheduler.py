@@ -31,17 +31,20 @@ def serve(sched, lane, seconds=0.01):
     return batch
 
 
-def test_chunk_sizes_grow_to_the_maximum():
-    config = SchedulerConfig(first_chunk_frames=2, chunk_growth=2.0, max_chunk_frames=25)
+def test_chunk_sizes_follow_the_schedule_and_the_last_repeats():
+    config = SchedulerConfig()
     assert [config.chunk_frames(i) for i in range(8)] == [2, 2, 4, 8, 16, 25, 25, 25]
-    assert SchedulerConfig(first_chunk_frames=3, chunk_growth=1.0).chunk_frames(5) == 3
+    assert SchedulerConfig(chunk_schedule="3").chunk_frames(5) == 3
+    gentle = SchedulerConfig(chunk_schedule="2, 2,4,4,8,8,16,16,25")
+    assert [gentle.chunk_frames(i) for i in range(10)] == [2, 2, 4, 4, 8, 8, 16, 16, 25, 25]
 
 
 def test_invalid_configuration_is_refused():
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="fastest")
-    with pytest.raises(ValueError, match="first_chunk_frames"):
-        SchedulerConfig(first_chunk_frames=30, max_chunk_frames=25)
+    for schedule in ("", "2,0,4", "2,x"):
+        with pytest.raises(ValueError, match="chunk_schedule"):
+            SchedulerConfig(chunk_schedule=schedule)
 
 
 def test_deadline_arithmetic_and_stall_tracking():
@@ -63,7 +66,7 @@ def test_deadline_arithmetic_and_stall_tracking():
 
 
 def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():
-    sched, clock = scheduler(slack_margin_s=0.3, first_chunk_frames=1, chunk_growth=1.0)
+    sched, clock = scheduler(slack_margin_s=0.3, chunk_schedule="1")
     sched.open("s")
     [first] = sched.frames_generated("s", 1)
     assert first.lane == URGENT
@@ -83,7 +86,7 @@ def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():
 
 
 def test_background_slack_counts_the_call_in_progress_and_the_batches_queued():
-    sched, clock = scheduler(slack_margin_s=0.0, first_chunk_frames=25, max_chunk_frames=25, max_batch=2)
+    sched, clock = scheduler(slack_margin_s=0.0, chunk_schedule="25", max_batch=2)
     estimate = sched.estimates[BACKGROUND].seconds
     assert sched.expected_background_s() == pytest.approx(2 * estimate)
     for name in ("a", "b", "c", "d"):  # first chunks are urgent: send them so the next ones have a deadline
@@ -97,7 +100,7 @@ def test_background_slack_counts_the_call_in_progress_and_the_batches_queued():
 
 
 def test_background_chunk_running_out_of_slack_is_promoted():
-    sched, clock = scheduler(slack_margin_s=0.3, first_chunk_frames=25, max_chunk_frames=25)
+    sched, clock = scheduler(slack_margin_s=0.3, chunk_schedule="25")
     sched.open("s")
     sched.frames_generated("s", 25)
     serve(sched, URGENT)  # 2 s of audio sent at t=0
@@ -118,13 +121,14 @@ def test_batches_respect_size_limit_and_equal_chunk_sizes():
         sched.frames_generated(f"b{i}", 1, done=True)  # a 1-frame final chunk
     sizes = []
     while batch := sched.next_batch(URGENT):
-        assert len(batch) <= 3 and len({c.frames for c in batch}) == 1
+        assert len(batch) <= 3 and len({c.decode_frames for c in batch}) == 1
         sizes.append([c.frames for c in batch])
-    assert sizes == [[2, 2, 2], [2, 2], [1, 1]]
+    # The 1-frame final chunks decode padded to their scheduled 2 frames, in the same calls.
+    assert sizes == [[2, 2, 2], [2, 2, 1], [1]]
 
 
 def test_background_is_earliest_deadline_first():
-    sched, clock = scheduler(max_batch=1, first_chunk_frames=4, max_chunk_frames=4, slack_margin_s=0.0)
+    sched, clock = scheduler(max_batch=1, chunk_schedule="4", slack_margin_s=0.0)
     for name, sent_at in (("late", 0.5), ("early", 0.0), ("middle", 0.2)):
         sched.open(name)
         sched.frames_generated(name, 4)
@@ -139,7 +143,7 @@ def test_background_is_earliest_deadline_first():
 
 def test_policies_route_as_documented():
     for policy, lane in (("serial", INLINE), ("concurrent", URGENT), ("disaggregated", URGENT)):
-        sched, clock = scheduler(policy=policy, first_chunk_frames=1, chunk_growth=1.0)
+        sched, clock = scheduler(policy=policy, chunk_schedule="1")
         sched.open("s")
         for _ in range(30):
             [chunk] = sched.frames_generated("s", 1)
@@ -149,7 +153,7 @@ def test_policies_route_as_documented():
 
 def test_urgent_flood_cannot_starve_a_promoted_chunk():
     """New streams keep arriving (first chunks are urgent); a promoted chunk still gets served."""
-    sched, clock = scheduler(slack_margin_s=0.3, first_chunk_frames=25, max_chunk_frames=25, max_batch=1)
+    sched, clock = scheduler(slack_margin_s=0.3, chunk_schedule="25", max_batch=1)
     sched.open("victim")
     sched.frames_generated("victim", 25)
     serve(sched, URGENT)
@@ -178,12 +182,14 @@ def test_random_sequences_keep_order_and_never_starve(events, policy):
     lanes = [INLINE] if policy == "serial" else [URGENT, BACKGROUND]
     generated: dict[str, int] = {}
     delivered: dict[str, list[tuple[int, int]]] = {}
+    decode_sizes: dict[str, list[int]] = {}
 
     def run_lane(lane):
         for chunk in sched.next_batch(lane):
             name = chunk.stream.stream_id
             assert chunk.stream.in_flight is chunk
             delivered[name].append((chunk.first_frame, chunk.frames))
+            decode_sizes[name].append(chunk.decode_frames)
             sched.chunk_done(chunk, 0.02)
 
     for kind, which, amount in events:
@@ -191,7 +197,7 @@ def test_random_sequences_keep_order_and_never_starve(events, policy):
         if kind == "open":
             name = f"s{len(generated)}"
             sched.open(name)
-            generated[name], delivered[name] = 0, []
+            generated[name], delivered[name], decode_sizes[name] = 0, [], []
         elif kind in ("frames", "done") and names:
             name = names[which % len(names)]
             if not sched.streams[name].generation_done:
@@ -215,5 +221,6 @@ def test_random_sequences_keep_order_and_never_starve(events, policy):
         assert [start for start, _ in chunks] == [sum(s for _, s in chunks[:i]) for i in range(len(chunks))]
         config = sched.config
         assert all(size <= config.chunk_frames(i) for i, (_, size) in enumerate(chunks))
+        assert all(decoded == config.chunk_frames(i) for i, decoded in enumerate(decode_sizes[name]))
         assert sched.streams[name].in_flight is None
     assert all(not queue for queue in sched.queues.values())

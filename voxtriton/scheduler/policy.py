@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 URGENT, BACKGROUND, INLINE = "urgent", "background", "inline"
@@ -25,9 +26,8 @@ POLICIES = ("voxserve", "concurrent", "serial", "disaggregated")
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = "voxserve"
-    first_chunk_frames: int = 2
-    chunk_growth: float = 2.0
-    max_chunk_frames: int = 25
+    # Frames per chunk, in order; the last size repeats. See `chunk_frames` for why this ramp.
+    chunk_schedule: str = "2,2,4,8,16,25"
     slack_margin_s: float = 0.3
     max_batch: int = 16
     frame_seconds: float = 0.08  # audio per frame: 1920 samples at 24 kHz
@@ -36,20 +36,30 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not 1 <= self.first_chunk_frames <= self.max_chunk_frames:
-            raise ValueError("need 1 <= first_chunk_frames <= max_chunk_frames")
-        if self.chunk_growth < 1 or self.max_batch < 1 or self.slack_margin_s < 0:
-            raise ValueError("chunk_growth >= 1, max_batch >= 1 and slack_margin_s >= 0 are required")
+        try:
+            sizes = [int(item) for item in self.chunk_schedule.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"chunk_schedule must be comma-separated frame counts >= 1, got {self.chunk_schedule!r}")
+        if self.max_batch < 1 or self.slack_margin_s < 0:
+            raise ValueError("max_batch >= 1 and slack_margin_s >= 0 are required")
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(int(item) for item in self.chunk_schedule.split(","))
 
     def chunk_frames(self, index: int) -> int:
         """Frames in a stream's chunk number `index` (the last chunk may be shorter).
 
-        The second chunk is as small as the first: it must arrive while the first plays (160 ms at
-        2 frames), and on the H200 under load (lanes_h200.md) four frames plus a codec call was
-        cutting that close. Growth starts from the third chunk: 2, 2, 4, 8, 16, 25, 25, ...
+        A small first chunk keeps TTFA low; later chunks grow so the codec runs in efficient calls.
+        The ramp sets how far ahead of playback generation must run: chunk k is due when the audio
+        of chunks 0..k-1 has played, and it needs all frames up to its end, so with sizes doubling
+        (2, 4, 8, 16) a stream stalls once a frame step takes more than about half a frame of audio
+        (40 ms). Repeating each size ("2,2,4,4,8,8,16,16,25") lets the step reach about 53 ms, at
+        the price of more, smaller codec calls. The second chunk must arrive while the first plays.
         """
-        return min(self.max_chunk_frames,
-                   max(1, round(self.first_chunk_frames * self.chunk_growth ** max(0, index - 1))))
+        return self.sizes[min(index, len(self.sizes) - 1)]
 
 
 @dataclass(eq=False)
@@ -60,6 +70,10 @@ class Chunk:
     frames: int
     last: bool
     ready_at: float
+    # Frames the codec call decodes: the schedule's size. A stream's shorter last chunk is padded
+    # to it, so it joins a batch of that size and replays its CUDA graph instead of running alone
+    # and eagerly; the codec is causal, so padding after the end changes none of the real audio.
+    decode_frames: int
     lane: str = ""
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane
 
@@ -144,7 +158,7 @@ class ChunkScheduler:
             return []
         size = min(pending, wanted)
         last = stream.generation_done and size == pending
-        chunk = Chunk(stream, stream.chunks, stream.frames_chunked, size, last, self.clock())
+        chunk = Chunk(stream, stream.chunks, stream.frames_chunked, size, last, self.clock(), wanted)
         stream.chunks += 1
         stream.frames_chunked += size
         stream.in_flight = chunk
@@ -194,7 +208,7 @@ class ChunkScheduler:
     def next_batch(self, lane: str) -> list[Chunk]:
         """Chunks for one decode call on `lane`: the most urgent chunk plus others of the same size.
 
-        Equal sizes keep a batch exact (no padding inside the codec). Within a lane the order is
+        Equal sizes (`decode_frames`) keep a batch one shape. Within a lane the order is
         earliest deadline first (first come first served for `concurrent`), so no chunk waits
         behind an unbounded stream of later ones; background chunks that run out of slack are
         promoted to the urgent lane instead of waiting for the slow one.
@@ -207,7 +221,7 @@ class ChunkScheduler:
         fifo = self.config.policy in ("concurrent", "disaggregated", "serial")
         queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.priority))
         head = queue[0]
-        batch = [c for c in queue if c.frames == head.frames][: self.config.max_batch]
+        batch = [c for c in queue if c.decode_frames == head.decode_frames][: self.config.max_batch]
         for chunk in batch:
             queue.remove(chunk)
         return batch

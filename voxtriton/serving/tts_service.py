@@ -75,6 +75,12 @@ def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConf
     return engine.max_running + max_queued + 2 * scheduler_config.max_batch
 
 
+def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
+    """A chunk's frames [T, Q], the last one repeated up to `length` (see `Chunk.decode_frames`)."""
+    codes = np.stack(frames)
+    return np.concatenate([codes, np.repeat(codes[-1:], length - len(codes), axis=0)])
+
+
 class TTSService:
     def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
                  max_queued: int, cancellation_check_s: float = 0.05,
@@ -277,7 +283,8 @@ class TTSService:
             live = [(c, s) for c, s in live if s is not None and not s.ended]
             if not live:
                 return
-            codes = np.stack([np.stack(s.frames[c.first_frame: c.first_frame + c.frames]) for c, s in live])
+            codes = np.stack([padded_codes(s.frames[c.first_frame: c.first_frame + c.frames], c.decode_frames)
+                              for c, s in live])
             for _, stream in live:
                 stream.decoding = True
         started = self.clock()
@@ -296,6 +303,7 @@ class TTSService:
                 self.lock.notify_all()
             return
         elapsed = self.clock() - started
+        samples_per_frame = audio.shape[1] // codes.shape[1]
         with self.lock:
             for i, (chunk, stream) in enumerate(live):
                 stream.decoding = False
@@ -304,7 +312,8 @@ class TTSService:
                     continue
                 info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
                 try:
-                    stream.sink.send(audio[i], codes[i], info, chunk.last)
+                    stream.sink.send(audio[i, : chunk.frames * samples_per_frame], codes[i, : chunk.frames], info,
+                                     chunk.last)
                 except Exception as error:  # client gone: stop generating for it
                     log.info("stream %s: send failed (%s); cancelling", stream.request.request_id, error)
                     self._end(stream, None)
