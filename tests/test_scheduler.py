@@ -33,10 +33,10 @@ def serve(sched, lane, seconds=0.01):
 
 def test_chunk_sizes_follow_the_schedule_and_the_last_repeats():
     config = SchedulerConfig()
-    assert [config.chunk_frames(i) for i in range(8)] == [2, 2, 4, 8, 16, 25, 25, 25]
+    assert [config.chunk_frames(i) for i in range(11)] == [2, 2, 4, 4, 8, 8, 16, 16, 25, 25, 25]
     assert SchedulerConfig(chunk_schedule="3").chunk_frames(5) == 3
-    gentle = SchedulerConfig(chunk_schedule="2, 2,4,4,8,8,16,16,25")
-    assert [gentle.chunk_frames(i) for i in range(10)] == [2, 2, 4, 4, 8, 8, 16, 16, 25, 25]
+    doubling = SchedulerConfig(chunk_schedule="2, 2,4,8,16,25")
+    assert [doubling.chunk_frames(i) for i in range(7)] == [2, 2, 4, 8, 16, 25, 25]
 
 
 def test_invalid_configuration_is_refused():

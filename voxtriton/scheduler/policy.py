@@ -27,7 +27,7 @@ POLICIES = ("voxserve", "concurrent", "serial", "disaggregated")
 class SchedulerConfig:
     policy: str = "voxserve"
     # Frames per chunk, in order; the last size repeats. See `chunk_frames` for why this ramp.
-    chunk_schedule: str = "2,2,4,8,16,25"
+    chunk_schedule: str = "2,2,4,4,8,8,16,16,25"
     slack_margin_s: float = 0.3
     max_batch: int = 16
     frame_seconds: float = 0.08  # audio per frame: 1920 samples at 24 kHz
@@ -56,8 +56,9 @@ class SchedulerConfig:
         The ramp sets how far ahead of playback generation must run: chunk k is due when the audio
         of chunks 0..k-1 has played, and it needs all frames up to its end, so with sizes doubling
         (2, 4, 8, 16) a stream stalls once a frame step takes more than about half a frame of audio
-        (40 ms). Repeating each size ("2,2,4,4,8,8,16,16,25") lets the step reach about 53 ms, at
-        the price of more, smaller codec calls. The second chunk must arrive while the first plays.
+        (40 ms). Repeating each size (the default) lets the step reach about 53 ms, at the price of
+        more, smaller codec calls; on the H200 it held more streams without a stall
+        (benchmarks/results/goodput_h200.md). The second chunk must arrive while the first plays.
         """
         return self.sizes[min(index, len(self.sizes) - 1)]
 

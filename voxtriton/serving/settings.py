@@ -70,7 +70,7 @@ class TTSSettings:
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
-    background_sms: int = 16  # SMs of the background codec lane (voxserve); the backbone gets the rest
+    background_sms: int = 32  # SMs of the background codec lane (voxserve); the backbone gets the rest
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.05
