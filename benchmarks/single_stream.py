@@ -8,7 +8,7 @@ with the peer, which is a single-process library. Through the full Triton server
 
 Peer: faster-qwen3-tts (PyPI), a CUDA-graph single-stream Qwen3-TTS implementation, on the same
 checkpoint. TTFA uses the same first-chunk size (2 frames) on both sides; RTF uses each side's
-default chunking (ours 2, 4, 8, 16, 25...; the peer's 12). Checkpoints are random-weight (noise);
+default chunking (ours 2, 2, 4, 4, 8, 8, 16, 16, 25...; the peer's 12). Checkpoints are random-weight (noise);
 length is fixed with ignore_eos / min_new_tokens.
 """
 

@@ -49,6 +49,13 @@ def test_background_partition_is_one_setting():
             server.cleanup()
     with pytest.raises(SystemExit, match="codec_background:sm_count=32 and tts:background_sms=48 must agree"):
         TritonServer(parameters={"tts": {"background_sms": "48"}, "codec_background": {"sm_count": "32"}})
+    # disaggregated: the codec lanes take a second GPU whole; the backbone partition setting stays its own
+    server = TritonServer(policy="disaggregated", parameters={"tts": {"background_sms": "48"}}, use_mps=False)
+    try:
+        lane = (server.repository / "codec_background" / "config.pbtxt").read_text()
+        assert 'key: "sm_count" value: { string_value: "48" }' not in lane
+    finally:
+        server.cleanup()
 
 
 def processes_mentioning(marker: str) -> list[int]:

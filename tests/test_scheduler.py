@@ -113,6 +113,11 @@ def test_background_chunk_running_out_of_slack_is_promoted():
 
 def test_batches_respect_size_limit_and_equal_chunk_sizes():
     sched, clock = scheduler(max_batch=3, policy="concurrent")
+    sched.open("c")  # a stream at its third chunk (4 frames): never in a batch of 2-frame chunks
+    for _ in range(2):
+        sched.frames_generated("c", 2)
+        serve(sched, URGENT)
+    sched.frames_generated("c", 4)
     for i in range(5):
         sched.open(f"a{i}")
         sched.frames_generated(f"a{i}", 2)
@@ -124,7 +129,7 @@ def test_batches_respect_size_limit_and_equal_chunk_sizes():
         assert len(batch) <= 3 and len({c.decode_frames for c in batch}) == 1
         sizes.append([c.frames for c in batch])
     # The 1-frame final chunks decode padded to their scheduled 2 frames, in the same calls.
-    assert sizes == [[2, 2, 2], [2, 2, 1], [1]]
+    assert sizes == [[4], [2, 2, 2], [2, 2, 1], [1]]
 
 
 def test_background_is_earliest_deadline_first():

@@ -1,4 +1,5 @@
-"""The tts service's bookkeeping with in-process codec lanes: every codec slot comes back."""
+"""The tts service with in-process codec lanes: every codec slot comes back, and padded last chunks
+deliver exactly their own frames and audio."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
@@ -14,8 +16,10 @@ from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
+from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
-from voxtriton.serving.settings import TTSSettings
+from voxtriton.serving.settings import CodecSettings, TTSSettings
+from voxtriton.serving.state_pool import CodecStatePool
 from voxtriton.serving.tts_service import TTSService, codec_slots
 
 
@@ -83,3 +87,53 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
     finally:
         lane.release.set()
         service.shutdown()
+
+
+class CollectingSink:
+    def __init__(self):
+        self.audio, self.codes, self.info, self.errors, self.done = [], [], [], [], threading.Event()
+
+    def send(self, audio, codes, info, final):
+        self.audio.append(audio.numpy().copy())
+        self.codes.append(np.asarray(codes).copy())
+        self.info.append(info.copy())
+        if final:
+            self.done.set()
+
+    def fail(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def cancelled(self):
+        return False
+
+
+@pytest.mark.parametrize("policy", ["concurrent", "serial"])
+def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoint, policy):
+    """13 frames under the schedule 2,2,4,4,8: the last chunk holds 1 frame, decoded padded to 8.
+    The stream still gets 13 frames of codes and exactly the audio of decoding them in one piece."""
+    config = load_config(tiny_checkpoint)
+    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
+    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
+    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
+    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
+    scheduler_config = SchedulerConfig(policy=policy, chunk_schedule="2,2,4,4,8")
+    engine = Engine(runner, 2)
+    pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        sink = CollectingSink()
+        inputs = {"text": np.array([b"Padded at the end."], dtype=object), "max_frames": np.array([13]),
+                  "ignore_eos": np.array([True]), "seed": np.array([5])}
+        service.submit(parser.parse("r1", inputs), sink)
+        assert sink.done.wait(120) and sink.errors == []
+    finally:
+        service.shutdown()
+    assert [int(info[2]) for info in sink.info] == [2, 2, 4, 4, 1]
+    assert [len(audio) for audio in sink.audio] == [1920 * int(info[2]) for info in sink.info]
+    codes = np.concatenate(sink.codes)
+    assert codes.shape == (13, 16)
+    whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
+                                  codec.model.new_state(1))
+    assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4

@@ -159,6 +159,8 @@ class TritonServer:
                  parameters: dict[str, dict[str, str]] | None = None, log_file: Path | None = None,
                  use_mps: bool | None = None, extra_args: list[str] | None = None, gpu: int | None = None):
         """gpu: pin the server (and its MPS daemon) to this one GPU, e.g. one server per GPU."""
+        if policy != "disaggregated":  # there the codec lanes get a GPU of their own, no partition
+            parameters = align_background_partition(parameters or {})
         self.install = find_tritonserver(tritonserver)
         self.pinned = {"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}
         self.host = host
@@ -178,7 +180,7 @@ class TritonServer:
                     overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
             else:
                 print("voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device")
-        for model, values in align_background_partition(parameters or {}).items():
+        for model, values in (parameters or {}).items():
             overrides.setdefault(model, {}).update(values)
         self.repository = render_repository(repository, self.workdir / "models", overrides)
         self.log_file = log_file or self.workdir / "tritonserver.log"

@@ -140,6 +140,9 @@ class TTSTritonModel:
         backbone_sms = 0
         if device.type == "cuda" and scheduler_config.policy == "voxserve":
             total = torch.cuda.get_device_properties(device).multi_processor_count
+            if not 0 < settings.background_sms < total:
+                raise ValueError(f"config.pbtxt parameter 'background_sms' must be between 1 and {total - 1} "
+                                 f"(this GPU has {total} SMs), got {settings.background_sms}")
             backbone_sms = total - settings.background_sms
         self.partition = SMPartition(device, backbone_sms)
         backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
