@@ -319,7 +319,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
     """One setting, two readers: the background lane's size is `codec_background:sm_count` (its green
     context) and `tts:background_sms` (the SMs the backbone leaves free). Setting either sets both, so
-    the partitions neither overlap nor leave SMs idle; setting both differently is refused."""
+    the two partitions are sized from one number (the driver may still round each to its SM
+    granularity); setting both differently is refused."""
     lane = parameters.get("codec_background", {}).get("sm_count")
     tts = parameters.get("tts", {}).get("background_sms")
     if lane is not None and tts is not None and lane != tts:
