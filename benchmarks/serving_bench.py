@@ -213,6 +213,7 @@ def server_side(before: dict, after: dict) -> dict:
     total = sum(chunks.values())
     return {
         "frame_step_ms_mean": mean("voxtriton_frame_step_seconds"),
+        "frame_step_device_ms_mean": mean("voxtriton_frame_step_device_seconds"),  # GPU only
         "frame_step_batch_mean": (delta.get("voxtriton_frame_step_batch_sum", 0.0) / delta["voxtriton_frame_step_batch_count"]
                                   if delta.get("voxtriton_frame_step_batch_count") else None),
         "codec_ms_mean": {lane: mean("voxtriton_codec_seconds", f'{{lane="{lane}"}}') for lane in chunks},

@@ -10,6 +10,7 @@ import collections
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .model_runner import ModelRunner
 from .request import Request, Status
@@ -31,6 +32,11 @@ class Engine:
         self.eos = runner.config.talker.codec_eos_id
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # index == row
+        # The last frame step's decode as the GPU saw it (CUDA events; None on CPU). Next to the
+        # step's wall time it tells GPU contention (this grows) from host work (only the wall grows).
+        self.last_decode_device_s: float | None = None
+        self._decode_events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                               if runner.device.type == "cuda" else None)
 
     @property
     def has_work(self) -> bool:
@@ -78,7 +84,15 @@ class Engine:
         if not self.running:
             return []
         span = max(r.position for r in self.running) + 1
-        result = self.runner.decode(len(self.running), span).to("cpu", copy=True).numpy()
+        events = self._decode_events
+        if events:
+            events[0].record()
+        result = self.runner.decode(len(self.running), span)
+        if events:
+            events[1].record()
+        result = result.to("cpu", copy=True).numpy()  # waits for the decode, so both events are done
+        if events:
+            self.last_decode_device_s = events[0].elapsed_time(events[1]) / 1e3
         outputs = []
         for request in list(self.running):
             row = result[request.row]

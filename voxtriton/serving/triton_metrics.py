@@ -32,6 +32,9 @@ class TritonMetrics:
                                    histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.step = _family("voxtriton_frame_step_seconds", "Backbone frame step (all running requests advance one frame)",
                             histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.step_device = _family("voxtriton_frame_step_device_seconds",
+                                   "The frame step's decode as timed on the GPU (CUDA events; not reported on CPU)",
+                                   histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.step_batch = _family("voxtriton_frame_step_batch", "Requests in a backbone frame step", histogram).Metric(
             labels={}, buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
         depth = _family("voxtriton_lane_queue_depth", "Chunks waiting for a codec lane", gauge)
@@ -52,9 +55,11 @@ class TritonMetrics:
             self.ttfa.observe(since_submit_s)
             self.first_codec.observe(decode_s)
 
-    def frame_step(self, seconds, batch):
+    def frame_step(self, seconds, batch, decode_device_s):
         self.step.observe(seconds)
         self.step_batch.observe(batch)
+        if decode_device_s is not None:
+            self.step_device.observe(decode_device_s)
 
     def rejected(self):
         self.rejected_total.increment(1)

@@ -65,7 +65,7 @@ class Stream:
 class ServiceMetrics(Protocol):
     def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float) -> None: ...
     def rejected(self) -> None: ...
-    def frame_step(self, seconds: float, batch: int) -> None: ...
+    def frame_step(self, seconds: float, batch: int, decode_device_s: float | None) -> None: ...
     def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
 
 
@@ -179,7 +179,7 @@ class TTSService:
         started = time.perf_counter()
         outputs = self.engine.step()
         if self.metrics and outputs:
-            self.metrics.frame_step(time.perf_counter() - started, len(outputs))
+            self.metrics.frame_step(time.perf_counter() - started, len(outputs), self.engine.last_decode_device_s)
         with self.lock:
             for output in outputs:
                 self._on_frame(output.request, output.codes, output.finish_reason)
