@@ -19,15 +19,11 @@ def start_server(checkpoint, policy: str | None = None, parameters: dict | None 
     return server.start(timeout=300)
 
 
-def metrics(server: TritonServer) -> dict[str, float]:
-    return server.metrics()
-
-
 def wait_for_metric(server: TritonServer, name: str, predicate, timeout: float = 20.0) -> float:
     deadline = time.monotonic() + timeout
     value = None
     while time.monotonic() < deadline:
-        value = metrics(server).get(name)
+        value = server.metrics().get(name)
         if value is not None and predicate(value):
             return value
         time.sleep(0.1)

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_helpers import metrics, start_server, stream_and_abandon, stub_rss_mb, wait_for_metric
+from server_helpers import start_server, stream_and_abandon, stub_rss_mb, wait_for_metric
 from test_server import raw_request, string_input, typed
 from voxtriton_client import TTSClient
 
@@ -36,7 +36,7 @@ def test_burst_beyond_capacity_is_refused_fast_and_admitted_streams_complete(ser
     client = TTSClient(server.grpc_url)
     solo = speak(client, seed=7, frames=40)
     wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0)
-    rejected_before = metrics(server)["voxtriton_rejected_requests_total"]
+    rejected_before = server.metrics()["voxtriton_rejected_requests_total"]
 
     def timed(_):
         started = time.perf_counter()
@@ -54,7 +54,7 @@ def test_burst_beyond_capacity_is_refused_fast_and_admitted_streams_complete(ser
     for synthesis, seconds in busy:
         assert synthesis.error.startswith("server busy:"), synthesis.error
         assert seconds < 2.0  # refused at once, not timed out
-    rejected = metrics(server)["voxtriton_rejected_requests_total"] - rejected_before
+    rejected = server.metrics()["voxtriton_rejected_requests_total"] - rejected_before
     assert rejected == len(busy)
 
 

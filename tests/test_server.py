@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from server_helpers import metrics, start_server, stream_and_abandon, wait_for_metric
+from server_helpers import start_server, stream_and_abandon, wait_for_metric
 from voxtriton.scheduler.policy import SchedulerConfig
 from voxtriton_client import StreamingWavWriter, TTSClient
 from voxtriton_client.api import request_inputs
@@ -170,7 +170,7 @@ def typed(name, array, datatype):
 
 def test_metrics_are_exported(server, client):
     speak(client, TEXTS[2], seed=3, frames=30)
-    samples = wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0) is not None and metrics(server)
+    samples = wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0) is not None and server.metrics()
     assert samples['voxtriton_chunks_total{lane="urgent"}'] >= 1
     assert samples["voxtriton_ttfa_seconds_count"] >= 1
     assert 'voxtriton_lane_queue_depth{lane="background"}' in samples

@@ -37,9 +37,9 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         try:
-            sizes = [int(item) for item in self.chunk_schedule.split(",")]
-        except ValueError:
-            sizes = []
+            sizes = self.sizes
+        except ValueError:  # not a number: nothing is cached, the error below names the setting
+            sizes = ()
         if not sizes or min(sizes) < 1:
             raise ValueError(f"chunk_schedule must be comma-separated frame counts >= 1, got {self.chunk_schedule!r}")
         if self.max_batch < 1 or self.slack_margin_s < 0:
