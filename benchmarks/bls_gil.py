@@ -1,0 +1,107 @@
+"""Does a BLS call hold the GIL while it waits? A real tritonserver runs two throwaway Python models:
+`caller` spins a counter thread while its main thread (a) sleeps, (b) waits on a BLS call to
+`sleeper` (which sleeps in its own process), (c) spins itself. Full counter speed during (b), like
+(a), means the wait releases the GIL; half speed, like (c), would mean it holds it.
+
+    python benchmarks/bls_gil.py --seconds 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from voxtriton.serving.launcher import TritonServer
+
+CONFIG = """name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "{output}" data_type: TYPE_FP32 dims: [ {dims} ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+"""
+
+SLEEPER = """import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            time.sleep(float(x[0]))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return responses
+"""
+
+CALLER = """import threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+def counter_rate(action):
+    stop, count = threading.Event(), [0]
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+    thread = threading.Thread(target=spin)
+    thread.start()
+    time.sleep(0.05)
+    first, started = count[0], time.perf_counter()
+    action()
+    rate = (count[0] - first) / (time.perf_counter() - started)
+    stop.set()
+    thread.join()
+    return rate
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            seconds = float(x[0])
+            def bls():
+                response = pb_utils.InferenceRequest(model_name="sleeper", requested_output_names=["Y"],
+                                                     inputs=[pb_utils.Tensor("X", x)]).exec()
+                assert not response.has_error()
+            def spin():
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:
+                    pass
+            rates = [counter_rate(lambda: time.sleep(seconds)), counter_rate(bls), counter_rate(spin)]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("RATES", np.array(rates, np.float32))]))
+        return responses
+"""
+
+
+def write_repository(root: Path) -> Path:
+    for name, output, dims, code in (("sleeper", "Y", 1, SLEEPER), ("caller", "RATES", 3, CALLER)):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, output=output, dims=dims))
+        (root / name / "1" / "model.py").write_text(code)
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=0.5)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = TritonServer(repository=write_repository(Path(tmp)), tritonserver=args.tritonserver, use_mps=False)
+        with server:
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            x = grpcclient.InferInput("X", [1], "FP32")
+            x.set_data_from_numpy(np.array([args.seconds], np.float32))
+            for _ in range(args.repeat):
+                sleeping, waiting, spinning = client.infer("caller", [x]).as_numpy("RATES")
+                print(f"counter thread, iterations/s: beside a sleep {sleeping:.3g}, beside a BLS wait "
+                      f"{waiting:.3g}, beside a spinning thread {spinning:.3g}")
+
+
+if __name__ == "__main__":
+    main()
