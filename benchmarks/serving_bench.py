@@ -50,6 +50,7 @@ TEXTS = [
 ]
 FRAME_RATE = 12.5
 TTFA_TARGET_S = 0.2
+METRICS_LAG_S = 0.3  # the server applies metric updates within 0.1 s (triton_metrics); wait that out before reading
 
 
 @dataclass
@@ -211,9 +212,15 @@ def server_side(before: dict, after: dict) -> dict:
 
     chunks = {lane: delta.get(f'voxtriton_chunks_total{{lane="{lane}"}}', 0.0) for lane in ("urgent", "background", "inline")}
     total = sum(chunks.values())
+    steps = delta.get("voxtriton_frame_step_seconds_count", 0.0)
     return {
         "frame_step_ms_mean": mean("voxtriton_frame_step_seconds"),
         "frame_step_device_ms_mean": mean("voxtriton_frame_step_device_seconds"),  # GPU only
+        # The frame step's wall time split (per step): prefill of new prompts, decode (launch to codes
+        # on the host; the device time above is part of it), the rest (locks, bookkeeping, GIL waits).
+        "frame_step_parts_ms_mean": {part: round(delta.get(f'voxtriton_frame_step_part_seconds_total{{part="{part}"}}', 0.0)
+                                                 / steps * 1e3, 3) if steps else None
+                                     for part in ("admit", "decode", "other")},
         "frame_step_batch_mean": (delta.get("voxtriton_frame_step_batch_sum", 0.0) / delta["voxtriton_frame_step_batch_count"]
                                   if delta.get("voxtriton_frame_step_batch_count") else None),
         "codec_ms_mean": {lane: mean("voxtriton_codec_seconds", f'{{lane="{lane}"}}') for lane in chunks},
@@ -269,6 +276,7 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     before = fleet.metrics()
     results, lag = asyncio.run(run())
     summary = summarize(results, lag)
+    time.sleep(METRICS_LAG_S)
     summary["server"] = server_side(before, fleet.metrics())
     print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
     if summary["errors"]:

@@ -118,3 +118,15 @@ def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup):
     assert exact.keys() == padded.keys() and len(exact) == 5
     for request_id, codes in exact.items():
         np.testing.assert_array_equal(padded[request_id], codes)
+
+
+def test_step_timing_counts_admission_apart_from_the_decode(setup):
+    engine = new_engine(setup)
+    engine.add(make_request(setup, 0, frames=3))
+    engine.step()
+    admitting = engine.last_timing
+    engine.step()
+    steady = engine.last_timing
+    assert admitting.admit_s > 0 and admitting.decode_s > 0
+    assert steady.admit_s < admitting.admit_s  # nothing to admit: only the check
+    assert steady.decode_device_s is None  # CUDA events exist only on a GPU

@@ -108,7 +108,8 @@ def test_graphs_capture_and_replay_on_a_partition(tiny_checkpoint):
             codes = []
             while engine.has_work:
                 codes += [o.codes for o in engine.step()]
-            assert 0 < engine.last_decode_device_s < 1  # the step's decode, timed on the GPU
+            timing = engine.last_timing  # the step's decode, timed on the GPU and on the host
+            assert 0 < timing.decode_device_s <= timing.decode_s + 1e-3 < 1
         results.append(np.stack(codes))
     np.testing.assert_array_equal(results[0], results[1])
 

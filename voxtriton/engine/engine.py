@@ -7,6 +7,7 @@ is prefilled in that step) and leaves it the step it finishes, so no request wai
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,16 @@ class FrameOutput:
     finish_reason: str | None  # set on the request's last frame
 
 
+@dataclass
+class StepTiming:
+    """Where one frame step's wall time went. Next to each other they tell GPU contention (the
+    device time grows) from host work (only the wall grows) and from admissions (prefill grows)."""
+
+    admit_s: float = 0.0  # admitting requests: their prompts' prefill and row setup, waited for
+    decode_s: float = 0.0  # the frame's decode, launch to codes on the host
+    decode_device_s: float | None = None  # the same decode as the GPU timed it (CUDA events; None on CPU)
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, max_running: int):
         if max_running > runner.max_rows:
@@ -32,9 +43,7 @@ class Engine:
         self.eos = runner.config.talker.codec_eos_id
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # index == row
-        # The last frame step's decode as the GPU saw it (CUDA events; None on CPU). Next to the
-        # step's wall time it tells GPU contention (this grows) from host work (only the wall grows).
-        self.last_decode_device_s: float | None = None
+        self.last_timing = StepTiming()
         self._decode_events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                                if runner.device.type == "cuda" else None)
 
@@ -80,9 +89,14 @@ class Engine:
         """Generate the next frame of every running request (admitting waiting ones first)."""
         for request in [r for r in self.running if r.cancelled]:
             self._release(request, "cancelled")
-        self._admit()
+        started = time.perf_counter()
+        if self.waiting:
+            self._admit()
+            self.runner.synchronize()  # so the prefill's time is counted as admission, not decode
         if not self.running:
             return []
+        timing = self.last_timing = StepTiming(admit_s=time.perf_counter() - started)
+        started = time.perf_counter()
         span = max(r.position for r in self.running) + 1
         events = self._decode_events
         if events:
@@ -91,8 +105,9 @@ class Engine:
         if events:
             events[1].record()
         result = result.to("cpu", copy=True).numpy()  # waits for the decode, so both events are done
+        timing.decode_s = time.perf_counter() - started
         if events:
-            self.last_decode_device_s = events[0].elapsed_time(events[1]) / 1e3
+            timing.decode_device_s = events[0].elapsed_time(events[1]) / 1e3
         outputs = []
         for request in list(self.running):
             row = result[request.row]

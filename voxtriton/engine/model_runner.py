@@ -72,6 +72,11 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.set_buckets([], [])
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on this thread's stream (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     # -- rows ----------------------------------------------------------------------------------
 
     def move_row(self, source: int, target: int, length: int) -> None:

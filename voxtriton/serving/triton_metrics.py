@@ -1,6 +1,16 @@
-"""voxtriton's metrics on Triton's metrics endpoint (Python-backend custom metrics, Prometheus format)."""
+"""voxtriton's metrics on Triton's metrics endpoint (Python-backend custom metrics, Prometheus format).
+
+Every metric update of the Python backend is a round trip to the server process that releases the
+GIL, and a thread that released the GIL waits up to the interpreter's switch interval to get it back
+while another thread runs Python. On the engine thread or under the service lock that delay lands on
+every stream's frame period, so updates are only queued there; a writer thread of their own applies
+them (within `flush_interval_s`).
+"""
 
 from __future__ import annotations
+
+import collections
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -13,7 +23,7 @@ LANES = (URGENT, BACKGROUND, INLINE)
 class TritonMetrics:
     """Implements tts_service.ServiceMetrics."""
 
-    def __init__(self):
+    def __init__(self, flush_interval_s: float = 0.1):
         # Metric families must outlive their metrics, so they are kept here.
         self.families = []
 
@@ -30,8 +40,11 @@ class TritonMetrics:
         self.codec = {lane: codec.Metric(labels={"lane": lane}, buckets=LATENCY_BUCKETS) for lane in LANES}
         self.first_codec = _family("voxtriton_first_chunk_codec_seconds", "Codec call latency of calls holding a first chunk",
                                    histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
-        self.step = _family("voxtriton_frame_step_seconds", "Backbone frame step (all running requests advance one frame)",
-                            histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.step = _family("voxtriton_frame_step_seconds", "Engine loop pass in which every running request advances "
+                            "one frame (the frame period while busy)", histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        parts = _family("voxtriton_frame_step_part_seconds_total", "Frame steps' wall time by part: admit (prompts' "
+                        "prefill), decode (launch to codes on the host), other (locks, bookkeeping)", counter)
+        self.step_parts = {part: parts.Metric(labels={"part": part}) for part in ("admit", "decode", "other")}
         self.step_device = _family("voxtriton_frame_step_device_seconds",
                                    "The frame step's decode as timed on the GPU (CUDA events; not reported on CPU)",
                                    histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
@@ -47,28 +60,60 @@ class TritonMetrics:
                               "Chunks sent after their stream's playback deadline (a listener would have stalled)",
                               counter).Metric(labels={})
         self._misses_seen = 0
+        # (metric, "observe" | "increment", value) in order; gauges keep only their latest value.
+        self._updates: collections.deque = collections.deque()
+        self._gauge_values: dict = {}
+        self._gauges_set: dict = {}
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, args=(flush_interval_s,), name="voxtriton-metrics",
+                                        daemon=True)
+        self._writer.start()
 
     def chunk_sent(self, lane, frames, decode_s, first, since_submit_s):
-        self.chunks[lane].increment(1)
-        self.codec[lane].observe(decode_s)
+        queue = self._updates
+        queue.append((self.chunks[lane], "increment", 1))
+        queue.append((self.codec[lane], "observe", decode_s))
         if first:
-            self.ttfa.observe(since_submit_s)
-            self.first_codec.observe(decode_s)
+            queue.append((self.ttfa, "observe", since_submit_s))
+            queue.append((self.first_codec, "observe", decode_s))
 
-    def frame_step(self, seconds, batch, decode_device_s):
-        self.step.observe(seconds)
-        self.step_batch.observe(batch)
-        if decode_device_s is not None:
-            self.step_device.observe(decode_device_s)
+    def frame_step(self, seconds, batch, timing):
+        queue = self._updates
+        queue.append((self.step, "observe", seconds))
+        queue.append((self.step_batch, "observe", batch))
+        if timing.decode_device_s is not None:
+            queue.append((self.step_device, "observe", timing.decode_device_s))
+        queue.append((self.step_parts["admit"], "increment", timing.admit_s))
+        queue.append((self.step_parts["decode"], "increment", timing.decode_s))
+        queue.append((self.step_parts["other"], "increment", max(0.0, seconds - timing.admit_s - timing.decode_s)))
 
     def rejected(self):
-        self.rejected_total.increment(1)
+        self._updates.append((self.rejected_total, "increment", 1))
 
     def gauges(self, active, rows, queues, deadline_misses):
-        self.active.set(active)
-        self.rows.set(rows)
+        values = self._gauge_values
+        values[self.active], values[self.rows] = active, rows
         for lane, depth in queues.items():
-            self.depth[lane].set(depth)
+            values[self.depth[lane]] = depth
         if deadline_misses > self._misses_seen:
-            self.misses.increment(deadline_misses - self._misses_seen)
+            self._updates.append((self.misses, "increment", deadline_misses - self._misses_seen))
             self._misses_seen = deadline_misses
+
+    def close(self) -> None:
+        self._stop.set()
+        self._writer.join()
+
+    def _write_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._write()
+        self._write()
+
+    def _write(self) -> None:
+        queue = self._updates
+        while queue:
+            metric, method, value = queue.popleft()
+            getattr(metric, method)(value)
+        for metric, value in list(self._gauge_values.items()):
+            if self._gauges_set.get(metric) != value:
+                metric.set(value)
+                self._gauges_set[metric] = value

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -128,6 +129,7 @@ class TTSTritonModel:
         _exit_with_server()
         settings, scheduler_config = TTSSettings.from_model_config(args["model_config"])
         self.settings = settings
+        sys.setswitchinterval(settings.switch_interval_ms / 1e3)
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         checkpoint = ensure_checkpoint(settings.checkpoint_dir)
@@ -163,8 +165,9 @@ class TTSTritonModel:
                  self.state_pool.rows * state_size * 4 / 1e6)
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
                  BACKGROUND: BLSCodecLane(settings.codec_background_model, self.state_pool)}
+        self.metrics = TritonMetrics()
         self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
-                                  settings.cancellation_check_s, metrics=TritonMetrics(), device=device,
+                                  settings.cancellation_check_s, metrics=self.metrics, device=device,
                                   engine_context=self.partition)
         self.ids = itertools.count()
 
@@ -190,6 +193,7 @@ class TTSTritonModel:
 
     def finalize(self):
         self.service.shutdown()
+        self.metrics.close()
         self.state_pool.close()
 
 

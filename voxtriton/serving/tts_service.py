@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from ..engine.engine import Engine
+from ..engine.engine import Engine, StepTiming
 from ..engine.request import Request
 from ..errors import ServerBusy
 from ..scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk, ChunkScheduler, SchedulerConfig
@@ -65,7 +65,9 @@ class Stream:
 class ServiceMetrics(Protocol):
     def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float) -> None: ...
     def rejected(self) -> None: ...
-    def frame_step(self, seconds: float, batch: int, decode_device_s: float | None) -> None: ...
+    def frame_step(self, seconds: float, batch: int, timing: StepTiming) -> None:
+        """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
+        pass's whole wall time (the frame period while busy), `timing` splits out admission and decode."""
     def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
 
 
@@ -160,11 +162,13 @@ class TTSService:
                 self._fail_all_running(f"generation failed: {error}")
 
     def _engine_iteration(self) -> None:
+        started = time.perf_counter()  # includes waiting for the lock, which lane workers hold while sending
         with self.lock:
             while self.running and not self.incoming and not self.engine.has_work:
                 self.lock.wait(self.cancellation_check_s)
                 self._check_cancellations()
                 self._publish_gauges()
+                started = time.perf_counter()  # idle time is not part of a frame step
             if not self.running:
                 return
             for stream in self.incoming:
@@ -176,15 +180,14 @@ class TTSService:
                 self.scheduler.open(stream.request.request_id)
             self.incoming.clear()
             self._check_cancellations()
-        started = time.perf_counter()
         outputs = self.engine.step()
-        if self.metrics and outputs:
-            self.metrics.frame_step(time.perf_counter() - started, len(outputs), self.engine.last_decode_device_s)
         with self.lock:
             for output in outputs:
                 self._on_frame(output.request, output.codes, output.finish_reason)
             self._publish_gauges()
             self.lock.notify_all()
+        if self.metrics and outputs:
+            self.metrics.frame_step(time.perf_counter() - started, len(outputs), self.engine.last_timing)
         if self.scheduler.config.policy == "serial":
             self._drain_inline()
 
