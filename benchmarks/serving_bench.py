@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import platform
 import random
@@ -50,6 +51,7 @@ TEXTS = [
 ]
 FRAME_RATE = 12.5
 TTFA_TARGET_S = 0.2
+LANES = ("urgent", "background", "inline")  # chunk_info's lane codes
 METRICS_LAG_S = 0.3  # the server applies metric updates within 0.1 s (triton_metrics); wait that out before reading
 
 
@@ -61,6 +63,7 @@ class RequestResult:
     audio_s: float
     rtf: float | None
     error: str | None
+    late: tuple[tuple[int, str], ...] = ()  # (chunk index, codec lane) of each chunk that arrived after the buffer ran dry
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -91,14 +94,15 @@ async def one_request(client: Router, rng: random.Random, seconds_range, speaker
     sent = time.perf_counter()
     try:
         synthesis = await client.synthesize(rng.choice(TEXTS), speaker=speaker, seed=rng.randrange(2**31),
-                                            max_frames=frames, ignore_eos=True)
+                                            max_frames=frames, ignore_eos=True, info=True)
     except Exception as error:  # connection-level failures count as failed requests
         return RequestResult(sent, None, 0.0, 0.0, None, repr(error))
     report = simulate_playback(0.0, [(c.arrived_s, c.seconds) for c in synthesis.chunks])
     last = synthesis.chunks[-1].arrived_s if synthesis.chunks else None
     error = synthesis.error or (None if synthesis.completed else "stream ended without its final response")
+    late = tuple((i, LANES[int(synthesis.chunks[i].info[3])]) for i in report.late_chunks)
     return RequestResult(sent, report.ttfa_s, report.stall_s, report.audio_s,
-                         last / report.audio_s if last and report.audio_s else None, error)
+                         last / report.audio_s if last and report.audio_s else None, error, late)
 
 
 async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 0.01) -> None:
@@ -187,7 +191,11 @@ def summarize(results: list[RequestResult], lag: list[float]) -> dict:
         "ttfa_p50_ms": _ms(percentile(ttfa, 50)), "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
         "ttfa_p99_ms": _ms(percentile(ttfa, 99)),
         "stalled_requests": len(stalled), "stalled_fraction": len(stalled) / len(ok) if ok else None,
-        "stall_total_s": sum(r.stall_s for r in ok), "rtf_median": statistics.median(rtf) if rtf else None,
+        "stall_total_s": sum(r.stall_s for r in ok),
+        # Where stalls start: late chunks by their position in the stream (0 is the first) and by lane.
+        "late_chunks_by_index": dict(sorted(collections.Counter(i for r in ok for i, _ in r.late).items())),
+        "late_chunks_by_lane": dict(collections.Counter(lane for r in ok for _, lane in r.late)),
+        "rtf_median": statistics.median(rtf) if rtf else None,
         "audio_s": sum(r.audio_s for r in ok), "listeners_peak": peak_listeners(results),
         "client_loop_lag_p99_ms": _ms(percentile(lag, 99)), "client_loop_lag_max_ms": _ms(max(lag) if lag else None),
     }
@@ -210,7 +218,7 @@ def server_side(before: dict, after: dict) -> dict:
         count = delta.get(f"{name}_count{labels}", 0.0)
         return round(delta.get(f"{name}_sum{labels}", 0.0) / count * 1e3, 3) if count else None
 
-    chunks = {lane: delta.get(f'voxtriton_chunks_total{{lane="{lane}"}}', 0.0) for lane in ("urgent", "background", "inline")}
+    chunks = {lane: delta.get(f'voxtriton_chunks_total{{lane="{lane}"}}', 0.0) for lane in LANES}
     total = sum(chunks.values())
     steps = delta.get("voxtriton_frame_step_seconds_count", 0.0)
     return {

@@ -16,6 +16,7 @@ class PlaybackReport:
     stalls: int  # number of separate stalls
     audio_s: float  # audio received
     finished_playing_s: float | None  # request sent -> playback of the last sample ends
+    late_chunks: tuple[int, ...] = ()  # positions of the chunks that arrived after the buffer ran dry
 
     @property
     def stalled(self) -> bool:
@@ -27,12 +28,12 @@ def simulate_playback(sent_at: float, arrivals: list[tuple[float, float]]) -> Pl
     if not arrivals:
         return PlaybackReport(None, 0.0, 0, 0.0, None)
     play_until = arrivals[0][0]  # the moment the buffer runs dry
-    stall, stalls, audio = 0.0, 0, 0.0
-    for arrived, seconds in arrivals:
+    stall, late, audio = 0.0, [], 0.0
+    for index, (arrived, seconds) in enumerate(arrivals):
         if arrived > play_until:
             stall += arrived - play_until
-            stalls += 1
+            late.append(index)
             play_until = arrived
         play_until += seconds
         audio += seconds
-    return PlaybackReport(arrivals[0][0] - sent_at, stall, stalls, audio, play_until - sent_at)
+    return PlaybackReport(arrivals[0][0] - sent_at, stall, len(late), audio, play_until - sent_at, tuple(late))

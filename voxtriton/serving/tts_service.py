@@ -5,7 +5,9 @@ Threads:
 - the engine thread admits requests, runs one frame step for every running request, and hands the
   frames to the chunk scheduler, which cuts chunks and queues them on a lane;
 - one worker per codec lane takes a batch from its queue, calls the codec (BLS in the server),
-  sends each chunk's audio to its stream, and lets the scheduler cut that stream's next chunk.
+  sends each chunk's audio to its stream, and lets the scheduler cut that stream's next chunk;
+- a watcher polls the clients' cancellation flags (a round trip to the server process each, so
+  not on the engine thread, whose every millisecond delays every stream).
 A stream has at most one chunk in flight (the next one continues the codec state this one leaves in
 the stream's row of the codec state pool), so its chunks leave in order and exactly once, whichever
 lanes decode them.
@@ -105,8 +107,9 @@ class TTSService:
         self.streams: dict[str, Stream] = {}
         self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config)))
         self.running = True
-        self._last_cancel_check = 0.0
-        self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True)]
+        self._stopping = threading.Event()  # wakes the cancellation watcher at shutdown
+        self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
+                        threading.Thread(target=self._watch_cancellations, name="voxtriton-cancellations", daemon=True)]
         if scheduler_config.policy != "serial":
             lanes_used = [URGENT] if scheduler_config.policy != "voxserve" else [URGENT, BACKGROUND]
             self.threads += [threading.Thread(target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}",
@@ -142,6 +145,7 @@ class TTSService:
         with self.lock:
             self.running = False
             self.lock.notify_all()
+        self._stopping.set()
         for thread in self.threads:
             thread.join(timeout)
         for stream in list(self.streams.values()):
@@ -166,7 +170,6 @@ class TTSService:
         with self.lock:
             while self.running and not self.incoming and not self.engine.has_work:
                 self.lock.wait(self.cancellation_check_s)
-                self._check_cancellations()
                 self._publish_gauges()
                 started = time.perf_counter()  # idle time is not part of a frame step
             if not self.running:
@@ -179,7 +182,6 @@ class TTSService:
                     continue
                 self.scheduler.open(stream.request.request_id)
             self.incoming.clear()
-            self._check_cancellations()
         outputs = self.engine.step()
         with self.lock:
             for output in outputs:
@@ -201,18 +203,22 @@ class TTSService:
         stream.frames.append(codes)
         self.scheduler.frames_generated(request.request_id, 1, done=reason is not None)
 
-    def _check_cancellations(self) -> None:
-        """Poll the clients' cancellation flags (a round trip each, so not every step)."""
-        now = self.clock()
-        if now - self._last_cancel_check < self.cancellation_check_s:
-            return
-        self._last_cancel_check = now
-        for stream in list(self.streams.values()):
-            if not stream.ended and stream.sink.cancelled():
-                self._end(stream, "request cancelled")
-        for stream in self.incoming[:]:
-            if stream.ended:
-                self.incoming.remove(stream)
+    def _watch_cancellations(self) -> None:
+        """End the streams whose client cancelled or went away; their generation stops at the next step.
+
+        One stream at a time under the lock: a stream's Triton request may only be asked while the
+        stream is open (after its final response Triton releases it), and the engine thread and the
+        lane workers wait for one round trip at most.
+        """
+        while not self._stopping.wait(self.cancellation_check_s):
+            with self.lock:
+                open_streams = list(self.streams.values())
+            for stream in open_streams:
+                with self.lock:
+                    if not stream.ended and stream.sink.cancelled():
+                        self._end(stream, "request cancelled")
+                        self.incoming = [s for s in self.incoming if not s.ended]
+                        self.lock.notify_all()
 
     def _fail_all_running(self, message: str) -> None:
         with self.lock:
