@@ -87,24 +87,26 @@ class ModelRunner:
         self.cache.values[:, target, :, :length] = self.cache.values[:, source, :, :length]
 
     def _set_params(self, rows: slice, requests: list[Request]) -> None:
-        def put(tensor, values):
-            tensor[rows] = torch.tensor(values, dtype=tensor.dtype).to(self.device)
-
-        params = [r.params for r in requests]
-        put(self.penalty, [p.repetition_penalty for p in params])
-        put(self.ignore_eos, [p.ignore_eos for p in params])
-        put(self.main.temperature, [p.temperature for p in params])
-        put(self.main.top_k, [p.top_k for p in params])
-        put(self.main.top_p, [p.top_p for p in params])
-        put(self.main.seeds, [fold_seed(p.seed) for p in params])
-        put(self.sub.temperature, [p.sub_temperature for p in params])
-        put(self.sub.top_k, [p.sub_top_k for p in params])
-        put(self.sub.top_p, [p.sub_top_p for p in params])
+        """Write new requests' row state: one upload for the scalars, one for the trailing text."""
+        columns = [(self.penalty, "repetition_penalty"), (self.ignore_eos, "ignore_eos"),
+                   (self.main.temperature, "temperature"), (self.main.top_k, "top_k"), (self.main.top_p, "top_p"),
+                   (self.sub.temperature, "sub_temperature"), (self.sub.top_k, "sub_top_k"),
+                   (self.sub.top_p, "sub_top_p")]
+        # float64 holds every value exactly (seeds have 31 bits, top-k and positions are small).
+        scalars = torch.tensor([[float(getattr(r.params, name)) for _, name in columns]
+                                + [float(fold_seed(r.params.seed)), float(len(r.prompt.text_ids))] for r in requests],
+                               dtype=torch.float64).to(self.device)
+        for index, (tensor, _) in enumerate(columns):
+            tensor[rows] = scalars[:, index].to(tensor.dtype)
+        self.main.seeds[rows] = scalars[:, -2].long()
+        self.position[rows] = scalars[:, -1].long()
         trailing = torch.full((len(requests), self.trailing.shape[1]), self.config.tts_pad_token_id, dtype=torch.long)
         for i, request in enumerate(requests):
             ids = request.prompt.trailing_text_ids
             trailing[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         self.trailing[rows] = trailing.to(self.device)
+        self.seen[rows] = False
+        self.frame_index[rows] = 0
 
     # -- codebook 0 --------------------------------------------------------------------------------
 
@@ -146,6 +148,8 @@ class ModelRunner:
             text[i, : lengths[i]] = torch.tensor(request.prompt.text_ids)
             codec[i, : lengths[i]] = torch.tensor(request.prompt.codec_ids)
         last_index = torch.tensor(lengths + [1] * (batch - count)) - 1
+        # Uploads first: a copy from pageable memory waits for the stream, which is idle now.
+        self._set_params(rows, requests)
         if padded:
             self.prefill_text[:batch, :length].copy_(text)
             self.prefill_codec[:batch, :length].copy_(codec)
@@ -163,10 +167,6 @@ class ModelRunner:
             cache = StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows])
             last = self._prompt_last_hidden(text.to(self.device), codec.to(self.device), last_index.to(self.device), cache)
         last = last[:count]
-        self._set_params(rows, requests)
-        self.seen[rows] = False
-        self.frame_index[rows] = 0
-        self.position[rows] = torch.tensor(lengths, device=self.device)
         self.past_hidden[rows] = last
         frames = self.frame_index[rows]
         gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None], self.code_groups[:1], self.vocab)[:, 0]

@@ -70,7 +70,10 @@ class TTSSettings:
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
-    background_sms: int = 32  # SMs of the background codec lane (voxserve); the backbone gets the rest
+    background_sms: int = 32  # SMs of the background codec lane (voxserve)
+    # voxserve: "exclusive" runs the backbone on the SMs the background lane does not use; "shared"
+    # runs it on the whole GPU at high stream priority, so background-lane kernels fill in around it.
+    backbone_partition: str = "exclusive"
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.05
@@ -92,6 +95,9 @@ class TTSSettings:
     def __post_init__(self):
         if not 0 < self.switch_interval_ms <= 1000:
             raise ValueError(f"config.pbtxt parameter 'switch_interval_ms' must be in (0, 1000], got {self.switch_interval_ms}")
+        if self.backbone_partition not in ("exclusive", "shared"):
+            raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
+                             f"got {self.backbone_partition!r}")
         if self.text_layout not in ("full", "interleaved"):
             raise ValueError(f"config.pbtxt parameter 'text_layout' must be full or interleaved, got {self.text_layout!r}")
 

@@ -139,14 +139,15 @@ class TTSTritonModel:
         if device.type == "cuda" and not mps_active():
             log.warning("CUDA MPS is not active: the codec lanes and the backbone will time-slice the GPU "
                         "instead of running side by side (start it with `voxtriton serve`)")
-        backbone_sms = 0
+        backbone_sms, shared = 0, False
         if device.type == "cuda" and scheduler_config.policy == "voxserve":
             total = torch.cuda.get_device_properties(device).multi_processor_count
             if not 0 < settings.background_sms < total:
                 raise ValueError(f"config.pbtxt parameter 'background_sms' must be between 1 and {total - 1} "
                                  f"(this GPU has {total} SMs), got {settings.background_sms}")
-            backbone_sms = total - settings.background_sms
-        self.partition = SMPartition(device, backbone_sms)
+            shared = settings.backbone_partition == "shared"
+            backbone_sms = 0 if shared else total - settings.background_sms
+        self.partition = SMPartition(device, backbone_sms, high_priority=shared)
         backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
         tokenizer = TextTokenizer(checkpoint)
         self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings)
