@@ -71,9 +71,10 @@ class TTSSettings:
     text_layout: str = "full"  # full (official default) | interleaved
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
     background_sms: int = 32  # SMs of the background codec lane (voxserve)
-    # voxserve: "exclusive" runs the backbone on the SMs the background lane does not use; "shared"
-    # runs it on the whole GPU at high stream priority, so background-lane kernels fill in around it.
-    backbone_partition: str = "exclusive"
+    # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
+    # kernels filling in around it; "exclusive" gives it only the SMs the background lane does not
+    # use. On the H200 "shared" stalled fewer streams at every rate measured (goodput_h200.md).
+    backbone_partition: str = "shared"
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.05
