@@ -74,11 +74,11 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
                   "ignore_eos": np.array([True])}
         service.submit(parser.parse("r1", inputs), sink)
         assert lane.called.wait(60)
-        if policy == "serial":  # the engine thread itself is in the codec call: it fails the chunk
+        if policy == "serial":  # the engine thread itself is in the codec call: nobody polls cancellation
             lane.release.set()
         else:
             sink.cancel = True
-            wait_for(lambda: "r1" not in service.streams)  # ended by the cancellation watcher
+            wait_for(lambda: "r1" not in service.streams)  # ended by the engine thread's cancellation poll
             assert len(service.free_slots) == slots - 1  # the lane may still write its row
             lane.release.set()
         wait_for(lambda: len(service.free_slots) == slots)
@@ -137,51 +137,3 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
                                   codec.model.new_state(1))
     assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
-
-
-class LaneThatWaitsForASecondCall:
-    """Real codec lanes, one per calling thread (as each urgent worker reaches a codec instance of
-    its own in the server), whose first call returns only once a second call has started beside it."""
-
-    def __init__(self, lanes):
-        self.lanes, self.by_thread = lanes, {}
-        self.meeting, self.guard = threading.Barrier(2, timeout=20), threading.Lock()
-        self.calls = 0
-
-    def decode(self, codes, start, slots):
-        with self.guard:
-            self.calls += 1
-            meet = self.calls <= 2
-            if threading.get_ident() not in self.by_thread:
-                self.by_thread[threading.get_ident()] = self.lanes[len(self.by_thread)]
-            lane = self.by_thread[threading.get_ident()]
-        if meet:
-            self.meeting.wait()  # breaks (and fails the call) if no second call comes
-        return lane.decode(codes, start, slots)
-
-
-def test_urgent_workers_decode_calls_side_by_side(tiny_checkpoint):
-    """Two urgent workers: while one call is in flight, a chunk that cannot join it (here: batches
-    of one) is decoded by the other worker instead of waiting."""
-    config = load_config(tiny_checkpoint)
-    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
-    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
-    codecs = [CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu")) for _ in range(2)]
-    scheduler_config = SchedulerConfig(policy="concurrent", max_batch=1)
-    engine = Engine(runner, 2)
-    pool = CodecStatePool(codec_slots(engine, 0, scheduler_config, urgent_workers=2), codecs[0].state_size, "cpu")
-    lane = LaneThatWaitsForASecondCall([InProcessLane(codec, pool.tensor) for codec in codecs])
-    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=0, urgent_workers=2)
-    sinks = [CollectingSink(), CollectingSink()]
-    try:
-        for index, sink in enumerate(sinks):
-            inputs = {"text": np.array([b"Side by side."], dtype=object), "max_frames": np.array([6]),
-                      "ignore_eos": np.array([True]), "seed": np.array([index])}
-            service.submit(parser.parse(f"r{index}", inputs), sink)
-        for sink in sinks:
-            assert sink.done.wait(120) and sink.errors == []
-            assert sum(int(info[2]) for info in sink.info) == 6
-    finally:
-        service.shutdown()
-    assert not lane.meeting.broken

@@ -75,7 +75,6 @@ class TTSSettings:
     # kernels filling in around it; "exclusive" gives it only the SMs the background lane does not
     # use. On the H200 "shared" stalled fewer streams at every rate measured (goodput_h200.md).
     backbone_partition: str = "shared"
-    urgent_workers: int = 2  # concurrent calls to the urgent lane; codec_urgent needs as many instances
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.05
@@ -97,8 +96,6 @@ class TTSSettings:
     def __post_init__(self):
         if not 0 < self.switch_interval_ms <= 1000:
             raise ValueError(f"config.pbtxt parameter 'switch_interval_ms' must be in (0, 1000], got {self.switch_interval_ms}")
-        if self.urgent_workers < 1:
-            raise ValueError(f"config.pbtxt parameter 'urgent_workers' must be at least 1, got {self.urgent_workers}")
         if self.backbone_partition not in ("exclusive", "shared"):
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")

@@ -160,8 +160,8 @@ class TTSTritonModel:
             state_size = CodecModel(config.codec).state_size
         engine = Engine(runner, settings.max_streams)
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
-        slots = codec_slots(engine, settings.max_queued, scheduler_config, settings.urgent_workers)
-        self.state_pool = CodecStatePool(slots, state_size, device, publish_for=os.getppid())
+        self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued, scheduler_config), state_size, device,
+                                         publish_for=os.getppid())
         log.info("tts: codec state pool of %d streams (%.0f MB)", self.state_pool.rows,
                  self.state_pool.rows * state_size * 4 / 1e6)
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
@@ -169,7 +169,7 @@ class TTSTritonModel:
         self.metrics = TritonMetrics()
         self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
                                   settings.cancellation_check_s, metrics=self.metrics, device=device,
-                                  engine_context=self.partition, urgent_workers=settings.urgent_workers)
+                                  engine_context=self.partition)
         self.ids = itertools.count()
 
     def execute(self, requests):

@@ -73,10 +73,10 @@ class ServiceMetrics(Protocol):
     def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
 
 
-def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, urgent_workers: int = 1) -> int:
+def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig) -> int:
     """Rows the codec state pool needs: one per stream the service holds, plus the rows of streams
-    that ended while a lane worker was decoding their chunk (up to one batch per worker; freed on return)."""
-    return engine.max_running + max_queued + (urgent_workers + 1) * scheduler_config.max_batch
+    that ended while a lane was decoding their chunk (up to one batch per lane; freed on return)."""
+    return engine.max_running + max_queued + 2 * scheduler_config.max_batch
 
 
 def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
@@ -89,10 +89,8 @@ class TTSService:
     def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
                  max_queued: int, cancellation_check_s: float = 0.05,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 device: torch.device | str = "cpu", engine_context=None, urgent_workers: int = 1):
-        """lanes share one codec state pool of at least `codec_slots(...)` rows. `urgent_workers`
-        threads call the urgent lane at once (give its model as many instances), so chunks of
-        different sizes, which never share a call, need not wait for each other's calls."""
+                 device: torch.device | str = "cpu", engine_context=None):
+        """lanes share one codec state pool of at least `codec_slots(...)` rows."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -107,15 +105,15 @@ class TTSService:
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
-        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config, urgent_workers)))
+        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config)))
         self.running = True
         self._stopping = threading.Event()  # wakes the cancellation watcher at shutdown
         self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
                         threading.Thread(target=self._watch_cancellations, name="voxtriton-cancellations", daemon=True)]
         if scheduler_config.policy != "serial":
-            workers = [URGENT] * urgent_workers + ([BACKGROUND] if scheduler_config.policy == "voxserve" else [])
+            lanes_used = [URGENT] if scheduler_config.policy != "voxserve" else [URGENT, BACKGROUND]
             self.threads += [threading.Thread(target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}",
-                                              daemon=True) for lane in workers]
+                                              daemon=True) for lane in lanes_used]
         for thread in self.threads:
             thread.start()
 
