@@ -3,6 +3,11 @@
 `sleeper` (which sleeps in its own process), (c) spins itself. Full counter speed during (b), like
 (a), means the wait releases the GIL; half speed, like (c), would mean it holds it.
 
+Then the price of releasing it: `caller` times a custom-metric update (a round trip to the server
+process, which releases the GIL) alone and beside the spinning thread. Beside it, each update waits
+for the GIL for about the interpreter's switch interval (5 ms): why voxtriton keeps metric updates
+and other round trips off its engine thread (serving/triton_metrics.py).
+
     python benchmarks/bls_gil.py --seconds 0.5
 """
 
@@ -57,7 +62,30 @@ def counter_rate(action):
     thread.join()
     return rate
 
+def metric_update_seconds(metric, spinning, updates=200):
+    stop = threading.Event()
+    def spin():
+        while not stop.is_set():
+            pass
+    thread = threading.Thread(target=spin)
+    if spinning:
+        thread.start()
+        time.sleep(0.05)
+    started = time.perf_counter()
+    for _ in range(updates):
+        metric.observe(0.01)
+    seconds = (time.perf_counter() - started) / updates
+    stop.set()
+    if spinning:
+        thread.join()
+    return seconds
+
 class TritonPythonModel:
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily(name="probe_seconds", description="probe",
+                                            kind=pb_utils.MetricFamily.HISTOGRAM)
+        self.metric = self.family.Metric(labels={}, buckets=[0.1])
+
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -71,14 +99,15 @@ class TritonPythonModel:
                 end = time.perf_counter() + seconds
                 while time.perf_counter() < end:
                     pass
-            rates = [counter_rate(lambda: time.sleep(seconds)), counter_rate(bls), counter_rate(spin)]
+            rates = [counter_rate(lambda: time.sleep(seconds)), counter_rate(bls), counter_rate(spin),
+                     metric_update_seconds(self.metric, False), metric_update_seconds(self.metric, True)]
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("RATES", np.array(rates, np.float32))]))
         return responses
 """
 
 
 def write_repository(root: Path) -> Path:
-    for name, output, dims, code in (("sleeper", "Y", 1, SLEEPER), ("caller", "RATES", 3, CALLER)):
+    for name, output, dims, code in (("sleeper", "Y", 1, SLEEPER), ("caller", "RATES", 5, CALLER)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, output=output, dims=dims))
         (root / name / "1" / "model.py").write_text(code)
@@ -98,9 +127,10 @@ def main() -> None:
             x = grpcclient.InferInput("X", [1], "FP32")
             x.set_data_from_numpy(np.array([args.seconds], np.float32))
             for _ in range(args.repeat):
-                sleeping, waiting, spinning = client.infer("caller", [x]).as_numpy("RATES")
+                sleeping, waiting, spinning, alone, contended = client.infer("caller", [x]).as_numpy("RATES")
                 print(f"counter thread, iterations/s: beside a sleep {sleeping:.3g}, beside a BLS wait "
-                      f"{waiting:.3g}, beside a spinning thread {spinning:.3g}")
+                      f"{waiting:.3g}, beside a spinning thread {spinning:.3g}; one metric update: "
+                      f"{alone * 1e3:.3f} ms alone, {contended * 1e3:.2f} ms beside a spinning thread")
 
 
 if __name__ == "__main__":

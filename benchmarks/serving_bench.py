@@ -321,9 +321,27 @@ def run_policy(args, spec: str) -> dict:
     return out
 
 
+def search_goodput(passes, low: float, high: float, steps: int) -> tuple[float, str | None]:
+    """The highest rate that `passes(rate)`, by geometric bisection between `low` and `high` (rates
+    span orders of magnitude). A failing `low` does not end the search: it moves down by the same
+    ratio, up to `steps` times, so a bracket set too high still finds the goodput."""
+    moved = False
+    for _ in range(steps + 1):
+        if passes(low):
+            break
+        low, high, moved = low * low / high, low, True
+    else:
+        return 0.0, "no probe passed; lower --rate-low"
+    if not moved and passes(high):  # (once moved, `high` is a rate that failed)
+        return high, "target met at --rate-high; raise it"
+    for _ in range(steps):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if passes(middle) else (low, middle)
+    return low, None
+
+
 def find_goodput(args, fleet: Fleet, policy: str) -> dict:
-    """Bisection on the arrival rate for the highest rate meeting p90 TTFA <= 200 ms with no stall."""
-    low, high = args.rate_low, args.rate_high
+    """The highest rate meeting p90 TTFA <= 200 ms with no stall (`search_goodput`); every probe is kept."""
     seconds = (args.min_seconds, args.max_seconds)
     trials = []
 
@@ -333,14 +351,8 @@ def find_goodput(args, fleet: Fleet, policy: str) -> dict:
         trials.append({"rate": rate, "meets": meets_target(summary), **summary})
         return meets_target(summary)
 
-    if not trial(low):
-        return {"goodput": 0.0, "trials": trials}
-    if trial(high):
-        return {"goodput": high, "trials": trials, "note": "target met at --rate-high; raise it"}
-    for _ in range(args.bisection_steps):
-        middle = (low * high) ** 0.5  # geometric: rates span orders of magnitude
-        low, high = (middle, high) if trial(middle) else (low, middle)
-    return {"goodput": low, "trials": trials}
+    rate, note = search_goodput(trial, args.rate_low, args.rate_high, args.bisection_steps)
+    return {"goodput": rate, "trials": trials, **({"note": note} if note else {})}
 
 
 def write_outputs(args, results: list[dict], meta: dict) -> None:

@@ -10,16 +10,15 @@ def config(**parameters):
 
 
 def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
-    settings, scheduler = TTSSettings.from_model_config(config(switch_interval_ms="0.5", backbone_partition="shared",
+    settings, scheduler = TTSSettings.from_model_config(config(cancellation_check_s="0.5", backbone_partition="exclusive",
                                                                scheduler_policy="concurrent"))
-    assert settings.switch_interval_ms == 0.5 and settings.backbone_partition == "shared"
+    assert settings.cancellation_check_s == 0.5 and settings.backbone_partition == "exclusive"
     assert scheduler.policy == "concurrent"
 
 
 @pytest.mark.parametrize("name, value, message", [
     ("backbone_partition", "half", "'backbone_partition' must be exclusive or shared"),
-    ("switch_interval_ms", "0", "'switch_interval_ms' must be in"),
-    ("switch_interval_ms", "fast", "'switch_interval_ms': cannot read 'fast' as float"),
+    ("cancellation_check_s", "fast", "'cancellation_check_s': cannot read 'fast' as float"),
     ("backbone_sms", "100", "unknown parameter(s) backbone_sms"),
 ])
 def test_a_bad_parameter_is_refused_by_name(name, value, message):

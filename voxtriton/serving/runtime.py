@@ -64,8 +64,9 @@ class SMPartition:
     """Run this process's GPU work on `sm_count` SMs (a CUDA green context), or the whole GPU (0).
 
     Kernels launched on `stream` are limited to the partition; on CPU it is a no-op. A whole-GPU
-    partition can be `high_priority`: its blocks are scheduled ahead of normal-priority work, so an
-    urgent chunk does not queue behind the backbone's kernels.
+    partition can be `high_priority`: its blocks are scheduled ahead of normal-priority work (the
+    urgent codec lane's, and the backbone's under `backbone_partition=shared`, so that background
+    codec kernels only fill in around them).
     """
 
     def __init__(self, device: torch.device, sm_count: int, high_priority: bool = False):

@@ -78,9 +78,6 @@ class TTSSettings:
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.05
-    # The stub's interpreter switch interval: how long a thread that released the GIL (every torch
-    # call and BLS or response round trip does) may wait for it while another thread runs Python.
-    switch_interval_ms: float = 5.0
     cuda_graphs: bool = True
     graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams
     graph_spans: str = "256,512,1024,2048"  # attention-span buckets, capped at max_positions
@@ -94,8 +91,6 @@ class TTSSettings:
                 "prefill_lengths": int_list(self.prefill_graph_lengths)}
 
     def __post_init__(self):
-        if not 0 < self.switch_interval_ms <= 1000:
-            raise ValueError(f"config.pbtxt parameter 'switch_interval_ms' must be in (0, 1000], got {self.switch_interval_ms}")
         if self.backbone_partition not in ("exclusive", "shared"):
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")
