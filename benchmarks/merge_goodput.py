@@ -23,7 +23,8 @@ def probes(run: Path) -> list[dict]:
     """Every open-loop probe of one run, labelled by model, policy and run."""
     result = json.loads((run / "results.json").read_text())
     command = result["meta"]["command"]
-    model = re.search(r"ck-([\w.]+)", result["meta"]["checkpoint"]).group(1)
+    checkpoint = result["meta"]["checkpoint"]
+    model = (re.search(r"ck-([\w.]+)", checkpoint) or re.search(r"([^/]+)/?$", checkpoint)).group(1)
     rows = []
     for entry in result["policies"]:
         trials = (entry.get("goodput") or {}).get("trials", []) + entry.get("rates", [])

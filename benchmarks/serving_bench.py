@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 from voxtriton_client import simulate_playback  # noqa: E402
 from voxtriton.serving.gateway import Router  # noqa: E402
 from voxtriton.serving.launcher import TritonServer, parse_params  # noqa: E402
+from voxtriton.serving.tts_service import LANE_CODES  # noqa: E402
 
 TEXTS = [
     "Good morning, and welcome to the show.", "The weather today will be mostly sunny with a light breeze.",
@@ -51,8 +52,7 @@ TEXTS = [
 ]
 FRAME_RATE = 12.5
 TTFA_TARGET_S = 0.2
-LANES = ("urgent", "background", "inline")  # chunk_info's lane codes
-METRICS_LAG_S = 0.3  # the server applies metric updates within 0.1 s (triton_metrics); wait that out before reading
+LANES = tuple(sorted(LANE_CODES, key=LANE_CODES.get))  # chunk_info's lane codes, in order
 
 
 @dataclass
@@ -284,12 +284,24 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     before = fleet.metrics()
     results, lag = asyncio.run(run())
     summary = summarize(results, lag)
-    time.sleep(METRICS_LAG_S)
-    summary["server"] = server_side(before, fleet.metrics())
+    summary["server"] = server_side(before, settled_metrics(fleet))
     print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
     if summary["errors"]:
         print(f"  errors: {summary['errors']}", flush=True)
     return summary
+
+
+def settled_metrics(fleet: Fleet, timeout: float = 5.0) -> dict[str, float]:
+    """The servers' metrics once their writers have applied everything queued (they apply updates
+    every 0.1 s, see serving/triton_metrics.py): two reads 0.25 s apart that agree."""
+    deadline = time.monotonic() + timeout
+    previous = fleet.metrics()
+    while True:
+        time.sleep(0.25)
+        current = fleet.metrics()
+        if current == previous or time.monotonic() > deadline:
+            return current
+        previous = current
 
 
 def warm_up(args, fleet: Fleet) -> None:

@@ -19,6 +19,7 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
 @pytest.mark.parametrize("name, value, message", [
     ("backbone_partition", "half", "'backbone_partition' must be exclusive or shared"),
     ("cancellation_check_s", "fast", "'cancellation_check_s': cannot read 'fast' as float"),
+    ("cancellation_check_s", "0", "'cancellation_check_s' must be positive"),
     ("backbone_sms", "100", "unknown parameter(s) backbone_sms"),
 ])
 def test_a_bad_parameter_is_refused_by_name(name, value, message):

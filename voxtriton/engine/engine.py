@@ -70,7 +70,8 @@ class Engine:
         self.running.pop()
         request.row = None
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Prefill waiting requests into free rows; True if any was admitted."""
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             request.status, request.finish_reason = Status.FINISHED, "cancelled"
@@ -78,20 +79,20 @@ class Engine:
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             admitted.append(self.waiting.popleft())
         if not admitted:
-            return
+            return False
         first_row = len(self.running)
         self.runner.prefill(admitted, first_row)
         for offset, request in enumerate(admitted):
             request.status, request.row = Status.RUNNING, first_row + offset
         self.running.extend(admitted)
+        return True
 
     def step(self) -> list[FrameOutput]:
         """Generate the next frame of every running request (admitting waiting ones first)."""
         for request in [r for r in self.running if r.cancelled]:
             self._release(request, "cancelled")
         started = time.perf_counter()
-        if self.waiting:
-            self._admit()
+        if self.waiting and self._admit():
             self.runner.synchronize()  # so the prefill's time is counted as admission, not decode
         if not self.running:
             return []

@@ -148,7 +148,8 @@ class ModelRunner:
             text[i, : lengths[i]] = torch.tensor(request.prompt.text_ids)
             codec[i, : lengths[i]] = torch.tensor(request.prompt.codec_ids)
         last_index = torch.tensor(lengths + [1] * (batch - count)) - 1
-        # Uploads first: a copy from pageable memory waits for the stream, which is idle now.
+        # Uploads first: a copy from pageable memory waits for the work queued before it on the
+        # stream, so queued ahead of the prefill it does not wait for the prefill.
         self._set_params(rows, requests)
         if padded:
             self.prefill_text[:batch, :length].copy_(text)

@@ -91,6 +91,8 @@ class TTSSettings:
                 "prefill_lengths": int_list(self.prefill_graph_lengths)}
 
     def __post_init__(self):
+        if self.cancellation_check_s <= 0:
+            raise ValueError(f"config.pbtxt parameter 'cancellation_check_s' must be positive, got {self.cancellation_check_s}")
         if self.backbone_partition not in ("exclusive", "shared"):
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")

@@ -10,11 +10,14 @@ them (within `flush_interval_s`).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 
 import triton_python_backend_utils as pb_utils
 
 from ..scheduler.policy import BACKGROUND, INLINE, URGENT
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12]
 LANES = (URGENT, BACKGROUND, INLINE)
@@ -61,7 +64,8 @@ class TritonMetrics:
                               counter).Metric(labels={})
         self._misses_seen = 0
         # (metric, "observe" | "increment", value) in order; gauges keep only their latest value.
-        self._updates: collections.deque = collections.deque()
+        # Bounded so a stalled writer cannot grow memory without limit (the oldest updates go first).
+        self._updates: collections.deque = collections.deque(maxlen=100_000)
         self._gauge_values: dict = {}
         self._gauges_set: dict = {}
         self._stop = threading.Event()
@@ -99,9 +103,9 @@ class TritonMetrics:
             self._updates.append((self.misses, "increment", deadline_misses - self._misses_seen))
             self._misses_seen = deadline_misses
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._writer.join()
+        self._writer.join(timeout)
 
     def _write_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -109,11 +113,27 @@ class TritonMetrics:
         self._write()
 
     def _write(self) -> None:
-        queue = self._updates
-        while queue:
+        """Apply what was queued: counters summed per metric (one round trip each), histogram values
+        one by one, then the gauges read before the queue (so a gauge is never newer than the
+        counters and histograms written with it)."""
+        gauges = list(self._gauge_values.items())
+        queue, increments = self._updates, {}
+        for _ in range(len(queue)):
             metric, method, value = queue.popleft()
-            getattr(metric, method)(value)
-        for metric, value in list(self._gauge_values.items()):
-            if self._gauges_set.get(metric) != value:
-                metric.set(value)
+            if method == "increment":
+                increments[metric] = increments.get(metric, 0) + value
+            else:
+                self._apply(metric, method, value)
+        for metric, value in increments.items():
+            self._apply(metric, "increment", value)
+        for metric, value in gauges:
+            if self._gauges_set.get(metric) != value and self._apply(metric, "set", value):
                 self._gauges_set[metric] = value
+
+    def _apply(self, metric, method: str, value) -> bool:
+        try:
+            getattr(metric, method)(value)
+            return True
+        except Exception as error:  # a metric must never take the writer (and every later update) down
+            log.warning("metric update %s(%s) failed: %s", method, value, error)
+            return False

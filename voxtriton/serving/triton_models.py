@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 
 import numpy as np
 import torch
@@ -63,11 +64,16 @@ def _configure_logging() -> None:
 
 
 class TritonSink:
-    """Streams one request's chunks through its decoupled response sender."""
+    """Streams one request's chunks through its decoupled response sender.
+
+    Once the final response is sent Triton may release the request, so `cancelled()` must not ask
+    about it any more: a flag, set under the sink's own lock, closes the sink first.
+    """
 
     def __init__(self, request, sender, requested: set[str]):
         self.request, self.sender = request, sender
         self.want_codes, self.want_info = "codes" in requested, "chunk_info" in requested
+        self.lock, self.closed = threading.Lock(), False
 
     def send(self, audio, codes, info, final):
         tensors = [to_triton("audio", audio)]
@@ -75,13 +81,20 @@ class TritonSink:
             tensors.append(to_triton("codes", torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int32))))
         if self.want_info:
             tensors.append(to_triton("chunk_info", torch.from_numpy(info)))
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+        self._send(pb_utils.InferenceResponse(output_tensors=tensors), final)
 
     def fail(self, message):
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        self._send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), True)
+
+    def _send(self, response, final):
+        with self.lock:
+            if final:
+                self.closed = True
+            self.sender.send(response, flags=FINAL if final else 0)
 
     def cancelled(self):
-        return self.request.is_cancelled()
+        with self.lock:
+            return not self.closed and self.request.is_cancelled()
 
 
 class BLSCodecLane:
@@ -191,9 +204,11 @@ class TTSTritonModel:
         return None
 
     def finalize(self):
-        self.service.shutdown()
-        self.metrics.close()
-        self.state_pool.close()
+        try:
+            self.service.shutdown()
+        finally:  # the metrics writer must not call into Triton after this
+            self.metrics.close()
+            self.state_pool.close()
 
 
 class CodecTritonModel:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..engine.engine import Engine, StepTiming
-from ..engine.request import Request
+from ..engine.request import Request, Status
 from ..errors import ServerBusy
 from ..scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk, ChunkScheduler, SchedulerConfig
 
@@ -50,7 +50,8 @@ class ResponseSink(Protocol):
         """End the stream with an error."""
 
     def cancelled(self) -> bool:
-        """The client cancelled or went away."""
+        """The client cancelled or went away (False once the final response or error was sent).
+        Called from the cancellation watcher, without the service lock."""
 
 
 @dataclass(eq=False)
@@ -169,7 +170,7 @@ class TTSService:
         started = time.perf_counter()  # includes waiting for the lock, which lane workers hold while sending
         with self.lock:
             while self.running and not self.incoming and not self.engine.has_work:
-                self.lock.wait(self.cancellation_check_s)
+                self.lock.wait(0.5)  # woken by submit; the timeout only refreshes the gauges
                 self._publish_gauges()
                 started = time.perf_counter()  # idle time is not part of a frame step
             if not self.running:
@@ -188,10 +189,10 @@ class TTSService:
                 self._on_frame(output.request, output.codes, output.finish_reason)
             self._publish_gauges()
             self.lock.notify_all()
+        if self.scheduler.config.policy == "serial":
+            self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
         if self.metrics and outputs:
             self.metrics.frame_step(time.perf_counter() - started, len(outputs), self.engine.last_timing)
-        if self.scheduler.config.policy == "serial":
-            self._drain_inline()
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
@@ -206,26 +207,35 @@ class TTSService:
     def _watch_cancellations(self) -> None:
         """End the streams whose client cancelled or went away; their generation stops at the next step.
 
-        One stream at a time under the lock: a stream's Triton request may only be asked while the
-        stream is open (after its final response Triton releases it), and the engine thread and the
-        lane workers wait for one round trip at most.
+        The round trips happen outside the service lock (the sink answers False once it has sent its
+        final response), so the engine thread and the lane workers never wait for a sweep.
         """
         while not self._stopping.wait(self.cancellation_check_s):
             with self.lock:
                 open_streams = list(self.streams.values())
             for stream in open_streams:
-                with self.lock:
-                    if not stream.ended and stream.sink.cancelled():
+                if self._stopping.is_set():
+                    return
+                try:
+                    gone = not stream.ended and stream.sink.cancelled()
+                except Exception:  # the request is unreachable: treat the client as gone
+                    log.warning("stream %s: cancellation check failed: %s", stream.request.request_id,
+                                traceback.format_exc(limit=1))
+                    gone = True
+                if gone:
+                    with self.lock:
                         self._end(stream, "request cancelled")
                         self.incoming = [s for s in self.incoming if not s.ended]
                         self.lock.notify_all()
 
     def _fail_all_running(self, message: str) -> None:
+        """After a failed step: end every stream the engine had taken, running or being admitted
+        (those were in neither of its lists), with the error. Streams still in `incoming` wait for
+        the next step; streams whose generation had finished still get their remaining chunks."""
         with self.lock:
-            for request in list(self.engine.running) + list(self.engine.waiting):
-                request.cancelled = True
-                stream = self.streams.get(request.request_id)
-                if stream is not None:
+            for stream in list(self.streams.values()):
+                if stream not in self.incoming and stream.request.status != Status.FINISHED:
+                    stream.request.cancelled = True
                     self._end(stream, message)
             self.engine.running.clear()
             self.engine.waiting.clear()
