@@ -2,6 +2,8 @@
 
     python benchmarks/model_speed.py --preset tiny                       # CPU, tiny random checkpoint
     python benchmarks/model_speed.py --preset 1.7b --device cuda --graphs  # GPU
+    python benchmarks/model_speed.py --preset 1.7b --device cuda --batch-sizes 16 --profile 15
+        # plus the top 15 kernels of one eager frame step and one eager codec call (where to optimize)
 
 Checkpoints are random-weight (made with `voxtriton make-checkpoint` into a temporary directory
 unless --checkpoint is given): timings are real, the audio is noise. Prints a markdown table and,
@@ -60,6 +62,23 @@ def graphed(fn, device: torch.device):
     return graph.replay
 
 
+def top_kernels(fn, device: torch.device, count: int) -> str:
+    """torch.profiler's table of the `count` costliest operations of two eager runs of fn (after one
+    warm-up). Eager, because a CUDA graph replay shows as one launch; the graph runs the same kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        fn()
+        with profile(activities=activities) as profiler:
+            for _ in range(2):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=key, row_limit=count)
+
+
 def fill_rows(runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int) -> int:
     """Prefill `batch` requests and advance them to about `context` positions; returns the span."""
     params = GenerationParams.create(config.generation, 100_000, seed=0, max_frames=50_000, ignore_eos=True)
@@ -83,6 +102,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs for every timed step (GPU)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, print the N costliest kernels of an eager frame step and codec call per batch")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -135,6 +156,11 @@ def main() -> None:
         row["realtime_streams"] = row["frames_per_s"] / config.frame_rate
         rows.append(row)
         print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "batch"), flush=True)
+        if args.profile:
+            eager_codec = CodecRunner(codec, None, None)
+            for name, fn in (("frame step", lambda: runner._decode_into_output(batch, span)),
+                             (f"codec call ({args.chunk_frames} frames)", lambda: eager_codec.decode(codes, start, state))):
+                print(f"\nbatch {batch}, {name}, eager: top {args.profile} kernels\n" + top_kernels(fn, device, args.profile))
 
     header = ["batch", "talker_step_ms", "predictor_15_steps_ms", "frame_step_ms", "frames_per_s",
               "realtime_streams", "codec_ms_per_chunk", "codec_ms_per_audio_s"]

@@ -75,17 +75,26 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 class Progress:
+    """A bar redrawn in place on a terminal; into a log file (no terminal), one line per tenth."""
+
     def __init__(self, label: str, total: float):
         self.label, self.total, self.started = label, total, time.monotonic()
+        self.redraw, self.tenths_shown = sys.stderr.isatty(), -1
 
     def update(self, done: float, note: str = "") -> None:
         width = 30
-        filled = int(width * min(1.0, done / self.total)) if self.total else width
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {note:<40}")
+        fraction = min(1.0, done / self.total) if self.total else 1.0
+        filled = int(width * fraction)
+        if self.redraw:
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {note:<40}")
+        elif int(fraction * 10) > self.tenths_shown:
+            self.tenths_shown = int(fraction * 10)
+            sys.stderr.write(f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {note}\n")
         sys.stderr.flush()
 
     def close(self) -> None:
-        sys.stderr.write("\n")
+        if self.redraw:
+            sys.stderr.write("\n")
 
 
 async def one_request(client: Router, rng: random.Random, seconds_range, speaker: str | None) -> RequestResult:
