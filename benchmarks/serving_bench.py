@@ -85,11 +85,12 @@ class Progress:
         width = 30
         fraction = min(1.0, done / self.total) if self.total else 1.0
         filled = int(width * fraction)
+        bar = f"{self.label} [{'#' * filled}{'.' * (width - filled)}]"
         if self.redraw:
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {note:<40}")
+            sys.stderr.write(f"\r{bar} {note:<40}")
         elif int(fraction * 10) > self.tenths_shown:
             self.tenths_shown = int(fraction * 10)
-            sys.stderr.write(f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {note}\n")
+            sys.stderr.write(f"{bar} {note}\n")
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -370,7 +371,7 @@ def find_goodput(args, fleet: Fleet, policy: str) -> dict:
         summary = measure(args, fleet, f"{policy} goodput probe {rate:.2f}/s", lambda: open_loop(
             fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker))
         trials.append({"rate": rate, "meets": meets_target(summary), **summary})
-        return meets_target(summary)
+        return trials[-1]["meets"]
 
     rate, note = search_goodput(trial, args.rate_low, args.rate_high, args.bisection_steps)
     return {"goodput": rate, "trials": trials, **({"note": note} if note else {})}

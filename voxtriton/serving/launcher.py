@@ -318,9 +318,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
     """One setting, two readers: the background lane's size is `codec_background:sm_count` (its green
-    context) and `tts:background_sms` (under `backbone_partition=exclusive`, the SMs the backbone leaves free). Setting either sets both, so
-    the two partitions are sized from one number (the driver may still round each to its SM
-    granularity); setting both differently is refused."""
+    context) and `tts:background_sms` (under `backbone_partition=exclusive`, the SMs the backbone
+    leaves free). Setting either sets both, so the two partitions are sized from one number (the
+    driver may still round each to its SM granularity); setting both differently is refused."""
     lane = parameters.get("codec_background", {}).get("sm_count")
     tts = parameters.get("tts", {}).get("background_sms")
     if lane is not None and tts is not None and lane != tts:
