@@ -15,6 +15,7 @@ from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.config import load_config
+from voxtriton.models.codec import snake_beta
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.runtime import SMPartition
@@ -76,6 +77,21 @@ def test_codec_graphs_match_eager(tiny_checkpoint):
         assert (audio_a - audio_b).abs().max().item() <= 1e-5
         offset += size
     assert len(runner.graphs) == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_snake_matches_the_eager_formula(dtype):
+    """The NVRTC kernel against the CPU's eager formula on the same (dtype-rounded) inputs; the
+    input is a transposed view, so the kernel's indexing of strided input is exercised too."""
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 900, 64, generator=generator) * 4).to(dtype).transpose(1, 2)
+    alpha = (torch.rand(64, generator=generator) * 3 + 0.05).to(dtype)
+    inverse_beta = (torch.rand(64, generator=generator) * 3 + 0.05).to(dtype)
+    expected = snake_beta(x.float(), alpha.float(), inverse_beta.float()).to(dtype).float()
+    fused = snake_beta(x.to(DEVICE), alpha.to(DEVICE), inverse_beta.to(DEVICE))
+    assert fused.dtype == dtype and fused.shape == x.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fused.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_green_context_partition_runs_work_on_its_stream():
