@@ -28,11 +28,6 @@ class CodecRunner:
         self.batch_buckets = sorted(set(batch_buckets or []))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self.pool = None
-        if self.device.type == "cuda":
-            # Let cuDNN time its algorithms per shape (in the warm-up before each capture): with its
-            # heuristic choices a codec call took 15-35% longer on the H200, one slow fallback kernel
-            # alone 35 ms at batch 128. Affects this process's convolutions only; the backbone has none.
-            torch.backends.cudnn.benchmark = True
         if self.device.type == "cuda" and self.batch_buckets and frame_sizes:
             for frames in sorted(set(frame_sizes), reverse=True):
                 for batch in reversed(self.batch_buckets):
