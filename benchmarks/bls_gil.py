@@ -99,15 +99,22 @@ class TritonPythonModel:
                 end = time.perf_counter() + seconds
                 while time.perf_counter() < end:
                     pass
+            checks = [0]
+            def check_cancellation():
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:
+                    request.is_cancelled()
+                    checks[0] += 1
             rates = [counter_rate(lambda: time.sleep(seconds)), counter_rate(bls), counter_rate(spin),
-                     metric_update_seconds(self.metric, False), metric_update_seconds(self.metric, True)]
+                     metric_update_seconds(self.metric, False), metric_update_seconds(self.metric, True),
+                     counter_rate(check_cancellation), seconds / max(checks[0], 1)]
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("RATES", np.array(rates, np.float32))]))
         return responses
 """
 
 
 def write_repository(root: Path) -> Path:
-    for name, output, dims, code in (("sleeper", "Y", 1, SLEEPER), ("caller", "RATES", 5, CALLER)):
+    for name, output, dims, code in (("sleeper", "Y", 1, SLEEPER), ("caller", "RATES", 7, CALLER)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, output=output, dims=dims))
         (root / name / "1" / "model.py").write_text(code)
@@ -127,10 +134,12 @@ def main() -> None:
             x = grpcclient.InferInput("X", [1], "FP32")
             x.set_data_from_numpy(np.array([args.seconds], np.float32))
             for _ in range(args.repeat):
-                sleeping, waiting, spinning, alone, contended = client.infer("caller", [x]).as_numpy("RATES")
+                sleeping, waiting, spinning, alone, contended, checking, check = client.infer("caller", [x]).as_numpy("RATES")
                 print(f"counter thread, iterations/s: beside a sleep {sleeping:.3g}, beside a BLS wait "
-                      f"{waiting:.3g}, beside a spinning thread {spinning:.3g}; one metric update: "
-                      f"{alone * 1e3:.3f} ms alone, {contended * 1e3:.2f} ms beside a spinning thread")
+                      f"{waiting:.3g}, beside a spinning thread {spinning:.3g}, beside a loop of cancellation "
+                      f"checks {checking:.3g}; one metric update: {alone * 1e3:.3f} ms alone, "
+                      f"{contended * 1e3:.2f} ms beside a spinning thread; one cancellation check (beside the "
+                      f"counter) {check * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
 
 class TTSService:
     def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
-                 max_queued: int, cancellation_check_s: float = 0.05,
+                 max_queued: int, cancellation_check_s: float = 0.2,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                  device: torch.device | str = "cpu", engine_context=None):
         """lanes share one codec state pool of at least `codec_slots(...)` rows."""
@@ -207,26 +207,26 @@ class TTSService:
     def _watch_cancellations(self) -> None:
         """End the streams whose client cancelled or went away; their generation stops at the next step.
 
-        The round trips happen outside the service lock (the sink answers False once it has sent its
-        final response), so the engine thread and the lane workers never wait for a sweep.
+        Each sweep holds the service lock. A check is a round trip to the server process that drops
+        the GIL, and taking the GIL back beside threads running Python costs about 5 ms (the switch
+        interval; benchmarks/bls_gil.py): a sweep of a few hundred streams outside the lock took
+        seconds and kept taking the GIL from the engine and lane threads (on the H200, host work per
+        frame step rose from 1.3 to 2.4 ms and codec calls doubled under load). Under the lock the
+        other threads wait on it instead, and a check is a plain round trip (about 0.02 ms).
         """
         while not self._stopping.wait(self.cancellation_check_s):
             with self.lock:
-                open_streams = list(self.streams.values())
-            for stream in open_streams:
-                if self._stopping.is_set():
-                    return
-                try:
-                    gone = not stream.ended and stream.sink.cancelled()
-                except Exception:  # the request is unreachable: treat the client as gone
-                    log.warning("stream %s: cancellation check failed: %s", stream.request.request_id,
-                                traceback.format_exc(limit=1))
-                    gone = True
-                if gone:
-                    with self.lock:
+                for stream in list(self.streams.values()):
+                    try:
+                        gone = stream.sink.cancelled()
+                    except Exception:  # the request is unreachable: treat the client as gone
+                        log.warning("stream %s: cancellation check failed: %s", stream.request.request_id,
+                                    traceback.format_exc(limit=1))
+                        gone = True
+                    if gone:
                         self._end(stream, "request cancelled")
-                        self.incoming = [s for s in self.incoming if not s.ended]
-                        self.lock.notify_all()
+                self.incoming = [s for s in self.incoming if not s.ended]
+                self.lock.notify_all()
 
     def _fail_all_running(self, message: str) -> None:
         """After a failed step: end every stream the engine had taken, running or being admitted
