@@ -36,6 +36,25 @@ def test_render_sets_per_model_parameters(tmp_path):
     assert (REPOSITORY / "tts" / "config.pbtxt").read_text() != tts  # the source is untouched
 
 
+@pytest.mark.parametrize("visible, gpu, expected", [("1", None, "0"), ("2,3", None, "0,1"), (None, 1, "0"),
+                                                    ("0,1", 1, "0"), (None, None, None)])
+def test_mps_clients_number_the_gpus_their_mps_server_sees(monkeypatch, visible, gpu, expected):
+    """Under MPS the server's processes get CUDA_VISIBLE_DEVICES renumbered from 0 (the daemon keeps
+    the real devices); without MPS it passes through unchanged."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    server = TritonServer(use_mps=True, gpu=gpu)
+    try:
+        server.mps.started = True  # as after `nvidia-cuda-mps-control -d` succeeded (no GPU here)
+        assert server.environment().get("CUDA_VISIBLE_DEVICES") == expected
+        server.mps.started = False  # MPS unavailable: the devices as given (or as pinned)
+        assert server.environment().get("CUDA_VISIBLE_DEVICES") == (str(gpu) if gpu is not None else visible)
+    finally:
+        server.cleanup()
+
+
 def test_background_partition_is_one_setting():
     """tts:background_sms and codec_background:sm_count size the same SMs: either sets both."""
     for given in ({"tts": {"background_sms": "48"}}, {"codec_background": {"sm_count": "48"}}):

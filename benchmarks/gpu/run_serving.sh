@@ -4,7 +4,9 @@
 #   run_serving.sh single  PRESET                                  one stream at a time: TTFA and RTF per policy
 #   run_serving.sh goodput PRESET POLICIES LOW HIGH STEPS NAME     goodput bisection (POLICY*N: N servers, one per GPU)
 #   run_serving.sh rates   PRESET POLICIES RATES NAME              open loop at fixed rates (e.g. 20,26,32)
-# Set CUDA_VISIBLE_DEVICES to run on one GPU of several (two measurements side by side on two GPUs).
+# To run on one GPU of several (two measurements side by side), pin the policy: POLICY@G (e.g.
+# concurrent@1). The launcher now also renumbers CUDA_VISIBLE_DEVICES for MPS clients, but that path
+# has not run on a GPU yet: with CUDA_VISIBLE_DEVICES=1 before the fix, every model fell back to the CPU.
 # Results go to $OUT/NAME.tgz (results.json, results.md, plots, server logs: one file, as $OUT returns
 # only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590);
 # D: seconds of arrivals per open-loop probe (30); P: more serving_bench arguments, e.g.

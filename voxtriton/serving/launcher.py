@@ -203,9 +203,14 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path + [env.get("LD_LIBRARY_PATH", "")])
         if self.mps is not None:
             env.update(self.mps.env)
-        if self.pinned and self.mps is not None and self.mps.started:
-            # An MPS client numbers the GPUs its MPS server sees, and the pinned server sees one.
-            return env | {"CUDA_VISIBLE_DEVICES": "0"}
+        visible = self.pinned.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if visible is not None and self.mps is not None and self.mps.started:
+            # The MPS daemon was started with these devices, and an MPS client numbers the GPUs its
+            # MPS server sees from 0: passed on unchanged, CUDA_VISIBLE_DEVICES=1 would name a second
+            # GPU that the server does not have, and every model would fall back to the CPU (seen on
+            # a two-GPU H200 host).
+            count = len([device for device in visible.split(",") if device.strip()])
+            return env | {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(count))}
         return env | self.pinned
 
     def command(self) -> list[str]:
