@@ -1,0 +1,73 @@
+"""Codec call time per (batch, frames) shape, as the codec lanes run it: CUDA-graph replays (GPU).
+
+    python benchmarks/codec_speed.py --checkpoint /tmp/ck-1.7b
+    python benchmarks/codec_speed.py --checkpoint /tmp/ck-1.7b --cudnn-benchmark   # cuDNN autotuned
+
+Small shapes are what the urgent lane decodes (first chunks: 2 frames), large ones the background
+lane's batches. To compare two versions of the code in one run, point PYTHONPATH at a checkout of
+the other, e.g. `git archive <commit> voxtriton | tar -x -C /tmp/base` and `PYTHONPATH=/tmp/base`
+(the label in the output names the module path that ran). The checkpoint is random-weight
+(`voxtriton make-checkpoint`): timings are real, the audio is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import voxtriton
+from voxtriton.engine.codec_runner import CodecRunner
+from voxtriton.models.config import load_config
+from voxtriton.models.loader import load_codec
+
+SHAPES = "8x2,32x2,16x4,64x8,32x16,128x25,256x25"
+
+
+def replay_ms(runner: CodecRunner, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor, repeat: int) -> float:
+    """Mean milliseconds of one call over `repeat` calls (CUDA events), after three warm-up calls."""
+    for _ in range(3):
+        runner.decode(codes, start, state)
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeat):
+        runner.decode(codes, start, state)
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--shapes", default=SHAPES, help="comma-separated BATCHxFRAMES")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time its algorithms per shape")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    device = torch.device("cuda")
+    codec = load_codec(args.checkpoint, load_config(args.checkpoint), device=device, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    result = {"code": voxtriton.__file__, "cudnn_benchmark": args.cudnn_benchmark,
+              "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "ms": {}}
+    for shape in args.shapes.split(","):
+        batch, frames = (int(n) for n in shape.split("x"))
+        runner = CodecRunner(codec, [batch], [frames])
+        codes = torch.randint(0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device=device)
+        start = torch.zeros(batch, dtype=torch.long, device=device)
+        result["ms"][shape] = round(replay_ms(runner, codes, start, codec.new_state(batch), args.repeat), 3)
+        del runner  # its graphs' memory
+    print(json.dumps(result), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
