@@ -52,6 +52,9 @@ TEXTS = [
 ]
 FRAME_RATE = 12.5
 TTFA_TARGET_S = 0.2
+# A stream with no final response by then counts as failed (with that error), so a server that stops
+# answering ends a probe instead of hanging it (a 20 s utterance takes about 12 s near the goodput).
+REQUEST_TIMEOUT_S = 180.0
 LANES = tuple(sorted(LANE_CODES, key=LANE_CODES.get))  # chunk_info's lane codes, in order
 
 
@@ -98,13 +101,17 @@ class Progress:
             sys.stderr.write("\n")
 
 
-async def one_request(client: Router, rng: random.Random, seconds_range, speaker: str | None) -> RequestResult:
+async def one_request(client: Router, rng: random.Random, seconds_range, speaker: str | None,
+                      timeout: float = REQUEST_TIMEOUT_S) -> RequestResult:
     seconds = rng.uniform(*seconds_range)
     frames = max(1, round(seconds * FRAME_RATE))
     sent = time.perf_counter()
     try:
-        synthesis = await client.synthesize(rng.choice(TEXTS), speaker=speaker, seed=rng.randrange(2**31),
-                                            max_frames=frames, ignore_eos=True, info=True)
+        synthesis = await asyncio.wait_for(client.synthesize(
+            rng.choice(TEXTS), speaker=speaker, seed=rng.randrange(2**31), max_frames=frames, ignore_eos=True,
+            info=True), timeout)
+    except asyncio.TimeoutError:
+        return RequestResult(sent, None, 0.0, 0.0, None, f"no final response within {timeout:g} s")
     except Exception as error:  # connection-level failures count as failed requests
         return RequestResult(sent, None, 0.0, 0.0, None, repr(error))
     report = simulate_playback(0.0, [(c.arrived_s, c.seconds) for c in synthesis.chunks])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,31 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert row["client_loop_lag_p99_ms"] is not None and 1 <= row["listeners_peak"] <= row["completed"]
     assert row["server"]["frame_step_ms_mean"] > 0 and row["server"]["chunks"]["urgent"] >= row["completed"]
     assert "| voxserve | 1 |" in (out / "results.md").read_text()
+
+
+def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_probe():
+    """A stand-in endpoint accepts connections and stays silent: the request ends as failed, with
+    the reason, after the timeout."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serving_bench import Router, one_request
+
+    async def scenario():
+        connections = []
+
+        async def accept_and_stay_silent(reader, writer):
+            connections.append(writer)
+
+        server = await asyncio.start_server(accept_and_stay_silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = Router([f"127.0.0.1:{port}"])
+        try:
+            started = time.perf_counter()
+            result = await one_request(client, random.Random(0), (1.0, 2.0), None, timeout=0.5)
+            return result, time.perf_counter() - started, len(connections)
+        finally:
+            await client.close()
+            server.close()
+
+    result, elapsed, connections = asyncio.run(scenario())
+    assert result.error == "no final response within 0.5 s" and result.ttfa_s is None
+    assert connections == 1 and elapsed < 5

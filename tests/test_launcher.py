@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from voxtriton.serving.launcher import REPOSITORY, TritonServer, free_port, render_repository, set_parameter
+from voxtriton.serving.launcher import REPOSITORY, TritonServer, free_port, gpu_count, render_repository, set_parameter
 from voxtriton_client import TTSClient
 
 pytestmark = pytest.mark.server
@@ -119,3 +119,18 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("visible, expected", [(None, 2), ("1", 1), ("0,1", 2), ("", 0), ("0,1,2,3", 2)])
+def test_gpu_count_honours_cuda_visible_devices(tmp_path, monkeypatch, visible, expected):
+    """A stand-in nvidia-smi lists two GPUs; CUDA_VISIBLE_DEVICES limits what the server may use
+    (the disaggregated policy puts its codec on a second GPU only when it may use one)."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_count() == expected

@@ -108,11 +108,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def listed_devices(visible: str) -> int:
+    """How many devices a CUDA_VISIBLE_DEVICES value names ("" names none)."""
+    return len([device for device in visible.split(",") if device.strip()])
+
+
 def gpu_count() -> int:
+    """GPUs the server may use: those nvidia-smi lists, limited to CUDA_VISIBLE_DEVICES when it is set."""
     if shutil.which("nvidia-smi") is None:
         return 0
     result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-    return result.stdout.count("GPU ") if result.returncode == 0 else 0
+    present = result.stdout.count("GPU ") if result.returncode == 0 else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return present if visible is None else min(present, listed_devices(visible))
 
 
 def _die_with_parent() -> None:
@@ -209,8 +217,7 @@ class TritonServer:
             # MPS server sees from 0: passed on unchanged, CUDA_VISIBLE_DEVICES=1 would name a second
             # GPU that the server does not have, and every model would fall back to the CPU (seen on
             # a two-GPU H200 host).
-            count = len([device for device in visible.split(",") if device.strip()])
-            return env | {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(count))}
+            return env | {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(listed_devices(visible)))}
         return env | self.pinned
 
     def command(self) -> list[str]:
