@@ -3,10 +3,11 @@
 `sleeper` (which sleeps in its own process), (c) spins itself. Full counter speed during (b), like
 (a), means the wait releases the GIL; half speed, like (c), would mean it holds it.
 
-Then the price of releasing it: `caller` times a custom-metric update (a round trip to the server
-process, which releases the GIL) alone and beside the spinning thread. Beside it, each update waits
-for the GIL for about the interpreter's switch interval (5 ms): why voxtriton keeps metric updates
-and other round trips off its engine thread (serving/triton_metrics.py).
+Then the price of releasing it: `caller` times a custom-metric update and a request-cancellation
+check (round trips to the server process, which release the GIL) alone and beside the spinning
+thread. Beside it, each waits for the GIL for about the interpreter's switch interval (5 ms): why
+voxtriton keeps metric updates off its engine thread (serving/triton_metrics.py) and sweeps
+cancellation checks under its service lock (serving/tts_service.py).
 
     python benchmarks/bls_gil.py --seconds 0.5
 """
@@ -62,7 +63,7 @@ def counter_rate(action):
     thread.join()
     return rate
 
-def metric_update_seconds(metric, spinning, updates=200):
+def round_trip_seconds(call, spinning, calls=200):  # mean seconds of one call(), alone or beside a spinner
     stop = threading.Event()
     def spin():
         while not stop.is_set():
@@ -72,9 +73,9 @@ def metric_update_seconds(metric, spinning, updates=200):
         thread.start()
         time.sleep(0.05)
     started = time.perf_counter()
-    for _ in range(updates):
-        metric.observe(0.01)
-    seconds = (time.perf_counter() - started) / updates
+    for _ in range(calls):
+        call()
+    seconds = (time.perf_counter() - started) / calls
     stop.set()
     if spinning:
         thread.join()
@@ -99,22 +100,22 @@ class TritonPythonModel:
                 end = time.perf_counter() + seconds
                 while time.perf_counter() < end:
                     pass
-            checks = [0]
             def check_cancellation():
                 end = time.perf_counter() + seconds
                 while time.perf_counter() < end:
                     request.is_cancelled()
-                    checks[0] += 1
+            update = lambda: self.metric.observe(0.01)
             rates = [counter_rate(lambda: time.sleep(seconds)), counter_rate(bls), counter_rate(spin),
-                     metric_update_seconds(self.metric, False), metric_update_seconds(self.metric, True),
-                     counter_rate(check_cancellation), seconds / max(checks[0], 1)]
+                     counter_rate(check_cancellation),
+                     round_trip_seconds(update, False), round_trip_seconds(update, True),
+                     round_trip_seconds(request.is_cancelled, False), round_trip_seconds(request.is_cancelled, True)]
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("RATES", np.array(rates, np.float32))]))
         return responses
 """
 
 
 def write_repository(root: Path) -> Path:
-    for name, output, dims, code in (("sleeper", "Y", 1, SLEEPER), ("caller", "RATES", 7, CALLER)):
+    for name, output, dims, code in (("sleeper", "Y", 1, SLEEPER), ("caller", "RATES", 8, CALLER)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, output=output, dims=dims))
         (root / name / "1" / "model.py").write_text(code)
@@ -134,13 +135,13 @@ def main() -> None:
             x = grpcclient.InferInput("X", [1], "FP32")
             x.set_data_from_numpy(np.array([args.seconds], np.float32))
             for _ in range(args.repeat):
-                sleeping, waiting, spinning, alone, contended, checking, check = client.infer("caller", [x]).as_numpy("RATES")
+                (sleeping, waiting, spinning, checking, update_alone, update_beside, check_alone,
+                 check_beside) = client.infer("caller", [x]).as_numpy("RATES")
                 print(f"counter thread, iterations/s: beside a sleep {sleeping:.3g}, beside a BLS wait "
                       f"{waiting:.3g}, beside a spinning thread {spinning:.3g}, beside a loop of cancellation "
-                      f"checks {checking:.3g}; one metric update: {alone * 1e3:.3f} ms alone, "
-                      f"{contended * 1e3:.2f} ms beside a spinning thread; one cancellation check (beside the "
-                      f"counter) {check * 1e3:.3f} ms")
-
+                      f"checks {checking:.3g}; one metric update: {update_alone * 1e3:.3f} ms alone, "
+                      f"{update_beside * 1e3:.2f} ms beside a spinning thread; one cancellation check: "
+                      f"{check_alone * 1e3:.3f} ms alone, {check_beside * 1e3:.2f} ms beside a spinning thread")
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.config import load_config
+from voxtriton.models import codec as codec_module
 from voxtriton.models.codec import snake_beta
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.text import PromptBuilder, TextTokenizer
@@ -80,9 +81,10 @@ def test_codec_graphs_match_eager(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_snake_matches_the_eager_formula(dtype):
+def test_fused_snake_matches_the_eager_formula(dtype, monkeypatch):
     """The NVRTC kernel against the CPU's eager formula on the same (dtype-rounded) inputs; the
     input is a transposed view, so the kernel's indexing of strided input is exercised too."""
+    monkeypatch.setattr(codec_module, "_snake_kernel", None)
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 900, 64, generator=generator) * 4).to(dtype).transpose(1, 2)
     alpha = (torch.rand(64, generator=generator) * 3 + 0.05).to(dtype)
@@ -90,6 +92,7 @@ def test_fused_snake_matches_the_eager_formula(dtype):
     expected = snake_beta(x.float(), alpha.float(), inverse_beta.float()).to(dtype).float()
     fused = snake_beta(x.to(DEVICE), alpha.to(DEVICE), inverse_beta.to(DEVICE))
     assert fused.dtype == dtype and fused.shape == x.shape
+    assert codec_module._snake_kernel is not None  # the fused kernel ran, not the eager formula
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(fused.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 

@@ -36,23 +36,32 @@ def test_render_sets_per_model_parameters(tmp_path):
     assert (REPOSITORY / "tts" / "config.pbtxt").read_text() != tts  # the source is untouched
 
 
-@pytest.mark.parametrize("visible, gpu, expected", [("1", None, "0"), ("2,3", None, "0,1"), (None, 1, "0"),
-                                                    ("0,1", 1, "0"), (None, None, None)])
-def test_mps_clients_number_the_gpus_their_mps_server_sees(monkeypatch, visible, gpu, expected):
-    """Under MPS the server's processes get CUDA_VISIBLE_DEVICES renumbered from 0 (the daemon keeps
-    the real devices); without MPS it passes through unchanged."""
+@pytest.mark.parametrize("visible, gpu, daemon, clients", [
+    ("1", None, "1", "0"), ("2,3", None, "2,3", "0,1"), (None, 1, "1", "0"), ("2,3", 1, "3", "0"),
+    ("GPU-a, GPU-b", None, "GPU-a, GPU-b", "0,1"), ("0,-1,1", None, "0,-1,1", "0"), (None, None, None, None)])
+def test_mps_clients_number_the_gpus_their_mps_server_sees(monkeypatch, visible, gpu, daemon, clients):
+    """The MPS daemon gets the real devices (a pinned GPU counts among those CUDA_VISIBLE_DEVICES
+    allows); the server's processes, its MPS clients, get them renumbered from 0. Without MPS the
+    server gets the real devices too."""
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     server = TritonServer(use_mps=True, gpu=gpu)
     try:
+        assert {**os.environ, **server.mps.pinned}.get("CUDA_VISIBLE_DEVICES") == daemon
         server.mps.started = True  # as after `nvidia-cuda-mps-control -d` succeeded (no GPU here)
-        assert server.environment().get("CUDA_VISIBLE_DEVICES") == expected
-        server.mps.started = False  # MPS unavailable: the devices as given (or as pinned)
-        assert server.environment().get("CUDA_VISIBLE_DEVICES") == (str(gpu) if gpu is not None else visible)
+        assert server.environment().get("CUDA_VISIBLE_DEVICES") == clients
+        server.mps.started = False  # MPS unavailable
+        assert server.environment().get("CUDA_VISIBLE_DEVICES") == daemon
     finally:
         server.cleanup()
+
+
+def test_a_pinned_gpu_outside_cuda_visible_devices_is_refused(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(SystemExit, match="GPU 2 is not among the 2 that CUDA_VISIBLE_DEVICES='2,3' allows"):
+        TritonServer(use_mps=False, gpu=2)
 
 
 def test_background_partition_is_one_setting():
@@ -121,7 +130,8 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("visible, expected", [(None, 2), ("1", 1), ("0,1", 2), ("", 0), ("0,1,2,3", 2)])
+@pytest.mark.parametrize("visible, expected", [(None, 2), ("1", 1), ("0,1", 2), ("", 0), ("-1", 0),
+                                               ("0,1,2,3", 2)])
 def test_gpu_count_honours_cuda_visible_devices(tmp_path, monkeypatch, visible, expected):
     """A stand-in nvidia-smi lists two GPUs; CUDA_VISIBLE_DEVICES limits what the server may use
     (the disaggregated policy puts its codec on a second GPU only when it may use one)."""

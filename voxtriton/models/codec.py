@@ -52,22 +52,34 @@ class StreamingModule(nn.Module):
         raise NotImplementedError
 
 
-# SnakeBeta as one elementwise kernel on CUDA, compiled by NVRTC at first use (jiterator): eager
-# PyTorch makes five passes over the activation, and on the H200 those passes were about half of a
-# codec call. Computed in fp32 whatever the activation's dtype.
-_FUSED_SNAKE = torch.cuda.jiterator._create_jit_fn("""
+# SnakeBeta as one elementwise kernel on CUDA, compiled by NVRTC at first use (jiterator). Eager
+# PyTorch makes five passes over the activation; on the H200 they were about a third of a codec call.
+_SNAKE_SOURCE = """
 template <typename T> T snake_beta(T x, T alpha, T inverse_beta) {
   float value = static_cast<float>(x);
   float wave = sinf(value * static_cast<float>(alpha));
   return static_cast<T>(value + static_cast<float>(inverse_beta) * wave * wave);
-}""")
+}"""
+_snake_kernel = None
+
+
+def fused_snake_kernel():
+    """The jiterator function, made on first use: making it asks whether CUDA is available, which
+    initialises the driver, and importing this module must not (CPU processes, forks)."""
+    global _snake_kernel
+    if _snake_kernel is None:
+        _snake_kernel = torch.cuda.jiterator._create_jit_fn(_SNAKE_SOURCE)
+    return _snake_kernel
 
 
 def snake_beta(x: torch.Tensor, alpha: torch.Tensor, inverse_beta: torch.Tensor) -> torch.Tensor:
-    """x + inverse_beta * sin(alpha * x)^2 for x [B, C, T] and per-channel alpha, inverse_beta [C]."""
+    """x + inverse_beta * sin(alpha * x)^2 for x [B, C, T] and per-channel alpha, inverse_beta [C].
+
+    alpha and inverse_beta are rounded to x's dtype; on CUDA the rest is computed in fp32.
+    """
     alpha, inverse_beta = alpha.to(x.dtype)[:, None], inverse_beta.to(x.dtype)[:, None]
     if x.is_cuda:
-        return _FUSED_SNAKE(x, alpha, inverse_beta)
+        return fused_snake_kernel()(x, alpha, inverse_beta)
     return x + inverse_beta * torch.pow(torch.sin(x * alpha), 2)
 
 
@@ -76,10 +88,22 @@ class SnakeBeta(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self._per_channel: tuple | None = None  # (weights key, alpha, inverse_beta)
+
+    def per_channel(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """exp(alpha) and 1 / (exp(beta) + 1e-9) in `dtype` (the checkpoint stores log-scale
+        parameters), computed once per set of weights: every call would add seven small kernels per
+        activation, about 200 per codec call. A weight load (copy or replacement) changes the key."""
+        key = (self.alpha.data_ptr(), self.alpha._version, self.beta.data_ptr(), self.beta._version, dtype)
+        if self._per_channel is None or self._per_channel[0] != key:
+            with torch.no_grad():
+                alpha = torch.exp(self.alpha.float()).to(dtype)
+                inverse_beta = (1.0 / (torch.exp(self.beta.float()) + 1e-9)).to(dtype)
+            self._per_channel = (key, alpha, inverse_beta)
+        return self._per_channel[1], self._per_channel[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The checkpoint stores log-scale parameters.
-        return snake_beta(x, torch.exp(self.alpha.float()), 1.0 / (torch.exp(self.beta.float()) + 1e-9))
+        return snake_beta(x, *self.per_channel(x.dtype))
 
 
 class CausalConv(StreamingModule):

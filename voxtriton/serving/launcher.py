@@ -108,9 +108,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def listed_devices(visible: str) -> int:
-    """How many devices a CUDA_VISIBLE_DEVICES value names ("" names none)."""
-    return len([device for device in visible.split(",") if device.strip()])
+def visible_devices(value: str) -> list[str]:
+    """The devices a CUDA_VISIBLE_DEVICES value names, in order ("" names none; CUDA ignores the
+    entries from the first negative index on, so "-1" names none too)."""
+    devices = []
+    for device in (entry.strip() for entry in value.split(",")):
+        if device.startswith("-"):
+            break
+        if device:
+            devices.append(device)
+    return devices
+
+
+def pinned_device(gpu: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of the gpu-th GPU this process may use."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return str(gpu)
+    allowed = visible_devices(inherited)
+    if not 0 <= gpu < len(allowed):
+        raise SystemExit(f"voxtriton: GPU {gpu} is not among the {len(allowed)} that "
+                         f"CUDA_VISIBLE_DEVICES={inherited!r} allows")
+    return allowed[gpu]
 
 
 def gpu_count() -> int:
@@ -120,7 +139,7 @@ def gpu_count() -> int:
     result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
     present = result.stdout.count("GPU ") if result.returncode == 0 else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return present if visible is None else min(present, listed_devices(visible))
+    return present if visible is None else min(present, len(visible_devices(visible)))
 
 
 def _die_with_parent() -> None:
@@ -166,11 +185,12 @@ class TritonServer:
                  repository: Path = REPOSITORY, tritonserver: str | None = None,
                  parameters: dict[str, dict[str, str]] | None = None, log_file: Path | None = None,
                  use_mps: bool | None = None, extra_args: list[str] | None = None, gpu: int | None = None):
-        """gpu: pin the server (and its MPS daemon) to this one GPU, e.g. one server per GPU."""
+        """gpu: pin the server (and its MPS daemon) to this one GPU, e.g. one server per GPU; counted
+        among the GPUs CUDA_VISIBLE_DEVICES allows when it is set."""
         if policy != "disaggregated":  # there the codec lanes get a GPU of their own, no partition
             parameters = align_background_partition(parameters or {})
         self.install = find_tritonserver(tritonserver)
-        self.pinned = {"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}
+        self.pinned = {"CUDA_VISIBLE_DEVICES": pinned_device(gpu)} if gpu is not None else {}
         self.host = host
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
@@ -217,7 +237,7 @@ class TritonServer:
             # MPS server sees from 0: passed on unchanged, CUDA_VISIBLE_DEVICES=1 would name a second
             # GPU that the server does not have, and every model would fall back to the CPU (seen on
             # a two-GPU H200 host).
-            return env | {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(listed_devices(visible)))}
+            return env | {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(len(visible_devices(visible))))}
         return env | self.pinned
 
     def command(self) -> list[str]:

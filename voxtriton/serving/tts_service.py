@@ -51,7 +51,7 @@ class ResponseSink(Protocol):
 
     def cancelled(self) -> bool:
         """The client cancelled or went away (False once the final response or error was sent).
-        Called from the cancellation watcher, without the service lock."""
+        Called from the cancellation watcher, under the service lock."""
 
 
 @dataclass(eq=False)
@@ -207,15 +207,16 @@ class TTSService:
     def _watch_cancellations(self) -> None:
         """End the streams whose client cancelled or went away; their generation stops at the next step.
 
-        Each sweep holds the service lock. A check is a round trip to the server process that drops
-        the GIL, and taking the GIL back beside threads running Python costs about 5 ms (the switch
-        interval; benchmarks/bls_gil.py): a sweep of a few hundred streams outside the lock took
-        seconds and kept taking the GIL from the engine and lane threads (on the H200, host work per
-        frame step rose from 1.3 to 2.4 ms and codec calls doubled under load). Under the lock the
-        other threads wait on it instead, and a check is a plain round trip (about 0.02 ms).
+        A check is a round trip to the server process that drops the GIL, and taking the GIL back
+        beside a thread running Python waits about the switch interval (5 ms; benchmarks/bls_gil.py).
+        So a sweep holds the service lock: the threads that would compete for the GIL wait on the
+        lock instead, and the sweep is one short burst every `cancellation_check_s` rather than a
+        stream of GIL handoffs. (The lock-free sweep of 5066ce1 was never compared with this one
+        side by side; the server measured well with this one, goodput_h200.md, session 5.)
         """
         while not self._stopping.wait(self.cancellation_check_s):
             with self.lock:
+                ended = False
                 for stream in list(self.streams.values()):
                     try:
                         gone = stream.sink.cancelled()
@@ -223,10 +224,16 @@ class TTSService:
                         log.warning("stream %s: cancellation check failed: %s", stream.request.request_id,
                                     traceback.format_exc(limit=1))
                         gone = True
-                    if gone:
+                    if not gone:
+                        continue
+                    try:
                         self._end(stream, "request cancelled")
-                self.incoming = [s for s in self.incoming if not s.ended]
-                self.lock.notify_all()
+                    except Exception:  # keep watching the other streams
+                        log.error("stream %s: ending it failed: %s", stream.request.request_id, traceback.format_exc())
+                    ended = True
+                if ended:
+                    self.incoming = [s for s in self.incoming if not s.ended]
+                    self.lock.notify_all()
 
     def _fail_all_running(self, message: str) -> None:
         """After a failed step: end every stream the engine had taken, running or being admitted
