@@ -1,6 +1,7 @@
 """config.pbtxt parameters: typed, validated, and a bad one names itself."""
 
 import pytest
+import torch
 
 from voxtriton.serving.settings import TTSSettings
 
@@ -26,3 +27,19 @@ def test_a_bad_parameter_is_refused_by_name(name, value, message):
     with pytest.raises(ValueError) as error:
         TTSSettings.from_model_config(config(**{name: value}))
     assert message in str(error.value)
+
+
+def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, tmp_path):
+    """A GPU host whose process cannot use CUDA (CUDA_VISIBLE_DEVICES, MPS) must not quietly serve on
+    the CPU; an explicit device=cpu still may, and a host without a GPU gets the CPU."""
+    from voxtriton.serving import runtime
+
+    node = tmp_path / "nvidia0"
+    node.touch()
+    monkeypatch.setattr(runtime, "GPU_DEVICE_NODE", node)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="this host has a GPU .* or set device=cpu to run on the CPU anyway"):
+        runtime.resolve_device("auto")
+    assert runtime.resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(runtime, "GPU_DEVICE_NODE", tmp_path / "absent")
+    assert runtime.resolve_device("auto") == torch.device("cpu")

@@ -16,13 +16,19 @@ from .settings import default_checkpoint_dir
 log = logging.getLogger(__name__)
 
 
+GPU_DEVICE_NODE = Path("/dev/nvidia0")  # present on a host with an NVIDIA GPU and its driver
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda:0")
-        if Path("/dev/nvidia0").exists():
-            log.warning("a GPU is present but CUDA is not available to this process (CUDA_VISIBLE_DEVICES, or "
-                        "an MPS server that does not see that device?): running on the CPU, slowly")
+        if GPU_DEVICE_NODE.exists():
+            # Refuse rather than serve a GPU's load at CPU speed (a 1.7B model on the CPU answered
+            # nothing within minutes when an MPS server did not see the process's device).
+            raise ValueError(f"config.pbtxt parameter 'device' is auto and this host has a GPU ({GPU_DEVICE_NODE}), "
+                             "but CUDA is not available to this process: check CUDA_VISIBLE_DEVICES and the CUDA "
+                             "MPS daemon, or set device=cpu to run on the CPU anyway")
         return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
