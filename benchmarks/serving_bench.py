@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import platform
 import random
 import shutil
@@ -302,6 +303,9 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     results, lag = asyncio.run(run())
     summary = summarize(results, lag)
     summary["server"] = server_side(before, settled_metrics(fleet))
+    # Another busy process on the host slows the server's Python threads: session 5 lost three runs to
+    # a neighbouring server computing on the CPUs. The 1-minute load average makes that visible.
+    summary["host_load_1min"], summary["host_cpus"] = round(os.getloadavg()[0], 2), os.cpu_count()
     print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
     if summary["errors"]:
         print(f"  errors: {summary['errors']}", flush=True)
@@ -392,15 +396,15 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
              f"Hardware: {meta['hardware']}. Checkpoint: {meta['checkpoint']} (random weights: timings are real, "
              "audio is noise).", ""]
     if any(r["rates"] for r in results):
-        lines += ["| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | frame step ms | urgent share |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | frame step ms | "
+                  "urgent share | host load (CPUs) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             for row in r["rates"]:
                 s = row["server"]
                 lines.append(f"| {r['policy']} | {row['rate']:g} | {row['completed']} | {row['failed']} | {row['ttfa_p50_ms']} | "
                              f"{row['ttfa_p90_ms']} | {row['ttfa_p99_ms']} | {row['stalled_requests']} | "
                              f"{row['stall_total_s']:.2f} | {_fmt(row['rtf_median'])} | {s['frame_step_ms_mean']} | "
-                             f"{_fmt(s['urgent_share'])} |")
+                             f"{_fmt(s['urgent_share'])} | {row['host_load_1min']} ({row['host_cpus']}) |")
         lines.append("")
     if any(r["concurrency"] for r in results):
         lines += ["| policy | streams | done | TTFA p90 ms | stalled | frame step ms (mean batch) | urgent codec ms | "
@@ -477,7 +481,7 @@ def hardware() -> str:
             return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     except ImportError:
         pass
-    return f"CPU ({platform.machine()}, {__import__('os').cpu_count()} cores)"
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
 def main() -> None:

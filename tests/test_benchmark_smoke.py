@@ -28,6 +28,7 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert row["requests"] >= 2 and row["failed"] == 0 and row["completed"] == row["requests"]
     assert 0 < row["ttfa_p50_ms"] < 5000 and row["rtf_median"] > 0
     assert row["client_loop_lag_p99_ms"] is not None and 1 <= row["listeners_peak"] <= row["completed"]
+    assert row["host_load_1min"] >= 0 and row["host_cpus"] >= 1
     assert row["server"]["frame_step_ms_mean"] > 0 and row["server"]["chunks"]["urgent"] >= row["completed"]
     assert "| voxserve | 1 |" in (out / "results.md").read_text()
 
