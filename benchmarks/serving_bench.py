@@ -304,8 +304,9 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     summary = summarize(results, lag)
     summary["server"] = server_side(before, settled_metrics(fleet))
     # Another busy process on the host slows the server's Python threads: session 5 lost three runs to
-    # a neighbouring server computing on the CPUs. The 1-minute load average makes that visible.
-    summary["host_load_1min"], summary["host_cpus"] = round(os.getloadavg()[0], 2), os.cpu_count()
+    # a neighbouring server computing on the CPUs. The 1-minute load average (which includes this
+    # server and client, and overlaps the previous probe) makes that visible.
+    summary["host_load_1min"], summary["host_cpus"] = round(os.getloadavg()[0], 2), len(os.sched_getaffinity(0))
     print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
     if summary["errors"]:
         print(f"  errors: {summary['errors']}", flush=True)

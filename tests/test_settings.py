@@ -31,19 +31,34 @@ def test_a_bad_parameter_is_refused_by_name(name, value, message):
 
 def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, tmp_path):
     """A GPU host whose CUDA build of torch cannot use CUDA (CUDA_VISIBLE_DEVICES, MPS) must not
-    quietly serve on the CPU; an explicit device=cpu still may, and so may a CPU-only build of torch
-    or a host without a GPU."""
+    quietly serve on the CPU; an explicit device=cpu still may, and so may CUDA_VISIBLE_DEVICES naming
+    no GPU, a CPU-only build of torch or a host without a GPU."""
     from voxtriton.serving import runtime
 
     node = tmp_path / "nvidia0"
     node.touch()
     monkeypatch.setattr(runtime, "GPU_DEVICE_NODE", node)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA build of torch
-    with pytest.raises(ValueError, match="this host has a GPU .* or set device=cpu to run on the CPU anyway"):
+    refusal = r"this host has a GPU .* set device=cpu for every model \(voxtriton serve --param .\*:device=cpu.\)"
+    with pytest.raises(ValueError, match=refusal):
         runtime.resolve_device("auto")
     assert runtime.resolve_device("cpu") == torch.device("cpu")
+    for no_gpu_wanted in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", no_gpu_wanted)
+        assert runtime.resolve_device("auto") == torch.device("cpu")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr(torch.version, "cuda", None)  # a CPU-only build (`make install`'s) runs on the CPU
     assert runtime.resolve_device("auto") == torch.device("cpu")
     monkeypatch.setattr(runtime, "GPU_DEVICE_NODE", tmp_path / "absent")
     assert runtime.resolve_device("auto") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("value, devices", [("0,1", ["0", "1"]), (" 2, 3 ", ["2", "3"]), ("0,,1", ["0"]),
+                                            ("1,-1,0", ["1"]), ("", []), ("NoDevFiles", []),
+                                            ("GPU-a,MIG-b", ["GPU-a", "MIG-b"])])
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(value, devices):
+    from voxtriton.serving.settings import visible_devices
+
+    assert visible_devices(value) == devices

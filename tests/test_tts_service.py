@@ -20,7 +20,7 @@ from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
 from voxtriton.serving.settings import CodecSettings, TTSSettings
 from voxtriton.serving.state_pool import CodecStatePool
-from voxtriton.serving.tts_service import TTSService, codec_slots
+from voxtriton.serving.tts_service import CHECKS_PER_HOLD, TTSService, codec_slots
 
 
 class LaneThatFailsAfterCancellation:
@@ -80,6 +80,33 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
         lane.release.set()
         wait_for(lambda: len(service.free_slots) == slots)
         assert sink.chunks == 0 and sink.errors == ["request cancelled"]  # the lane's failure comes after
+    finally:
+        lane.release.set()
+        service.shutdown()
+
+
+def test_the_cancellation_sweep_reaches_streams_beyond_one_hold_of_the_lock(tiny_checkpoint):
+    """More open streams than one hold of the lock checks: a cancelled stream far down the list is
+    still ended, with the error, and only that one."""
+    config = load_config(tiny_checkpoint)
+    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
+    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
+    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
+    lane = LaneThatFailsAfterCancellation()  # holds the first chunk: nothing finishes meanwhile
+    service = TTSService(Engine(runner, 2), SchedulerConfig(policy="concurrent"), {URGENT: lane, BACKGROUND: lane},
+                         max_queued=3 * CHECKS_PER_HOLD, cancellation_check_s=0.01)
+    try:
+        inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
+                  "ignore_eos": np.array([True])}
+        count = 2 * CHECKS_PER_HOLD + 5
+        sinks = [CancellableSink() for _ in range(count)]
+        for index, sink in enumerate(sinks):
+            service.submit(parser.parse(f"r{index}", inputs), sink)
+        last = f"r{count - 1}"
+        sinks[-1].cancel = True
+        wait_for(lambda: last not in service.streams)
+        assert sinks[-1].errors == ["request cancelled"]
+        assert len(service.streams) == count - 1 and not any(sink.errors for sink in sinks[:-1])
     finally:
         lane.release.set()
         service.shutdown()

@@ -88,22 +88,10 @@ class SnakeBeta(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
-        self._per_channel: tuple | None = None  # (weights key, alpha, inverse_beta)
-
-    def per_channel(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """exp(alpha) and 1 / (exp(beta) + 1e-9) in `dtype` (the checkpoint stores log-scale
-        parameters), computed once per set of weights: every call would add seven small kernels per
-        activation, about 200 per codec call. A weight load (copy or replacement) changes the key."""
-        key = (self.alpha.data_ptr(), self.alpha._version, self.beta.data_ptr(), self.beta._version, dtype)
-        if self._per_channel is None or self._per_channel[0] != key:
-            with torch.no_grad():
-                alpha = torch.exp(self.alpha.float()).to(dtype)
-                inverse_beta = (1.0 / (torch.exp(self.beta.float()) + 1e-9)).to(dtype)
-            self._per_channel = (key, alpha, inverse_beta)
-        return self._per_channel[1], self._per_channel[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return snake_beta(x, *self.per_channel(x.dtype))
+        # The checkpoint stores log-scale parameters.
+        return snake_beta(x, torch.exp(self.alpha.float()), 1.0 / (torch.exp(self.beta.float()) + 1e-9))
 
 
 class CausalConv(StreamingModule):

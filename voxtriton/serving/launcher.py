@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .settings import cache_dir
+from .settings import cache_dir, visible_devices
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -106,18 +106,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def visible_devices(value: str) -> list[str]:
-    """The devices a CUDA_VISIBLE_DEVICES value names, in order ("" names none; CUDA ignores the
-    entries from the first negative index on, so "-1" names none too)."""
-    devices = []
-    for device in (entry.strip() for entry in value.split(",")):
-        if device.startswith("-"):
-            break
-        if device:
-            devices.append(device)
-    return devices
 
 
 def pinned_device(gpu: int) -> str:

@@ -136,3 +136,15 @@ def cache_dir() -> Path:
 
 def default_checkpoint_dir() -> Path:
     return cache_dir() / "checkpoints" / "tiny-seed0"
+
+
+def visible_devices(value: str) -> list[str]:
+    """The devices a CUDA_VISIBLE_DEVICES value names, in order. As CUDA reads it, the list ends at
+    the first entry that is neither a non-negative index nor a GPU-/MIG- UUID ("", "-1" and
+    "NoDevFiles" name none)."""
+    devices = []
+    for device in (entry.strip() for entry in value.split(",")):
+        if not (device.isdigit() or device.startswith(("GPU-", "MIG-"))):
+            break
+        devices.append(device)
+    return devices

@@ -34,6 +34,7 @@ from ..scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk, ChunkScheduler
 log = logging.getLogger(__name__)
 
 LANE_CODES = {URGENT: 0, BACKGROUND: 1, INLINE: 2}
+CHECKS_PER_HOLD = 32  # cancellation checks per hold of the service lock (about 1.6 ms at 0.05 ms each)
 
 
 class CodecLane(Protocol):
@@ -209,31 +210,39 @@ class TTSService:
 
         A check is a round trip to the server process that drops the GIL, and taking the GIL back
         beside a thread running Python waits about the switch interval (5 ms; benchmarks/bls_gil.py).
-        So a sweep holds the service lock: the threads that would compete for the GIL wait on the
-        lock instead, and the sweep is one short burst every `cancellation_check_s` rather than a
-        stream of GIL handoffs. (The lock-free sweep of 5066ce1 was never compared with this one
-        side by side; the server measured well with this one, goodput_h200.md, session 5.)
+        So checks run under the service lock, where the threads that would compete for the GIL wait
+        on the lock instead: a burst of plain round trips (0.05 ms each), not a GIL handoff per stream.
+        The lock is let go every CHECKS_PER_HOLD checks, so a sweep over hundreds of streams never
+        holds up a frame step or a chunk for more than a couple of milliseconds.
         """
         while not self._stopping.wait(self.cancellation_check_s):
             with self.lock:
-                ended = False
-                for stream in list(self.streams.values()):
-                    try:
-                        gone = stream.sink.cancelled()
-                    except Exception:  # the request is unreachable: treat the client as gone
-                        log.warning("stream %s: cancellation check failed: %s", stream.request.request_id,
-                                    traceback.format_exc(limit=1))
-                        gone = True
-                    if not gone:
-                        continue
-                    try:
-                        self._end(stream, "request cancelled")
-                    except Exception:  # keep watching the other streams
-                        log.error("stream %s: ending it failed: %s", stream.request.request_id, traceback.format_exc())
-                    ended = True
-                if ended:
-                    self.incoming = [s for s in self.incoming if not s.ended]
-                    self.lock.notify_all()
+                pending = list(self.streams.values())
+            while pending and not self._stopping.is_set():
+                batch, pending = pending[:CHECKS_PER_HOLD], pending[CHECKS_PER_HOLD:]
+                with self.lock:
+                    self._end_cancelled(stream for stream in batch if not stream.ended)
+
+    def _end_cancelled(self, streams) -> None:
+        """Check each stream and end those whose client is gone (under the service lock)."""
+        ended = False
+        for stream in streams:
+            try:
+                gone = stream.sink.cancelled()
+            except Exception:  # the request is unreachable: treat the client as gone
+                log.warning("stream %s: cancellation check failed: %s", stream.request.request_id,
+                            traceback.format_exc(limit=1))
+                gone = True
+            if not gone:
+                continue
+            try:
+                self._end(stream, "request cancelled")
+            except Exception:  # keep watching the other streams
+                log.error("stream %s: ending it failed: %s", stream.request.request_id, traceback.format_exc())
+            ended = True
+        if ended:
+            self.incoming = [s for s in self.incoming if not s.ended]
+            self.lock.notify_all()
 
     def _fail_all_running(self, message: str) -> None:
         """After a failed step: end every stream the engine had taken, running or being admitted
