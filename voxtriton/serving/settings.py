@@ -77,7 +77,7 @@ class TTSSettings:
     backbone_partition: str = "shared"
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
-    cancellation_check_s: float = 0.2  # a sweep holds the service lock for one round trip per stream
+    cancellation_check_s: float = 0.2  # a sweep makes one round trip per open stream
     cuda_graphs: bool = True
     graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams
     graph_spans: str = "256,512,1024,2048"  # attention-span buckets, capped at max_positions
