@@ -14,8 +14,6 @@ import pytest
 from voxtriton.serving.launcher import REPOSITORY, TritonServer, free_port, gpu_count, render_repository, set_parameter
 from voxtriton_client import TTSClient
 
-pytestmark = pytest.mark.server
-
 
 def test_set_parameter_replaces_or_appends():
     text = 'name: "x"\nparameters { key: "device" value: { string_value: "auto" } }\n'
@@ -36,6 +34,7 @@ def test_render_sets_per_model_parameters(tmp_path):
     assert (REPOSITORY / "tts" / "config.pbtxt").read_text() != tts  # the source is untouched
 
 
+@pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 @pytest.mark.parametrize("visible, gpu, daemon, clients", [
     ("1", None, "1", "0"), ("2,3", None, "2,3", "0,1"), (None, 1, "1", "0"), ("2,3", 1, "3", "0"),
     ("GPU-a, GPU-b", None, "GPU-a, GPU-b", "0,1"), ("0,-1,1", None, "0,-1,1", "0"), (None, None, None, None)])
@@ -58,12 +57,14 @@ def test_mps_clients_number_the_gpus_their_mps_server_sees(monkeypatch, visible,
         server.cleanup()
 
 
+@pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 def test_a_pinned_gpu_outside_cuda_visible_devices_is_refused(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     with pytest.raises(SystemExit, match="GPU 2 is not among the 2 that CUDA_VISIBLE_DEVICES='2,3' allows"):
         TritonServer(use_mps=False, gpu=2)
 
 
+@pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 def test_background_partition_is_one_setting():
     """tts:background_sms and codec_background:sm_count size the same SMs: either sets both."""
     for given in ({"tts": {"background_sms": "48"}}, {"codec_background": {"sm_count": "48"}}):
@@ -98,6 +99,7 @@ def processes_mentioning(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
     grpc, http, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
