@@ -223,8 +223,8 @@ class TritonServer:
         if visible is not None and self.mps is not None and self.mps.started:
             # The MPS daemon was started with these devices, and an MPS client numbers the GPUs its
             # MPS server sees from 0: passed on unchanged, CUDA_VISIBLE_DEVICES=1 would name a second
-            # GPU that the server does not have, and every model would fall back to the CPU (seen on
-            # a two-GPU H200 host).
+            # GPU that the server does not have, and the models would find no GPU (on a two-GPU H200
+            # host they fell back to the CPU).
             return env | {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(len(visible_devices(visible))))}
         return env | self.pinned
 

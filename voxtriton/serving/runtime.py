@@ -26,15 +26,15 @@ def resolve_device(name: str) -> torch.device:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None and not visible_devices(visible):
             return torch.device("cpu")  # no GPU wanted ("", "-1"): the CPU was asked for
-        if GPU_DEVICE_NODE.exists() and torch.version.cuda is not None:
-            # A CUDA build on a GPU host that cannot use it is misconfigured (CUDA_VISIBLE_DEVICES, an
-            # MPS server that does not see the device): refuse rather than serve a GPU's load at CPU
-            # speed (a 1.7B model on the CPU answered nothing within minutes on the H200 host).
-            raise ValueError(f"config.pbtxt parameter 'device' is auto and this host has a GPU ({GPU_DEVICE_NODE}), "
-                             "but CUDA is not available to this process: check CUDA_VISIBLE_DEVICES, the CUDA MPS "
-                             "daemon and that the driver supports this torch's CUDA, or set device=cpu for every "
-                             "model (voxtriton serve --param '*:device=cpu') to run on the CPU anyway")
         if GPU_DEVICE_NODE.exists():
+            if torch.version.cuda is not None:
+                # A CUDA build on a GPU host that cannot use it is misconfigured (CUDA_VISIBLE_DEVICES,
+                # an MPS server that does not see the device): refuse rather than serve a GPU's load at
+                # CPU speed (a 1.7B model on the CPU answered nothing within minutes on the H200 host).
+                raise ValueError(f"config.pbtxt parameter 'device' is auto and this host has a GPU ({GPU_DEVICE_NODE}), "
+                                 "but CUDA is not available to this process: check CUDA_VISIBLE_DEVICES, the CUDA MPS "
+                                 "daemon and that the driver supports this torch's CUDA, or set device=cpu for every "
+                                 "model (voxtriton serve --param '*:device=cpu') to run on the CPU anyway")
             log.warning("this host has a GPU but torch %s is a CPU-only build: running on the CPU", torch.__version__)
         return torch.device("cpu")
     device = torch.device(name)

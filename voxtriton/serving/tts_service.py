@@ -217,11 +217,12 @@ class TTSService:
         """
         while not self._stopping.wait(self.cancellation_check_s):
             with self.lock:
-                pending = list(self.streams.values())
-            while pending and not self._stopping.is_set():
-                batch, pending = pending[:CHECKS_PER_HOLD], pending[CHECKS_PER_HOLD:]
+                streams = list(self.streams.values())
+            for first in range(0, len(streams), CHECKS_PER_HOLD):
+                if self._stopping.is_set():
+                    return
                 with self.lock:
-                    self._end_cancelled(stream for stream in batch if not stream.ended)
+                    self._end_cancelled(s for s in streams[first: first + CHECKS_PER_HOLD] if not s.ended)
 
     def _end_cancelled(self, streams) -> None:
         """Check each stream and end those whose client is gone (under the service lock)."""
