@@ -12,6 +12,8 @@ STAMP := $(VENV)/.installed
 #   imported by it, and PyPI's build is for CUDA, so its compiled extension is removed (torchaudio then
 #   loads as pure Python, which is all the reference needs for the 12 Hz model).
 TORCH := torch==2.13.0
+# Triton's language package: CUDA builds of torch bring it; here the kernel tests run its interpreter.
+TRITON_LANG := triton==3.9.0
 TRITON := nvidia-pytriton==0.7.0
 REFERENCE := qwen-tts-hf==0.1.1.post1 torchaudio==2.11.0
 
@@ -21,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q $(TRITON_LANG)
 	$(PY) -m pip install -q -e ".[test,parity,gateway]"
 	$(PY) -m pip install -q --no-deps $(TRITON) $(REFERENCE)
 	rm -f $(VENV)/lib/python3*/site-packages/torchaudio/lib/*.so

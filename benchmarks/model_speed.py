@@ -79,14 +79,22 @@ def top_kernels(fn, device: torch.device, count: int) -> str:
     return profiler.key_averages().table(sort_by=key, row_limit=count)
 
 
-def fill_rows(runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int) -> int:
-    """Prefill `batch` requests and advance them to about `context` positions; returns the span."""
+def row_positions(batch: int, context: int, spread: bool, device) -> torch.Tensor:
+    """Each row's current position: all at context - 1, or (spread) evenly from 64 up to context - 1,
+    the mix of young and old streams a server holds."""
+    if not spread:
+        return torch.full((batch,), context - 1, device=device)
+    return torch.linspace(min(64, context - 1), context - 1, batch, device=device).long()
+
+
+def fill_rows(runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int, spread: bool) -> int:
+    """Prefill `batch` requests and advance them to `context` positions (see `row_positions`); returns the span."""
     params = GenerationParams.create(config.generation, 100_000, seed=0, max_frames=50_000, ignore_eos=True)
     requests = [Request(f"r{i}", prompts.build("Benchmarking the talker step.", prompts.speakers[0]), params)
                 for i in range(batch)]
     runner.prefill(requests, 0)
     length = len(requests[0].prompt.text_ids)
-    runner.position[:batch] = context - 1  # attend over `context` positions, as a long stream would
+    runner.position[:batch] = row_positions(batch, context, spread, runner.device)
     return max(context, length)
 
 
@@ -98,6 +106,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--context", type=int, default=256, help="KV positions each request attends over")
+    parser.add_argument("--spread", action="store_true",
+                        help="rows at positions spread evenly up to --context instead of all at it")
     parser.add_argument("--chunk-frames", type=int, default=25)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs for every timed step (GPU)")
@@ -120,7 +130,8 @@ def main() -> None:
     talker = backbone.talker
     rows = []
     for batch in batches:
-        span = fill_rows(runner, config, prompts, batch, args.context)
+        span = fill_rows(runner, config, prompts, batch, args.context, args.spread)
+        positions = runner.position[:batch].clone()
         hidden = runner.past_hidden[:batch]
         first = talker.model.codec_embedding(runner.last_code[:batch])
         keys, values = runner.predictor_keys, runner.predictor_values
@@ -135,7 +146,7 @@ def main() -> None:
                 talker(embeds, runner.position[:batch, None], runner.cache, span)
 
         def frame_step():
-            runner.position[:batch] = args.context - 1
+            runner.position[:batch] = positions
             runner.decode(batch, span)
 
         codes = torch.randint(0, config.codec.codebook_size, (batch, args.chunk_frames, config.codec.num_quantizers),
@@ -168,7 +179,7 @@ def main() -> None:
     for row in rows:
         print("| " + " | ".join(f"{row[h]:.2f}" if isinstance(row[h], float) else str(row[h]) for h in header) + " |")
     meta = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "graphs": args.graphs,
-            "context": args.context, "chunk_frames": args.chunk_frames, "torch": torch.__version__,
+            "context": args.context, "spread": args.spread, "chunk_frames": args.chunk_frames, "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}

@@ -15,8 +15,6 @@ from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.config import load_config
-from voxtriton.models import codec as codec_module
-from voxtriton.models.codec import snake_beta
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.runtime import SMPartition
@@ -80,21 +78,20 @@ def test_codec_graphs_match_eager(tiny_checkpoint):
     assert len(runner.graphs) == 6
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_snake_matches_the_eager_formula(dtype, monkeypatch):
-    """The NVRTC kernel against the CPU's eager formula on the same (dtype-rounded) inputs; the
-    input is a transposed view, so the kernel's indexing of strided input is exercised too."""
-    monkeypatch.setattr(codec_module, "_snake_kernel", None)
-    generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(3, 900, 64, generator=generator) * 4).to(dtype).transpose(1, 2)
-    alpha = (torch.rand(64, generator=generator) * 3 + 0.05).to(dtype)
-    inverse_beta = (torch.rand(64, generator=generator) * 3 + 0.05).to(dtype)
-    expected = snake_beta(x.float(), alpha.float(), inverse_beta.float()).to(dtype).float()
-    fused = snake_beta(x.to(DEVICE), alpha.to(DEVICE), inverse_beta.to(DEVICE))
-    assert fused.dtype == dtype and fused.shape == x.shape
-    assert codec_module._snake_kernel is not None  # the fused kernel ran, not the eager formula
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(fused.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+def test_codec_with_triton_kernels_matches_the_cpu_reference(tiny_checkpoint):
+    """The whole decoder, chunked with carried state: CUDA (fused Triton kernels, cuDNN) against the
+    CPU's reference formulas, both fp32. cuDNN convolutions may use TF32, hence the tolerance."""
+    gpu = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
+    cpu = load_codec(tiny_checkpoint, dtype=torch.float32)
+    codes = torch.randint(0, 2048, (3, 31, 16), generator=torch.Generator().manual_seed(3))
+    state_gpu, state_cpu, offset = gpu.new_state(3), cpu.new_state(3), 0
+    for size in (2, 4, 25):
+        chunk, start = codes[:, offset: offset + size], torch.full((3,), offset)
+        audio_gpu, state_gpu = gpu.decode(chunk.to(DEVICE), start.to(DEVICE), state_gpu)
+        audio_cpu, state_cpu = cpu.decode(chunk, start, state_cpu)
+        error = (audio_gpu.cpu() - audio_cpu).norm() / audio_cpu.norm()
+        assert error < 1e-2, f"chunk of {size} frames: relative error {error:.2e}"
+        offset += size
 
 
 def test_green_context_partition_runs_work_on_its_stream():

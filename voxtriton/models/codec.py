@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import codec as kernels
 from .config import CodecConfig
 from .layers import DecoderStack
 
@@ -52,46 +53,16 @@ class StreamingModule(nn.Module):
         raise NotImplementedError
 
 
-# SnakeBeta as one elementwise kernel on CUDA, compiled by NVRTC at first use (jiterator). Eager
-# PyTorch makes five passes over the activation; on the H200 they were about a third of a codec call.
-_SNAKE_SOURCE = """
-template <typename T> T snake_beta(T x, T alpha, T inverse_beta) {
-  float value = static_cast<float>(x);
-  float wave = sinf(value * static_cast<float>(alpha));
-  return static_cast<T>(value + static_cast<float>(inverse_beta) * wave * wave);
-}"""
-_snake_kernel = None
-
-
-def fused_snake_kernel():
-    """The jiterator function, made on first use: making it asks whether CUDA is available, which
-    initialises the driver, and importing this module must not (CPU processes, forks)."""
-    global _snake_kernel
-    if _snake_kernel is None:
-        _snake_kernel = torch.cuda.jiterator._create_jit_fn(_SNAKE_SOURCE)
-    return _snake_kernel
-
-
-def snake_beta(x: torch.Tensor, alpha: torch.Tensor, inverse_beta: torch.Tensor) -> torch.Tensor:
-    """x + inverse_beta * sin(alpha * x)^2 for x [B, C, T] and per-channel alpha, inverse_beta [C].
-
-    alpha and inverse_beta are rounded to x's dtype; on CUDA the rest is computed in fp32.
-    """
-    alpha, inverse_beta = alpha.to(x.dtype)[:, None], inverse_beta.to(x.dtype)[:, None]
-    if x.is_cuda:
-        return fused_snake_kernel()(x, alpha, inverse_beta)
-    return x + inverse_beta * torch.pow(torch.sin(x * alpha), 2)
-
-
 class SnakeBeta(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
+        # Log-scale parameters, as the checkpoint stores them.
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The checkpoint stores log-scale parameters.
-        return snake_beta(x, torch.exp(self.alpha.float()), 1.0 / (torch.exp(self.beta.float()) + 1e-9))
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
+        """SnakeBeta of x (+ the previous convolution's bias), prefixed along time by `history`."""
+        return kernels.snake(x, self.alpha, self.beta, bias, history)
 
 
 class CausalConv(StreamingModule):
@@ -111,6 +82,21 @@ class CausalConv(StreamingModule):
         x = torch.cat((state.take(self.state_name), x), dim=-1)
         state.put(self.state_name, x[..., -self.context:])
         return self.conv(x)
+
+    def activate_and_convolve(self, x: torch.Tensor, activation: SnakeBeta, state: StreamState) -> torch.Tensor:
+        """conv(activation(x)) WITHOUT this convolution's bias, which the caller fuses into what follows.
+        The activation writes its output after the carried history, so the padding costs no extra pass."""
+        padded = activation(x, history=state.take(self.state_name) if self.context else None)
+        if self.context:
+            state.put(self.state_name, padded[..., -self.context:])
+        conv = self.conv
+        return F.conv1d(padded, conv.weight, None, dilation=conv.dilation, groups=conv.groups)
+
+    def pointwise(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + conv(x) for a kernel-size-1 convolution: a batched matrix product, then the bias
+        and the residual in one pass."""
+        weight = self.conv.weight[..., 0].expand(x.shape[0], -1, -1)  # a stride-0 batch, no copy
+        return kernels.add_channel_bias(torch.bmm(weight, x), self.conv.bias, residual)
 
 
 class CausalTransConv(StreamingModule):
@@ -139,6 +125,17 @@ class CausalTransConv(StreamingModule):
         state.put(self.state_name, x[..., -1:])
         return y[..., self.stride: self.stride * (frames + 1)]
 
+    def activate_and_upsample(self, x: torch.Tensor, activation: SnakeBeta, state: StreamState) -> torch.Tensor:
+        """forward(activation(x)) with the previous frame written by the activation and the bias added
+        to the trimmed output in the same pass that makes it contiguous."""
+        frames = x.shape[-1]
+        padded = activation(x, history=state.take(self.state_name) if self.overlaps else None)
+        if self.overlaps:
+            state.put(self.state_name, padded[..., -1:])
+        y = F.conv_transpose1d(padded, self.conv.weight, None, stride=self.stride)
+        first = self.stride if self.overlaps else 0
+        return kernels.add_channel_bias(y[..., first: first + self.stride * frames], self.conv.bias)
+
 
 class ConvNeXtBlock(nn.Module):
     def __init__(self, dim: int):
@@ -164,7 +161,8 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, kernel_size=1)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x), state)), state)
+        hidden = self.act2(self.conv1.activate_and_convolve(x, self.act1, state), bias=self.conv1.conv.bias)
+        return self.conv2.pointwise(hidden, residual=x)
 
 
 class DecoderBlock(nn.Module):
@@ -174,7 +172,7 @@ class DecoderBlock(nn.Module):
                                    + [ResidualUnit(out_dim, d) for d in (1, 3, 9)])
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        x = self.block[1](self.block[0](x), state)
+        x = self.block[1].activate_and_upsample(x, self.block[0], state)
         for unit in self.block[2:]:
             x = unit(x, state)
         return x
@@ -310,9 +308,11 @@ class CodecDecoder(nn.Module):
         hidden = self.pre_transformer.stream(hidden.transpose(1, 2), start, state).transpose(1, 2)
         for transposed, convnext in self.upsample:
             hidden = convnext(transposed(hidden, state), state)
-        wav = hidden
-        for layer in self.decoder:
-            wav = layer(wav) if isinstance(layer, SnakeBeta) else layer(wav, state)
+        wav = self.decoder[0](hidden, state)
+        for block in self.decoder[1:-2]:
+            wav = block(wav, state)
+        output_conv = self.decoder[-1]
+        wav = output_conv.activate_and_convolve(wav, self.decoder[-2], state) + output_conv.conv.bias[:, None]
         return wav.squeeze(1).clamp(-1.0, 1.0)
 
 

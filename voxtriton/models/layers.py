@@ -8,13 +8,18 @@ static per-slot KV cache (talker, predictor) and a sliding window carried in cod
 
 from __future__ import annotations
 
-from typing import Protocol
+from functools import partial
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.attention import decode_attention, decode_attention_supported
 from .config import TransformerConfig
+
+# attend(q [B, H, T, D], keys, values [B, KVH, L, D], scale) -> [B, H, T, D]
+Attend = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -100,7 +105,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv: KVStore, bias):
+    def forward(self, x, cos, sin, kv: KVStore, attend: Attend):
         batch, length, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(batch, length, self.num_heads, self.head_dim)
@@ -111,7 +116,7 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         keys, values = kv.update(self.layer, k, v)
-        out = grouped_attention(q, keys, values, bias, self.scale)
+        out = attend(q, keys, values, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -149,13 +154,14 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn_layer_scale = self.mlp_layer_scale = nn.Identity()
 
-    def forward(self, x, cos, sin, kv: KVStore, bias):
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kv, bias))
+    def forward(self, x, cos, sin, kv: KVStore, attend: Attend):
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kv, attend))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderStack(nn.Module):
-    """Layers + final norm. Keys/values go through `kv`; `mask` is [B, 1, T, L] (True = attend)."""
+    """Layers + final norm. Keys/values go through `kv`; `mask` is [B, 1, T, L] (True = attend), or
+    None for causal attention by position over a `StaticKV` (entries 0..p for the query at position p)."""
 
     def __init__(self, cfg: TransformerConfig, layer_scale: float | None = None):
         super().__init__()
@@ -163,13 +169,23 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.group = cfg.num_heads // cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
-        bias = attention_bias(mask, self.group, x.dtype)
+        attend = self._attention(x, positions, kv, mask)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, bias)
+            x = layer(x, cos, sin, kv, attend)
         return self.norm(x)
+
+    def _attention(self, x, positions, kv, mask) -> Attend:
+        """Decode steps on a GPU read each row's own entries (`decode_attention`); everything else goes
+        through SDPA with a bias made once per call and shared by every layer."""
+        if mask is None:
+            if decode_attention_supported(x.device, self.group * x.shape[1], self.head_dim):
+                return partial(decode_attention, positions=positions)
+            mask = causal_mask(positions, kv.span)
+        return partial(grouped_attention, bias=attention_bias(mask, self.group, x.dtype))
 
 
 class StaticKV:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen3TTSConfig, TalkerConfig
-from .layers import DecoderStack, KVStore, StaticKV, causal_mask
+from .layers import DecoderStack, StaticKV
 
 # sample(logits [B, V], codebook index) -> token ids [B]
 Sampler = Callable[[torch.Tensor, int], torch.Tensor]
@@ -68,8 +68,8 @@ class CodePredictor(nn.Module):
         """Positions per frame: the talker state, codebook 0, then codebooks 1..14 fed back."""
         return self.num_residual + 1
 
-    def forward(self, embeds, positions, kv: KVStore, mask):
-        return self.model(self.small_to_mtp_projection(embeds), positions, kv, mask)
+    def forward(self, embeds, positions, kv: StaticKV):
+        return self.model(self.small_to_mtp_projection(embeds), positions, kv)
 
     def predict_frame(self, talker_hidden: torch.Tensor, first_code_embed: torch.Tensor,
                       keys: torch.Tensor, values: torch.Tensor, sample: Sampler) -> torch.Tensor:
@@ -84,7 +84,7 @@ class CodePredictor(nn.Module):
         cache = StaticKV(keys, values)
         positions = torch.arange(2, device=device).expand(batch, 2)
         embeds = torch.stack((talker_hidden, first_code_embed), dim=1)
-        hidden = self(embeds, positions, cache.bind(positions, span), causal_mask(positions, span))[:, -1]
+        hidden = self(embeds, positions, cache.bind(positions, span))[:, -1]
         codes = []
         for group in range(self.num_residual):
             code = sample(self.lm_head[group](hidden), group + 1)
@@ -93,7 +93,7 @@ class CodePredictor(nn.Module):
                 break
             positions = torch.full((batch, 1), group + 2, device=device, dtype=torch.long)
             embed = self.model.codec_embedding[group](code)[:, None]
-            hidden = self(embed, positions, cache.bind(positions, span), causal_mask(positions, span))[:, -1]
+            hidden = self(embed, positions, cache.bind(positions, span))[:, -1]
         return torch.stack(codes, dim=1)
 
 
@@ -122,7 +122,7 @@ class Talker(nn.Module):
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: StaticKV, span: int) -> torch.Tensor:
         """Advance a batch: embeds [B, T, D] at positions [B, T]; returns final hidden [B, T, D]."""
-        return self.model(embeds, positions, cache.bind(positions, span), causal_mask(positions, span))
+        return self.model(embeds, positions, cache.bind(positions, span))
 
 
 class Qwen3TTSBackbone(nn.Module):

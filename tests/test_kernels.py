@@ -1,0 +1,80 @@
+"""The Triton kernels against their reference formulas: on the GPU where there is one, otherwise in
+Triton's interpreter (conftest.py), so CI checks the same kernel code the GPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from voxtriton.kernels import attention
+from voxtriton.kernels import codec as kernels
+
+pytest.importorskip("triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def random(*shape, scale=1.0, dtype=torch.float32, generator):
+    return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("history_length", [0, 1, 18])
+def test_snake_matches_the_reference(dtype, with_bias, history_length):
+    generator = torch.Generator().manual_seed(history_length * 2 + with_bias)
+    batch, channels, length = 2, 5, 1500  # two column blocks, the second partly masked
+    # x as a strided view (every other channel of a wider tensor), as a trimmed convolution output is.
+    x = random(batch, 2 * channels, length, scale=3, dtype=dtype, generator=generator)[:, ::2]
+    log_alpha, log_beta = random(channels, scale=0.5, generator=generator), random(channels, scale=0.5, generator=generator)
+    bias = random(channels, dtype=dtype, generator=generator) if with_bias else None
+    # history as the codec state holds it: a view into a packed [batch, state_size] row.
+    history = None
+    if history_length:
+        packed = random(batch, 7 + channels * history_length, dtype=dtype, generator=generator)
+        history = packed[:, 7:].view(batch, channels, history_length)
+    to = lambda t: None if t is None else t.to(DEVICE)
+    fused = kernels.snake_triton(to(x), to(log_alpha), to(log_beta), to(bias), to(history))
+    expected = kernels.snake_reference(x.float(), log_alpha, log_beta, None if bias is None else bias.float(),
+                                       None if history is None else history.float())
+    assert fused.shape == (batch, channels, history_length + length) and fused.dtype == dtype
+    if history_length:  # the history is copied exactly
+        assert torch.equal(fused[..., :history_length].cpu(), history)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(fused.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_channel_bias_matches_the_reference(dtype, with_residual):
+    generator = torch.Generator().manual_seed(5 + with_residual)
+    batch, channels, length = 3, 4, 1100
+    x = random(batch, channels, length + 9, dtype=dtype, generator=generator)[..., 4: 4 + length]  # trimmed view
+    bias = random(channels, dtype=dtype, generator=generator)
+    residual = random(batch, channels, length, dtype=dtype, generator=generator) if with_residual else None
+    out = kernels.add_channel_bias_triton(x.to(DEVICE), bias.to(DEVICE), None if residual is None else residual.to(DEVICE))
+    expected = kernels.add_channel_bias_reference(x.float(), bias.float(), None if residual is None else residual.float())
+    assert out.is_contiguous() and out.shape == x.shape
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_decode_attention_matches_the_reference(dtype, new_tokens):
+    """Rows at different positions (one past a key block, one at the first entry), over strided
+    views of a larger cache, as StaticKV hands them out."""
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+        pytest.skip("Triton 3.9's interpreter computes bf16 tl.dot wrongly (seen: errors of 1e10); the GPU runs this case")
+    generator = torch.Generator().manual_seed(new_tokens)
+    batch, heads, kv_heads, dim, span = 3, 4, 2, 32, 150
+    last = torch.tensor([70, new_tokens - 1, 149])  # each row's last new position
+    positions = last[:, None] - torch.arange(new_tokens - 1, -1, -1)[None, :]
+    q = random(batch, heads, new_tokens, dim, dtype=dtype, generator=generator)
+    cache = random(2, batch + 1, kv_heads, span + 10, dim, dtype=dtype, generator=generator)
+    keys, values = cache[0, :batch, :, :span], cache[1, :batch, :, :span]
+    out = attention.decode_attention(q.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), positions.to(DEVICE), 0.3)
+    expected = attention.decode_attention_reference(q, keys, values, positions, 0.3)
+    assert out.shape == q.shape and out.dtype == dtype
+    tolerance = 2e-3 if dtype == torch.float32 else 2e-2  # tf32 dot products on the GPU
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
