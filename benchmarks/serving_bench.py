@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import json
 import os
 import platform
@@ -300,7 +301,16 @@ class Fleet:
 
 def measure(args, fleet: Fleet, label: str, run) -> dict:
     before = fleet.metrics()
-    results, lag = asyncio.run(run())
+    # No garbage collection while a probe runs. The client's event loop stalled for 65-106 ms in 3 of
+    # 10 probes of session 6 (client_loop_lag_max_ms; 10 ms otherwise), which delays every chunk
+    # arriving meanwhile and can show as a stall that the server did not cause. A full collection over
+    # hundreds of streams' objects is the likeliest cause; the lag figures of later runs tell.
+    gc.collect()
+    gc.disable()
+    try:
+        results, lag = asyncio.run(run())
+    finally:
+        gc.enable()
     summary = summarize(results, lag)
     summary["server"] = server_side(before, settled_metrics(fleet))
     # Another busy process on the host slows the server's Python threads: session 5 lost three runs to
