@@ -14,6 +14,7 @@ from voxtriton.engine.codec_runner import CodecRunner
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
+from voxtriton.kernels import triton_usable
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.text import PromptBuilder, TextTokenizer
@@ -81,6 +82,7 @@ def test_codec_graphs_match_eager(tiny_checkpoint):
 def test_codec_with_triton_kernels_matches_the_cpu_reference(tiny_checkpoint):
     """The whole decoder, chunked with carried state: CUDA (fused Triton kernels, cuDNN) against the
     CPU's reference formulas, both fp32. cuDNN convolutions may use TF32, hence the tolerance."""
+    assert triton_usable(DEVICE), "the Triton kernels must run here, not the fallback formulas"
     gpu = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
     cpu = load_codec(tiny_checkpoint, dtype=torch.float32)
     codes = torch.randint(0, 2048, (3, 31, 16), generator=torch.Generator().manual_seed(3))

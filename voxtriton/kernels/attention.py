@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton
+from . import triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -27,8 +27,7 @@ MAX_QUERY_ROWS = 16  # query heads per KV head x new tokens; the smallest block 
 def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
     """Whether `decode_attention` serves a query of `query_rows` (query heads per KV head x new tokens)
     and head size `dim` on `device`: a GPU, few new tokens, a power-of-two head size."""
-    return (device.type == "cuda" and triton is not None and query_rows <= MAX_QUERY_ROWS
-            and dim >= 16 and dim & (dim - 1) == 0)
+    return query_rows <= MAX_QUERY_ROWS and dim >= 16 and dim & (dim - 1) == 0 and triton_usable(device)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton
+from . import triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -45,14 +45,14 @@ def add_channel_bias_reference(x: torch.Tensor, bias: torch.Tensor, residual: to
 
 def snake(x, log_alpha, log_beta, bias=None, history=None):
     """SnakeBeta [B, C, T] -> [B, C, H + T]; see `snake_reference`."""
-    if x.is_cuda and triton is not None:
+    if triton_usable(x.device):
         return snake_triton(x, log_alpha, log_beta, bias, history)
     return snake_reference(x, log_alpha, log_beta, bias, history)
 
 
 def add_channel_bias(x, bias, residual=None):
     """x [B, C, T] (any strides with unit time stride) + bias [C] (+ residual [B, C, T])."""
-    if x.is_cuda and triton is not None:
+    if triton_usable(x.device):
         return add_channel_bias_triton(x, bias, residual)
     return add_channel_bias_reference(x, bias, residual)
 
