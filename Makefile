@@ -12,8 +12,9 @@ STAMP := $(VENV)/.installed
 #   imported by it, and PyPI's build is for CUDA, so its compiled extension is removed (torchaudio then
 #   loads as pure Python, which is all the reference needs for the 12 Hz model).
 TORCH := torch==2.13.0
-# Triton's language package: CUDA builds of torch bring it; here the kernel tests run its interpreter.
-TRITON_LANG := triton==3.9.0
+# Triton's language package, the version CUDA builds of torch 2.11 bring (the GPU image's); here the
+# kernel tests run its interpreter.
+TRITON_LANG := triton==3.6.0
 TRITON := nvidia-pytriton==0.7.0
 REFERENCE := qwen-tts-hf==0.1.1.post1 torchaudio==2.11.0
 

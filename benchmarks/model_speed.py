@@ -80,11 +80,11 @@ def top_kernels(fn, device: torch.device, count: int) -> str:
 
 
 def row_positions(batch: int, context: int, spread: bool, device) -> torch.Tensor:
-    """Each row's current position: all at context - 1, or (spread) evenly from 64 up to context - 1,
-    the mix of young and old streams a server holds."""
+    """Each row's current position: all at context - 1, or (spread) evenly from context - 1 down to 64,
+    the mix of young and old streams a server holds (the first row always at context - 1)."""
     if not spread:
         return torch.full((batch,), context - 1, device=device)
-    return torch.linspace(min(64, context - 1), context - 1, batch, device=device).long()
+    return torch.linspace(context - 1, min(64, context - 1), batch, device=device).long()
 
 
 def fill_rows(runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int, spread: bool) -> int:

@@ -10,6 +10,8 @@ import torch
 
 # The Triton kernels run in Triton's interpreter where there is no GPU, so their tests run on every
 # machine. The switch is read when a kernel is defined, so it is set before voxtriton is imported.
+# Servers the tests start inherit it and ignore it: outside the kernel tests, only CUDA tensors take
+# the Triton path (`voxtriton.kernels.triton_usable`).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -15,7 +15,9 @@ from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.kernels import triton_usable
+from voxtriton.kernels.attention import decode_attention_supported
 from voxtriton.models.config import load_config
+from voxtriton.models.layers import StaticKV, causal_mask
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.runtime import SMPartition
@@ -94,6 +96,27 @@ def test_codec_with_triton_kernels_matches_the_cpu_reference(tiny_checkpoint):
         error = (audio_gpu.cpu() - audio_cpu).norm() / audio_cpu.norm()
         assert error < 1e-2, f"chunk of {size} frames: relative error {error:.2e}"
         offset += size
+
+
+def test_decode_attention_kernel_matches_sdpa_in_the_talker(tiny_checkpoint):
+    """The talker's decode step through the Triton kernel (mask None) and through SDPA (an explicit
+    causal mask) over the same cache, whose entries past each row's position are garbage to ignore."""
+    config = load_config(tiny_checkpoint)
+    model = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=torch.float32).talker.model
+    t = config.talker.transformer
+    assert decode_attention_supported(DEVICE, model.group, model.head_dim)
+    batch, span = 3, 96
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randn(t.num_layers, batch, t.num_kv_heads, span, t.head_dim, generator=generator).to(DEVICE)
+    values = torch.randn(keys.shape, generator=generator).to(DEVICE)
+    positions = torch.tensor([[5], [64], [95]], device=DEVICE)
+    x = torch.randn(batch, 1, t.hidden_size, generator=generator).to(DEVICE)
+    outputs = []
+    with torch.inference_mode():
+        for mask in (None, causal_mask(positions, span)):
+            cache = StaticKV(keys.clone(), values.clone())
+            outputs.append(model(x, positions, cache.bind(positions, span), mask))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
 
 
 def test_green_context_partition_runs_work_on_its_stream():

@@ -65,7 +65,7 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens):
     """Rows at different positions (one past a key block, one at the first entry), over strided
     views of a larger cache, as StaticKV hands them out."""
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
-        pytest.skip("Triton 3.9's interpreter computes bf16 tl.dot wrongly (seen: errors of 1e10); the GPU runs this case")
+        pytest.skip("Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); the GPU runs this case")
     generator = torch.Generator().manual_seed(new_tokens)
     batch, heads, kv_heads, dim, span = 3, 4, 2, 32, 150
     last = torch.tensor([70, new_tokens - 1, 149])  # each row's last new position
@@ -76,5 +76,5 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens):
     out = attention.decode_attention(q.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), positions.to(DEVICE), 0.3)
     expected = attention.decode_attention_reference(q, keys, values, positions, 0.3)
     assert out.shape == q.shape and out.dtype == dtype
-    tolerance = 2e-3 if dtype == torch.float32 else 2e-2  # tf32 dot products on the GPU
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)

@@ -17,23 +17,50 @@ _usable: dict[int, bool] = {}
 
 
 def triton_usable(device: torch.device) -> bool:
-    """Whether Triton kernels run on this CUDA device. CUDA builds of torch bring Triton, but Triton
-    builds each kernel's launcher with the system's C compiler and Python headers at first use, and
-    slim images lack them. Checked once per device by running a small kernel; where it fails, the
-    reference formulas run (slower) and a warning says why. Call it outside CUDA graph capture."""
+    """Whether the Triton kernels run on this CUDA device, decided once per device by running each of
+    them on small inputs against its reference formula.
+
+    CUDA builds of torch bring Triton, but Triton builds each kernel's launcher with the system's C
+    compiler and Python headers at first use, which slim images lack, and bf16 matrix products need
+    compute capability 8.0. Where the check fails, the reference formulas run (slower) and a warning
+    says why. The model and codec runners call this when they are made, before any graph capture.
+    """
     if triton is None or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _usable:
-        from .codec import add_channel_bias_reference, add_channel_bias_triton
-
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the Triton kernel check must run before CUDA graph capture: call "
+                               "voxtriton.kernels.triton_usable(device) first")
         try:
-            x = torch.arange(6.0, device=device).view(1, 2, 3)
-            bias = torch.tensor([1.0, -1.0], device=device)
-            _usable[index] = bool(torch.equal(add_channel_bias_triton(x, bias), add_channel_bias_reference(x, bias)))
-            if not _usable[index]:
-                log.warning("Triton kernel check on cuda:%d gave a wrong result; using the PyTorch formulas", index)
-        except Exception as error:  # a missing compiler or headers surfaces as a compile error here
-            log.warning("Triton kernels unavailable on cuda:%d (%s); using the slower PyTorch formulas", index, error)
+            _check_kernels(torch.device("cuda", index))
+            _usable[index] = True
+        except Exception as error:  # a missing compiler or headers surfaces here as a compile error
+            log.warning("Triton kernels unavailable on cuda:%d (%s: %s); using the slower PyTorch formulas",
+                        index, type(error).__name__, error)
             _usable[index] = False
     return _usable[index]
+
+
+def _check_kernels(device: torch.device) -> None:
+    from .attention import decode_attention, decode_attention_reference
+    from .codec import add_channel_bias_reference, add_channel_bias_triton, snake_reference, snake_triton
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, generator=generator)
+    bias, log_alpha, log_beta = (torch.randn(3, generator=generator) * 0.5 for _ in range(3))
+    history = torch.randn(2, 3, 6, generator=generator)
+    cases = [("snake", snake_triton(x.to(device), log_alpha.to(device), log_beta.to(device), bias.to(device), history.to(device)),
+              snake_reference(x, log_alpha, log_beta, bias, history), 1e-5),
+             ("channel bias", add_channel_bias_triton(x.to(device), bias.to(device), x.to(device)),
+              add_channel_bias_reference(x, bias, x), 1e-5)]
+    positions = torch.tensor([[5], [70]])
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        q = torch.randn(2, 4, 1, 128, generator=generator).to(dtype)
+        keys, values = (torch.randn(2, 2, 80, 128, generator=generator).to(dtype) for _ in range(2))
+        out = decode_attention(q.to(device), keys.to(device), values.to(device), positions.to(device), 0.1)
+        cases.append((f"decode attention ({dtype})", out, decode_attention_reference(q, keys, values, positions, 0.1),
+                      tolerance))
+    for name, result, expected, tolerance in cases:
+        if not torch.allclose(result.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance):
+            raise RuntimeError(f"{name} kernel disagrees with its reference formula")

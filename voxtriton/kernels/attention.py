@@ -21,7 +21,9 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_KEYS = 64
-MAX_QUERY_ROWS = 16  # query heads per KV head x new tokens; the smallest block tl.dot accepts
+# A program's query block: (query heads per KV head) x (new tokens) rows, padded to this fixed size,
+# which is also the smallest block tl.dot accepts. Decode steps have 2 or 4 rows.
+MAX_QUERY_ROWS = 16
 
 
 def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
@@ -33,14 +35,21 @@ def decode_attention_supported(device: torch.device, query_rows: int, dim: int) 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [B, H, T, D] at positions [B, T] (increasing along T); keys, values [B, KVH, L, D] (views of the
-    cache, unit stride in D) with entries 0..positions[:, -1] written. Returns [B, H, T, D]."""
+    cache) with entries 0..positions[:, -1] written; entries at L and beyond are never read. All three
+    need unit stride in D. Returns [B, H, T, D]."""
     batch, heads, length, dim = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    if not q.stride(-1) == keys.stride(-1) == values.stride(-1) == 1:
+        raise ValueError("decode_attention needs unit stride along the head dimension")
     positions = positions.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _decode_attention_kernel[(batch, kv_heads)](
-        q, *q.stride()[:3], keys, *keys.stride()[:3], values, *values.stride()[:3], out, positions, scale,
-        GROUP=heads // kv_heads, LENGTH=length, DIM=dim, BLOCK_ROWS=MAX_QUERY_ROWS, BLOCK_KEYS=BLOCK_KEYS)
+    # Triton launches on the current device; -1 leaves it alone (CPU tensors, Triton's interpreter).
+    with torch.cuda.device(q.device if q.is_cuda else -1):
+        _decode_attention_kernel[(batch, kv_heads)](
+            q, *q.stride()[:3], keys, *keys.stride()[:3], values, *values.stride()[:3], out, positions, scale, span,
+            GROUP=heads // kv_heads, LENGTH=length, DIM=dim, BLOCK_ROWS=MAX_QUERY_ROWS, BLOCK_KEYS=BLOCK_KEYS,
+            # fp32 stays fp32 (tl.dot would round fp32 inputs to tf32); bf16 products are exact anyway.
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
 
@@ -57,9 +66,9 @@ if triton is not None:
     def _decode_attention_kernel(q_ptr, q_batch_stride, q_head_stride, q_token_stride,
                                  k_ptr, k_batch_stride, k_head_stride, k_position_stride,
                                  v_ptr, v_batch_stride, v_head_stride, v_position_stride,
-                                 out_ptr, positions_ptr, scale,
+                                 out_ptr, positions_ptr, scale, span,
                                  GROUP: tl.constexpr, LENGTH: tl.constexpr, DIM: tl.constexpr,
-                                 BLOCK_ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr):
+                                 BLOCK_ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr, PRECISION: tl.constexpr):
         row, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         # Query block row r is (query head kv_head * GROUP + r // LENGTH, new token r % LENGTH).
         rows = tl.arange(0, BLOCK_ROWS)
@@ -69,7 +78,7 @@ if triton is not None:
         query_offsets = row * q_batch_stride + head * q_head_stride + token * q_token_stride
         query = tl.load(q_ptr + query_offsets[:, None] + dims[None, :], mask=valid_rows[:, None], other=0.0)
         query_position = tl.load(positions_ptr + row * LENGTH + token, mask=valid_rows, other=0)
-        end = tl.load(positions_ptr + row * LENGTH + LENGTH - 1) + 1  # entries this row has written
+        end = tl.minimum(tl.load(positions_ptr + row * LENGTH + LENGTH - 1) + 1, span)  # entries written
 
         key_base = k_ptr + row * k_batch_stride + kv_head * k_head_stride
         value_base = v_ptr + row * v_batch_stride + kv_head * v_head_stride
@@ -83,7 +92,7 @@ if triton is not None:
                           mask=inside[:, None], other=0.0)
             value = tl.load(value_base + key_positions[:, None] * v_position_stride + dims[None, :],
                             mask=inside[:, None], other=0.0)
-            scores = tl.dot(query, tl.trans(key)) * scale
+            scores = tl.dot(query, tl.trans(key), input_precision=PRECISION) * scale
             visible = key_positions[None, :] <= query_position[:, None]
             scores = tl.where(visible, scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))
@@ -92,7 +101,7 @@ if triton is not None:
             weights = tl.exp(scores - safe_best[:, None])
             correction = tl.exp(best - safe_best)
             total = total * correction + tl.sum(weights, axis=1)
-            acc = acc * correction[:, None] + tl.dot(weights.to(value.dtype), value)
+            acc = acc * correction[:, None] + tl.dot(weights.to(value.dtype), value, input_precision=PRECISION)
             best = new_best
         result = acc / tl.where(total == 0.0, 1.0, total)[:, None]
         out_offsets = ((row * (GROUP * tl.num_programs(1)) + head) * LENGTH + token) * DIM

@@ -126,15 +126,14 @@ class CausalTransConv(StreamingModule):
         return y[..., self.stride: self.stride * (frames + 1)]
 
     def activate_and_upsample(self, x: torch.Tensor, activation: SnakeBeta, state: StreamState) -> torch.Tensor:
-        """forward(activation(x)) with the previous frame written by the activation and the bias added
-        to the trimmed output in the same pass that makes it contiguous."""
+        """forward(activation(x)) for an overlapping convolution (the decoder blocks' kernel is twice the
+        stride): the activation writes the previous frame before its output, and the bias is added to
+        the trimmed output in the same pass that makes it contiguous."""
         frames = x.shape[-1]
-        padded = activation(x, history=state.take(self.state_name) if self.overlaps else None)
-        if self.overlaps:
-            state.put(self.state_name, padded[..., -1:])
+        padded = activation(x, history=state.take(self.state_name))
+        state.put(self.state_name, padded[..., -1:])
         y = F.conv_transpose1d(padded, self.conv.weight, None, stride=self.stride)
-        first = self.stride if self.overlaps else 0
-        return kernels.add_channel_bias(y[..., first: first + self.stride * frames], self.conv.bias)
+        return kernels.add_channel_bias(y[..., self.stride: self.stride * (frames + 1)], self.conv.bias)
 
 
 class ConvNeXtBlock(nn.Module):
