@@ -16,6 +16,13 @@ log = logging.getLogger(__name__)
 _usable: dict[int, bool] = {}
 
 
+def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
+    """Context for launching a kernel on `tensor`: Triton launches on the current CUDA device, which
+    need not be the tensor's (a codec on the second GPU). -1 leaves it alone: CPU tensors in Triton's
+    interpreter."""
+    return torch.cuda.device(tensor.device if tensor.is_cuda else -1)
+
+
 def triton_usable(device: torch.device) -> bool:
     """Whether the Triton kernels run on this CUDA device, decided once per device by running each of
     them on small inputs against its reference formula.

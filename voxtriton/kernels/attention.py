@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton, triton_usable
+from . import launch_device, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -43,8 +43,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         raise ValueError("decode_attention needs unit stride along the head dimension")
     positions = positions.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    # Triton launches on the current device; -1 leaves it alone (CPU tensors, Triton's interpreter).
-    with torch.cuda.device(q.device if q.is_cuda else -1):
+    with launch_device(q):
         _decode_attention_kernel[(batch, kv_heads)](
             q, *q.stride()[:3], keys, *keys.stride()[:3], values, *values.stride()[:3], out, positions, scale, span,
             GROUP=heads // kv_heads, LENGTH=length, DIM=dim, BLOCK_ROWS=MAX_QUERY_ROWS, BLOCK_KEYS=BLOCK_KEYS,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton, triton_usable
+from . import launch_device, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -69,11 +69,12 @@ def snake_triton(x, log_alpha, log_beta, bias=None, history=None):
         history = _time_contiguous(history)
     out = torch.empty(batch, channels, history_length + length, device=x.device, dtype=x.dtype)
     grid = (batch * channels, triton.cdiv(history_length + length, BLOCK))
-    _snake_kernel[grid](
-        x, x.stride(0), x.stride(1), length,
-        history if history is not None else x, *(history.stride()[:2] if history is not None else (0, 0)), history_length,
-        log_alpha, log_beta, bias if bias is not None else log_alpha, out, channels,
-        HAS_BIAS=bias is not None, BLOCK=BLOCK)
+    with launch_device(x):
+        _snake_kernel[grid](
+            x, x.stride(0), x.stride(1), length,
+            history if history is not None else x, *(history.stride()[:2] if history is not None else (0, 0)),
+            history_length, log_alpha, log_beta, bias if bias is not None else log_alpha, out, channels,
+            HAS_BIAS=bias is not None, BLOCK=BLOCK)
     return out
 
 
@@ -84,10 +85,11 @@ def add_channel_bias_triton(x, bias, residual=None):
         residual = _time_contiguous(residual)
     out = torch.empty(batch, channels, length, device=x.device, dtype=x.dtype)
     grid = (batch * channels, triton.cdiv(length, BLOCK))
-    _channel_bias_kernel[grid](
-        x, x.stride(0), x.stride(1), bias,
-        residual if residual is not None else x, *(residual.stride()[:2] if residual is not None else (0, 0)),
-        out, channels, length, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK)
+    with launch_device(x):
+        _channel_bias_kernel[grid](
+            x, x.stride(0), x.stride(1), bias,
+            residual if residual is not None else x, *(residual.stride()[:2] if residual is not None else (0, 0)),
+            out, channels, length, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK)
     return out
 
 
