@@ -52,6 +52,15 @@ class StreamingModule(nn.Module):
     def state_slots(self) -> list[StateSlot]:
         raise NotImplementedError
 
+    def _after_history(self, x: torch.Tensor, state: StreamState, keep: int, activation=None) -> torch.Tensor:
+        """The carried history followed by activation(x) (or x); its last `keep` columns become the
+        next chunk's history. The activation writes its output after the history itself, so the
+        padding costs no extra pass over the activation."""
+        history = state.take(self.state_name)
+        padded = activation(x, history=history) if activation is not None else torch.cat((history, x), dim=-1)
+        state.put(self.state_name, padded[..., -keep:])
+        return padded
+
 
 class SnakeBeta(nn.Module):
     def __init__(self, channels: int):
@@ -76,21 +85,16 @@ class CausalConv(StreamingModule):
     def state_slots(self):
         return [StateSlot(self.state_name, (self.conv.in_channels, self.context))] if self.context else []
 
-    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if not self.context:
-            return self.conv(x)
-        x = torch.cat((state.take(self.state_name), x), dim=-1)
-        state.put(self.state_name, x[..., -self.context:])
-        return self.conv(x)
-
-    def activate_and_convolve(self, x: torch.Tensor, activation: SnakeBeta, state: StreamState) -> torch.Tensor:
-        """conv(activation(x)) WITHOUT this convolution's bias, which the caller fuses into what follows.
-        The activation writes its output after the carried history, so the padding costs no extra pass."""
-        padded = activation(x, history=state.take(self.state_name) if self.context else None)
+    def forward(self, x: torch.Tensor, state: StreamState, activation: SnakeBeta | None = None,
+                add_bias: bool = True) -> torch.Tensor:
+        """conv(activation(x)) (or conv(x)) over the carried history. add_bias=False leaves this
+        convolution's bias to the caller, which fuses it into what follows."""
         if self.context:
-            state.put(self.state_name, padded[..., -self.context:])
+            x = self._after_history(x, state, self.context, activation)
+        elif activation is not None:
+            x = activation(x)
         conv = self.conv
-        return F.conv1d(padded, conv.weight, None, dilation=conv.dilation, groups=conv.groups)
+        return F.conv1d(x, conv.weight, conv.bias if add_bias else None, dilation=conv.dilation, groups=conv.groups)
 
     def pointwise(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + conv(x) for a kernel-size-1 convolution: a batched matrix product, then the bias
@@ -117,23 +121,17 @@ class CausalTransConv(StreamingModule):
     def state_slots(self):
         return [StateSlot(self.state_name, (self.conv.in_channels, 1))] if self.overlaps else []
 
-    def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        if not self.overlaps:
-            return self.conv(x)
+    def forward(self, x: torch.Tensor, state: StreamState, activation: SnakeBeta | None = None) -> torch.Tensor:
+        """conv(activation(x)) (or conv(x)) after the previous frame, trimmed; the bias is added to the
+        trimmed output in the same pass that makes it contiguous."""
         frames = x.shape[-1]
-        y = self.conv(torch.cat((state.take(self.state_name), x), dim=-1))
-        state.put(self.state_name, x[..., -1:])
-        return y[..., self.stride: self.stride * (frames + 1)]
-
-    def activate_and_upsample(self, x: torch.Tensor, activation: SnakeBeta, state: StreamState) -> torch.Tensor:
-        """forward(activation(x)) for an overlapping convolution (the decoder blocks' kernel is twice the
-        stride): the activation writes the previous frame before its output, and the bias is added to
-        the trimmed output in the same pass that makes it contiguous."""
-        frames = x.shape[-1]
-        padded = activation(x, history=state.take(self.state_name))
-        state.put(self.state_name, padded[..., -1:])
-        y = F.conv_transpose1d(padded, self.conv.weight, None, stride=self.stride)
-        return kernels.add_channel_bias(y[..., self.stride: self.stride * (frames + 1)], self.conv.bias)
+        if self.overlaps:
+            x = self._after_history(x, state, 1, activation)
+        elif activation is not None:
+            x = activation(x)
+        y = F.conv_transpose1d(x, self.conv.weight, None, stride=self.stride)
+        first = self.stride if self.overlaps else 0
+        return kernels.add_channel_bias(y[..., first: first + self.stride * frames], self.conv.bias)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -160,7 +158,7 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, kernel_size=1)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        hidden = self.act2(self.conv1.activate_and_convolve(x, self.act1, state), bias=self.conv1.conv.bias)
+        hidden = self.act2(self.conv1(x, state, activation=self.act1, add_bias=False), bias=self.conv1.conv.bias)
         return self.conv2.pointwise(hidden, residual=x)
 
 
@@ -171,7 +169,7 @@ class DecoderBlock(nn.Module):
                                    + [ResidualUnit(out_dim, d) for d in (1, 3, 9)])
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        x = self.block[1].activate_and_upsample(x, self.block[0], state)
+        x = self.block[1](x, state, activation=self.block[0])
         for unit in self.block[2:]:
             x = unit(x, state)
         return x
@@ -310,8 +308,7 @@ class CodecDecoder(nn.Module):
         wav = self.decoder[0](hidden, state)
         for block in self.decoder[1:-2]:
             wav = block(wav, state)
-        output_conv = self.decoder[-1]
-        wav = output_conv.activate_and_convolve(wav, self.decoder[-2], state) + output_conv.conv.bias[:, None]
+        wav = self.decoder[-1](wav, state, activation=self.decoder[-2])
         return wav.squeeze(1).clamp(-1.0, 1.0)
 
 
