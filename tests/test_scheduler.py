@@ -156,26 +156,54 @@ def test_policies_route_as_documented():
             serve(sched, lane)
 
 
+def flood_until_served(sched, clock, victim, call_s=0.01, arrivals_ahead_s=0.09, size=2):
+    """Keep the urgent lane busy with calls of `call_s`; a new stream's first chunk (its request
+    arrived `arrivals_ahead_s` earlier) becomes ready before each call. Returns when the call
+    holding `victim` has finished."""
+    for tick in range(1, 1000):
+        name = f"flood{tick}"
+        sched.open(name, arrived_at=clock.now - arrivals_ahead_s)
+        sched.frames_generated(name, size)
+        batch = sched.next_batch(URGENT)
+        clock.now += call_s
+        for chunk in batch:
+            sched.chunk_done(chunk, call_s)
+        if victim in batch:
+            return
+    raise AssertionError("never served")
+
+
 def test_urgent_flood_cannot_starve_a_promoted_chunk():
-    """New streams keep arriving (first chunks are urgent); a promoted chunk still gets served."""
+    """New streams keep arriving (first chunks are urgent); a promoted chunk still arrives in time."""
     sched, clock = scheduler(slack_margin_s=0.3, chunk_schedule="25", max_batch=1)
     sched.open("victim")
     sched.frames_generated("victim", 25)
     serve(sched, URGENT)
     [victim] = sched.frames_generated("victim", 25)
     assert victim.lane == BACKGROUND  # and the background lane is stuck from here on
-    served_at = None
-    for tick in range(1, 400):
-        clock.now = tick * 0.01
-        sched.open(f"flood{tick}")
-        sched.frames_generated(f"flood{tick}", 25)
-        batch = sched.next_batch(URGENT)
-        for chunk in batch:
-            sched.chunk_done(chunk, 0.01)
-        if victim in batch:
-            served_at = clock.now
-            break
-    assert served_at is not None and served_at <= 2.0  # before its listener's buffer runs dry
+    flood_until_served(sched, clock, victim, size=25)
+    assert victim.promoted and sched.streams["victim"].stall_s == 0 and sched.deadline_misses == 0
+
+
+def test_next_chunk_beats_first_chunks_well_before_its_deadline():
+    """The ramp's small chunks compete with a steady stream of first chunks on the urgent lane. A
+    first chunk is due at its TTFA target, so a stream's next chunk is served once its deadline is
+    nearer than that, not at the last moment (which, with a call still to run, is a stall)."""
+    sched, clock = scheduler(chunk_schedule="2,2,4", max_batch=1, ttfa_target_s=0.2)
+    sched.open("victim")
+    sched.frames_generated("victim", 2)
+    serve(sched, URGENT)  # playback starts: 160 ms of audio buffered
+    sched.frames_generated("victim", 2)
+    serve(sched, URGENT)  # 320 ms buffered
+    [third] = sched.frames_generated("victim", 4)
+    assert third.lane == URGENT
+    deadline = sched.streams["victim"].deadline()
+    flood_until_served(sched, clock, third)
+    assert sched.streams["victim"].stall_s == 0 and sched.deadline_misses == 0
+    # Served when its deadline came within the flood's due times (arrival + 0.2 s), not at it.
+    assert clock.now <= deadline - 0.2 + 0.09 + 0.01 + 1e-9
+    # And the flood's first chunks all went out within their TTFA target.
+    assert all(s.first_sent_at - s.opened_at <= 0.2 for s in sched.streams.values() if s.first_sent_at)
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,6 +8,9 @@ Definitions (../shared/design.md):
   listener's buffer runs dry at deadline = first_sent + A + stall observed so far.
 - slack = deadline - now - expected background decode time (its queue included). A chunk is
   urgent when it is its stream's first chunk or its slack is below `slack_margin_s`.
+- A first chunk has no playback deadline yet; it is due `ttfa_target_s` after its request arrived.
+  Each lane decodes earliest deadline first, so first chunks and chunks about to stall compete on
+  one clock.
 - Chunk sizes are fixed by the schedule (first chunk small, then growing to a maximum), so where
   chunk boundaries fall never depends on timing: only which lane decodes a chunk does.
 """
@@ -32,6 +35,8 @@ class SchedulerConfig:
     max_batch: int = 16
     frame_seconds: float = 0.08  # audio per frame: 1920 samples at 24 kHz
     initial_decode_estimate_s: float = 0.05
+    # When a first chunk is due, after its request arrived (the time-to-first-audio target).
+    ttfa_target_s: float = 0.2
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -42,8 +47,8 @@ class SchedulerConfig:
             sizes = ()
         if not sizes or min(sizes) < 1:
             raise ValueError(f"chunk_schedule must be comma-separated frame counts >= 1, got {self.chunk_schedule!r}")
-        if self.max_batch < 1 or self.slack_margin_s < 0:
-            raise ValueError("max_batch >= 1 and slack_margin_s >= 0 are required")
+        if self.max_batch < 1 or self.slack_margin_s < 0 or self.ttfa_target_s < 0:
+            raise ValueError("max_batch >= 1, slack_margin_s >= 0 and ttfa_target_s >= 0 are required")
 
     @cached_property
     def sizes(self) -> tuple[int, ...]:
@@ -78,16 +83,22 @@ class Chunk:
     lane: str = ""
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane
 
-    @property
-    def priority(self) -> float:
-        """Earliest deadline first; a first chunk's deadline is the moment it became ready."""
+    def due(self, ttfa_target_s: float) -> float:
+        """When the listener needs this chunk: its playback deadline, or for a first chunk the TTFA
+        target after the request arrived.
+
+        A first chunk's due time must be in the future like every other chunk's. Were it the moment
+        it became ready (in the past), a lane that keeps receiving first chunks would serve a
+        stream's next chunk only once its deadline had passed, and so always late.
+        """
         deadline = self.stream.deadline()
-        return self.ready_at if deadline is None else deadline
+        return self.stream.opened_at + ttfa_target_s if deadline is None else deadline
 
 
 @dataclass(eq=False)
 class StreamTimeline:
     stream_id: str
+    opened_at: float  # when the request arrived
     frames_generated: int = 0
     frames_chunked: int = 0
     chunks: int = 0
@@ -131,8 +142,9 @@ class ChunkScheduler:
 
     # -- streams ---------------------------------------------------------------------------------
 
-    def open(self, stream_id: str) -> StreamTimeline:
-        stream = self.streams[stream_id] = StreamTimeline(stream_id)
+    def open(self, stream_id: str, arrived_at: float | None = None) -> StreamTimeline:
+        """Start a stream's timeline; `arrived_at` (default now) is when its request arrived."""
+        stream = self.streams[stream_id] = StreamTimeline(stream_id, self.clock() if arrived_at is None else arrived_at)
         return stream
 
     def close(self, stream_id: str) -> None:
@@ -220,7 +232,8 @@ class ChunkScheduler:
         if not queue:
             return []
         fifo = self.config.policy in ("concurrent", "disaggregated", "serial")
-        queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.priority))
+        target = self.config.ttfa_target_s
+        queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.due(target)))
         head = queue[0]
         batch = [c for c in queue if c.decode_frames == head.decode_frames][: self.config.max_batch]
         for chunk in batch:

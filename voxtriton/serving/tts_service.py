@@ -182,7 +182,7 @@ class TTSService:
                 except ValueError as error:
                     self._end(stream, str(error))
                     continue
-                self.scheduler.open(stream.request.request_id)
+                self.scheduler.open(stream.request.request_id, stream.submitted_at)
             self.incoming.clear()
         outputs = self.engine.step()
         with self.lock:
