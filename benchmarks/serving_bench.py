@@ -229,8 +229,8 @@ def meets_target(summary: dict) -> bool:
             and summary["ttfa_p90_ms"] <= TTFA_TARGET_S * 1e3)
 
 
-def server_side(before: dict, after: dict) -> dict:
-    """Differences of voxtriton's counters and histograms over one measurement."""
+def server_side(before: dict, after: dict, wall_s: float) -> dict:
+    """Differences of voxtriton's counters and histograms over one measurement of `wall_s` seconds."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
     def mean(name, labels=""):
@@ -253,10 +253,21 @@ def server_side(before: dict, after: dict) -> dict:
         "codec_ms_mean": {lane: mean("voxtriton_codec_seconds", f'{{lane="{lane}"}}') for lane in chunks},
         "first_chunk_codec_ms_mean": mean("voxtriton_first_chunk_codec_seconds"),
         "chunks": chunks, "urgent_share": (chunks["urgent"] / total) if total else None,
+        # Per lane: calls, chunks and frames per call (batch occupancy), and the share of the
+        # measurement the lane spent decoding (near 1: the lane is saturated).
+        "codec_lanes": {lane: codec_lane(delta, lane, chunks[lane], wall_s) for lane in LANES
+                        if delta.get(f'voxtriton_codec_calls_total{{lane="{lane}"}}')},
         "server_ttfa_ms_mean": mean("voxtriton_ttfa_seconds"),
         "deadline_misses": delta.get("voxtriton_deadline_misses_total", 0.0),
         "rejected": delta.get("voxtriton_rejected_requests_total", 0.0),
     }
+
+
+def codec_lane(delta: dict, lane: str, chunks: float, wall_s: float) -> dict:
+    calls = delta[f'voxtriton_codec_calls_total{{lane="{lane}"}}']
+    return {"calls": calls, "chunks_per_call": round(chunks / calls, 2),
+            "frames_per_call": round(delta.get(f'voxtriton_codec_frames_total{{lane="{lane}"}}', 0.0) / calls, 1),
+            "busy_fraction": round(delta.get(f'voxtriton_codec_busy_seconds_total{{lane="{lane}"}}', 0.0) / wall_s, 3)}
 
 
 class Fleet:
@@ -308,12 +319,13 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     # cause: with collection off, no stall of the loop exceeded 28 ms in the 40 probes that followed.
     gc.collect()
     gc.disable()
+    started = time.monotonic()
     try:
         results, lag = asyncio.run(run())
     finally:
         gc.enable()
     summary = summarize(results, lag)
-    summary["server"] = server_side(before, settled_metrics(fleet))
+    summary["server"] = server_side(before, settled_metrics(fleet), time.monotonic() - started)
     # Another busy process on the host slows the server's Python threads: session 5 lost three runs to
     # a neighbouring server computing on the CPUs. The 1-minute load average (which includes this
     # server and client, and overlaps the previous probe) makes that visible.
@@ -409,14 +421,14 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
              "audio is noise).", ""]
     if any(r["rates"] for r in results):
         lines += ["| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | frame step ms | "
-                  "urgent share | host load (CPUs) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "urgent share | lanes busy (chunks/call) | host load (CPUs) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             for row in r["rates"]:
                 s = row["server"]
                 lines.append(f"| {r['policy']} | {row['rate']:g} | {row['completed']} | {row['failed']} | {row['ttfa_p50_ms']} | "
                              f"{row['ttfa_p90_ms']} | {row['ttfa_p99_ms']} | {row['stalled_requests']} | "
                              f"{row['stall_total_s']:.2f} | {_fmt(row['rtf_median'])} | {s['frame_step_ms_mean']} | "
-                             f"{_fmt(s['urgent_share'])} | {row['host_load_1min']} ({row['host_cpus']}) |")
+                             f"{_fmt(s['urgent_share'])} | {lane_occupancy(s)} | {row['host_load_1min']} ({row['host_cpus']}) |")
         lines.append("")
     if any(r["concurrency"] for r in results):
         lines += ["| policy | streams | done | TTFA p90 ms | stalled | frame step ms (mean batch) | urgent codec ms | "
@@ -444,6 +456,12 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plot(results, out)
     print("\n".join(lines))
+
+
+def lane_occupancy(server: dict) -> str:
+    """"urgent 0.41 (3.2), background 0.97 (11.8)": each lane's busy share and chunks per call."""
+    lanes = server.get("codec_lanes", {})
+    return ", ".join(f"{lane} {v['busy_fraction']:.2f} ({v['chunks_per_call']:g})" for lane, v in lanes.items()) or "-"
 
 
 def _fmt(value) -> str:

@@ -30,6 +30,9 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert row["client_loop_lag_p99_ms"] is not None and 1 <= row["listeners_peak"] <= row["completed"]
     assert row["host_load_1min"] >= 0 and row["host_cpus"] >= 1
     assert row["server"]["frame_step_ms_mean"] > 0 and row["server"]["chunks"]["urgent"] >= row["completed"]
+    urgent = row["server"]["codec_lanes"]["urgent"]
+    assert 1 <= urgent["calls"] <= row["server"]["chunks"]["urgent"] and urgent["frames_per_call"] >= 1
+    assert 0 < urgent["busy_fraction"] <= 1
     assert "| voxserve | 1 |" in (out / "results.md").read_text()
 
 

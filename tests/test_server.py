@@ -172,6 +172,10 @@ def test_metrics_are_exported(server, client):
     speak(client, TEXTS[2], seed=3, frames=30)
     samples = wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0) is not None and server.metrics()
     assert samples['voxtriton_chunks_total{lane="urgent"}'] >= 1
+    calls = samples['voxtriton_codec_calls_total{lane="urgent"}']
+    assert 1 <= calls <= samples['voxtriton_chunks_total{lane="urgent"}']
+    assert sum(samples[f'voxtriton_codec_frames_total{{lane="{lane}"}}'] for lane in ("urgent", "background")) >= 30
+    assert samples['voxtriton_codec_busy_seconds_total{lane="urgent"}'] > 0
     assert samples["voxtriton_ttfa_seconds_count"] >= 1
     assert 'voxtriton_lane_queue_depth{lane="background"}' in samples
     assert samples["voxtriton_rejected_requests_total"] == 0

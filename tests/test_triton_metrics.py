@@ -58,6 +58,8 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics = module.TritonMetrics(flush_interval_s=60)  # only close() flushes in this test
     metrics.chunk_sent("urgent", 2, 0.004, True, 0.09)
     metrics.chunk_sent("urgent", 4, 0.006, False, 0.2)
+    metrics.codec_call("background", 3, 75, 0.04)
+    metrics.codec_call("background", 2, 50, 0.03)
     metrics.frame_step(0.03, 5, StepTiming(admit_s=0.004, decode_s=0.02, decode_device_s=0.019))
     metrics.gauges(3, 2, {"urgent": 1, "background": 0, "inline": 0}, 0)
     metrics.gauges(3, 2, {"urgent": 0, "background": 0, "inline": 0}, 1)
@@ -66,6 +68,10 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     chunks = [c for c in calls if c[0] == "voxtriton_chunks_total"]
     assert chunks == [("voxtriton_chunks_total", (("lane", "urgent"),), "increment", 2)]  # one round trip
     assert [c[3] for c in calls if c[0] == "voxtriton_codec_seconds"] == [0.004, 0.006]
+    background = (("lane", "background"),)
+    per_call = {c[0]: c[3] for c in calls if c[1] == background and c[0] != "voxtriton_lane_queue_depth"}
+    assert per_call == pytest.approx({"voxtriton_codec_calls_total": 2, "voxtriton_codec_busy_seconds_total": 0.07,
+                                      "voxtriton_codec_frames_total": 125})
     assert [c[3] for c in calls if c[0] == "voxtriton_ttfa_seconds"] == [0.09]
     parts = {c[1][0][1]: c[3] for c in calls if c[0] == "voxtriton_frame_step_part_seconds_total"}
     assert parts == pytest.approx({"admit": 0.004, "decode": 0.02, "other": 0.006})

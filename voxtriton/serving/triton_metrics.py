@@ -39,8 +39,16 @@ class TritonMetrics:
         self.ttfa = ttfa.Metric(labels={}, buckets=LATENCY_BUCKETS)
         chunks = _family("voxtriton_chunks_total", "Audio chunks sent, by codec lane", counter)
         self.chunks = {lane: chunks.Metric(labels={"lane": lane}) for lane in LANES}
-        codec = _family("voxtriton_codec_seconds", "Codec decode call latency (one batch of chunks), by lane", histogram)
+        codec = _family("voxtriton_codec_seconds", "Codec decode call latency (one batch of chunks), by lane, observed once per chunk", histogram)
         self.codec = {lane: codec.Metric(labels={"lane": lane}, buckets=LATENCY_BUCKETS) for lane in LANES}
+        calls = _family("voxtriton_codec_calls_total", "Codec decode calls, by lane", counter)
+        self.codec_calls = {lane: calls.Metric(labels={"lane": lane}) for lane in LANES}
+        busy = _family("voxtriton_codec_busy_seconds_total", "Time a lane spent in decode calls (its utilisation, "
+                       "as a rate)", counter)
+        self.codec_busy = {lane: busy.Metric(labels={"lane": lane}) for lane in LANES}
+        frames = _family("voxtriton_codec_frames_total", "Frames decoded, by lane (a short last chunk counts "
+                         "its padding: the work done)", counter)
+        self.codec_frames = {lane: frames.Metric(labels={"lane": lane}) for lane in LANES}
         self.first_codec = _family("voxtriton_first_chunk_codec_seconds", "Codec call latency of calls holding a first chunk",
                                    histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.step = _family("voxtriton_frame_step_seconds", "Engine loop pass in which every running request advances "
@@ -80,6 +88,12 @@ class TritonMetrics:
         if first:
             queue.append((self.ttfa, "observe", since_submit_s))
             queue.append((self.first_codec, "observe", decode_s))
+
+    def codec_call(self, lane, chunks, frames, seconds):
+        queue = self._updates
+        queue.append((self.codec_calls[lane], "increment", 1))
+        queue.append((self.codec_busy[lane], "increment", seconds))
+        queue.append((self.codec_frames[lane], "increment", frames))
 
     def frame_step(self, seconds, batch, timing):
         queue = self._updates

@@ -68,6 +68,8 @@ class Stream:
 
 class ServiceMetrics(Protocol):
     def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float) -> None: ...
+    def codec_call(self, lane: str, chunks: int, frames: int, seconds: float) -> None:
+        """One decode call on `lane`: `chunks` chunks of `frames` frames in all (padding included)."""
     def rejected(self) -> None: ...
     def frame_step(self, seconds: float, batch: int, timing: StepTiming) -> None:
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
@@ -339,6 +341,8 @@ class TTSService:
                 self.lock.notify_all()
             return
         elapsed = self.clock() - started
+        if self.metrics:
+            self.metrics.codec_call(lane, len(live), codes.shape[0] * codes.shape[1], elapsed)
         samples_per_frame = audio.shape[1] // codes.shape[1]
         with self.lock:
             for i, (chunk, stream) in enumerate(live):
