@@ -3,6 +3,8 @@ deliver exactly their own frames and audio."""
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 import time
 
@@ -144,7 +146,8 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     engine = Engine(runner, 2)
     pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
     lane = InProcessLane(codec, pool.tensor)
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    trace = io.StringIO()
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace)
     try:
         sink = CollectingSink()
         inputs = {"text": np.array([b"Padded at the end."], dtype=object), "max_frames": np.array([13]),
@@ -160,6 +163,18 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
                                   codec.model.new_state(1))
     assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
+    # The chunk trace: one line per chunk, in order, each chunk cut only after the previous one was
+    # sent, due at the TTFA target (first chunk) or when the audio sent before it has played.
+    records = [json.loads(line) for line in trace.getvalue().splitlines()]
+    assert [(r["index"], r["frames"], r["batch"]) for r in records] == [(i, n, 1) for i, n in enumerate([2, 2, 4, 4, 1])]
+    assert {r["lane"] for r in records} == {"inline" if policy == "serial" else "urgent"}
+    for previous, record in zip([None] + records, records):
+        assert record["arrived"] <= record["cut"] <= record["start"] <= record["end"] <= record["sent"]
+        assert previous is None or record["cut"] >= previous["sent"]
+    first_sent = records[0]["sent"]
+    assert records[0]["due"] == pytest.approx(records[0]["arrived"] + scheduler_config.ttfa_target_s)
+    played = np.cumsum([0] + [r["frames"] * 0.08 for r in records[:-1]])
+    assert [r["due"] for r in records[1:]] == pytest.approx(list(first_sent + played[1:]), abs=0.01)
 
 
 def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_on(tiny_checkpoint):

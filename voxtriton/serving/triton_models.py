@@ -178,9 +178,10 @@ class TTSTritonModel:
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
                  BACKGROUND: BLSCodecLane(settings.codec_background_model, self.state_pool)}
         self.metrics = TritonMetrics()
+        self.chunk_trace = open(settings.chunk_trace_path, "a", buffering=1 << 20) if settings.chunk_trace_path else None
         self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
                                   settings.cancellation_check_s, metrics=self.metrics, device=device,
-                                  engine_context=self.partition)
+                                  engine_context=self.partition, chunk_trace=self.chunk_trace)
         self.ids = itertools.count()
 
     def execute(self, requests):
@@ -209,6 +210,8 @@ class TTSTritonModel:
         finally:  # the metrics writer must not call into Triton after this
             self.metrics.close()
             self.state_pool.close()
+            if self.chunk_trace:
+                self.chunk_trace.close()
 
 
 class CodecTritonModel:

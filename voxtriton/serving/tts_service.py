@@ -16,12 +16,13 @@ lanes decode them.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TextIO
 
 import numpy as np
 import torch
@@ -93,8 +94,9 @@ class TTSService:
     def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
                  max_queued: int, cancellation_check_s: float = 0.2,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 device: torch.device | str = "cpu", engine_context=None):
-        """lanes share one codec state pool of at least `codec_slots(...)` rows."""
+                 device: torch.device | str = "cpu", engine_context=None, chunk_trace: TextIO | None = None):
+        """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
+        given, gets one JSON line per chunk sent (see `_trace`)."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -106,6 +108,7 @@ class TTSService:
         self.cancellation_check_s = cancellation_check_s
         self.metrics = metrics
         self.clock = clock
+        self.chunk_trace = chunk_trace
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
@@ -305,6 +308,17 @@ class TTSService:
             if batch:
                 self._decode_batch(lane, batch)
 
+    def _trace(self, chunk: Chunk, batch: int, started: float, decoded: float) -> None:
+        """One chunk's path, on the service clock (seconds): its request arrived, its frames were
+        cut into a chunk (when they were generated, or when the stream's previous chunk was done,
+        whichever was later), its codec call started and ended, and when it was due (playback
+        deadline, or for a first chunk the TTFA target). Written under the service lock."""
+        self.chunk_trace.write(json.dumps({
+            "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane, "promoted": chunk.promoted,
+            "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at, "cut": chunk.ready_at,
+            "start": started, "end": decoded, "due": chunk.due(self.scheduler.config.ttfa_target_s),
+            "sent": self.clock()}) + "\n")
+
     def _drain_inline(self) -> None:
         while True:
             with self.lock:
@@ -361,6 +375,8 @@ class TTSService:
                 if self.metrics:
                     self.metrics.chunk_sent(chunk.lane, chunk.frames, elapsed, chunk.index == 0,
                                             self.clock() - stream.submitted_at)
+                if self.chunk_trace:
+                    self._trace(chunk, len(live), started, started + elapsed)
                 self.scheduler.chunk_done(chunk, elapsed)
                 if chunk.last:
                     self._end(stream, None)
