@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from voxtriton.serving.settings import TTSSettings
+from voxtriton.serving.settings import CodecSettings, TTSSettings, lane_sms
 
 
 def config(**parameters):
@@ -22,11 +22,23 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
     ("cancellation_check_s", "fast", "'cancellation_check_s': cannot read 'fast' as float"),
     ("cancellation_check_s", "0", "'cancellation_check_s' must be positive"),
     ("backbone_sms", "100", "unknown parameter(s) backbone_sms"),
+    ("background_sms", "most", "'background_sms' must be 'half' or an SM count >= 1, got 'most'"),
+    ("background_sms", "0", "'background_sms' must be 'half' or an SM count >= 1, got '0'"),
 ])
 def test_a_bad_parameter_is_refused_by_name(name, value, message):
     with pytest.raises(ValueError) as error:
         TTSSettings.from_model_config(config(**{name: value}))
     assert message in str(error.value)
+
+
+def test_the_background_lane_is_half_the_gpu_by_default_in_groups_of_eight_sms():
+    settings, _ = TTSSettings.from_model_config(config())
+    assert settings.background_sms == "half" and lane_sms(settings.background_sms, 132) == 64  # H200
+    assert lane_sms("half", 58) == 24 and lane_sms("half", 10) == 8 and lane_sms("40", 132) == 40
+    assert CodecSettings.from_model_config(config(sm_count="half")).sm_count == "half"
+    assert lane_sms(CodecSettings.from_model_config(config()).sm_count, 132) == 0  # the whole GPU
+    with pytest.raises(ValueError, match="'sm_count' must be 'half' or an SM count >= 0, got '-8'"):
+        CodecSettings.from_model_config(config(sm_count="-8"))
 
 
 def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, tmp_path):

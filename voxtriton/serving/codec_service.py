@@ -10,7 +10,7 @@ import torch
 from ..engine.codec_runner import CodecRunner
 from ..models.loader import load_codec
 from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
-from .settings import CodecSettings, cache_dir, int_list
+from .settings import CodecSettings, cache_dir, int_list, lane_sms
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,10 @@ class CodecService:
         self.device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, self.device)
         self.model = load_codec(ensure_checkpoint(settings.checkpoint_dir), device=self.device, dtype=dtype)
-        self.partition = SMPartition(self.device, settings.sm_count, settings.high_priority)
+        sm_count = 0
+        if self.device.type == "cuda":
+            sm_count = lane_sms(settings.sm_count, torch.cuda.get_device_properties(self.device).multi_processor_count)
+        self.partition = SMPartition(self.device, sm_count, settings.high_priority)
         graphs = self.device.type == "cuda" and settings.cuda_graphs
         with self.partition:
             self.runner = CodecRunner(self.model, int_list(settings.graph_batch_sizes) if graphs else None,

@@ -70,7 +70,9 @@ class TTSSettings:
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
-    background_sms: int = 32  # SMs of the background codec lane (voxserve)
+    # SMs of the background codec lane (voxserve): a count, or "half" (see `lane_sms`). On the H200,
+    # 64 stalled fewer streams than 32 or 48 (benchmarks/results/goodput_h200.md).
+    background_sms: str = "half"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
     # kernels filling in around it; "exclusive" gives it only the SMs the background lane does not
     # use. On the H200 "shared" stalled fewer streams at every rate measured (goodput_h200.md).
@@ -97,6 +99,7 @@ class TTSSettings:
         if self.backbone_partition not in ("exclusive", "shared"):
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")
+        check_lane_sms("background_sms", self.background_sms, allow_whole_gpu=False)
         if self.text_layout not in ("full", "interleaved"):
             raise ValueError(f"config.pbtxt parameter 'text_layout' must be full or interleaved, got {self.text_layout!r}")
 
@@ -113,18 +116,39 @@ class CodecSettings:
     checkpoint_dir: str = ""
     device: str = "auto"
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
-    sm_count: int = 0  # 0: the whole GPU; N: a green context of N SMs
+    sm_count: str = "0"  # "0": the whole GPU; N: a green context of N SMs; "half": see `lane_sms`
     high_priority: bool = False  # whole-GPU lanes only: a high-priority CUDA stream (the urgent lane)
     cuda_graphs: bool = True
     graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
     graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes
     test_fault: str = ""  # test-only fault injection: "raise" | "exit" (see README)
 
+    def __post_init__(self):
+        check_lane_sms("sm_count", self.sm_count, allow_whole_gpu=True)
+
     @staticmethod
     def from_model_config(model_config: dict | str) -> "CodecSettings":
         params = _parameters(model_config)
         _check_known(params, {f.name for f in dataclasses.fields(CodecSettings)})
         return _from_parameters(CodecSettings, params)
+
+
+HALF_OF_THE_GPU = "half"
+
+
+def check_lane_sms(name: str, value: str, allow_whole_gpu: bool) -> None:
+    lowest = 0 if allow_whole_gpu else 1
+    if value != HALF_OF_THE_GPU and not (value.isdigit() and int(value) >= lowest):
+        raise ValueError(f"config.pbtxt parameter {name!r} must be {HALF_OF_THE_GPU!r} or an SM count >= {lowest}, "
+                         f"got {value!r}")
+
+
+def lane_sms(value: str, total_sms: int) -> int:
+    """SMs of a lane's partition on a GPU of `total_sms` SMs. "half": half of them, rounded down to
+    a multiple of 8 (green contexts come in groups of SMs; 64 of the H200's 132), at least 8."""
+    if value == HALF_OF_THE_GPU:
+        return max(8, total_sms // 2 // 8 * 8)
+    return int(value)
 
 
 def int_list(text: str) -> list[int]:

@@ -29,7 +29,7 @@ from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
 from .requests import SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
-from .settings import CodecSettings, TTSSettings
+from .settings import CodecSettings, TTSSettings, lane_sms
 from .state_pool import CodecStatePool, attach
 from .triton_metrics import TritonMetrics
 from .tts_service import TTSService, codec_slots
@@ -153,11 +153,12 @@ class TTSTritonModel:
         backbone_sms, shared = 0, False
         if device.type == "cuda" and scheduler_config.policy == "voxserve":
             total = torch.cuda.get_device_properties(device).multi_processor_count
-            if not 0 < settings.background_sms < total:
+            background_sms = lane_sms(settings.background_sms, total)
+            if not 0 < background_sms < total:
                 raise ValueError(f"config.pbtxt parameter 'background_sms' must be between 1 and {total - 1} "
                                  f"(this GPU has {total} SMs), got {settings.background_sms}")
             shared = settings.backbone_partition == "shared"
-            backbone_sms = 0 if shared else total - settings.background_sms
+            backbone_sms = 0 if shared else total - background_sms
         self.partition = SMPartition(device, backbone_sms, high_priority=shared)
         backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
         tokenizer = TextTokenizer(checkpoint)
@@ -221,7 +222,7 @@ class CodecTritonModel:
         self.name = json.loads(args["model_config"])["name"]
         self.service = CodecService(CodecSettings.from_model_config(args["model_config"]), self.name)
         log.info("%s: device %s, %s SMs, state size %d", self.name, self.service.device,
-                 self.service.settings.sm_count or "all", self.service.state_size)
+                 self.service.partition.sm_count or "all", self.service.state_size)
 
     def execute(self, requests):
         responses = []
