@@ -229,8 +229,9 @@ def meets_target(summary: dict) -> bool:
             and summary["ttfa_p90_ms"] <= TTFA_TARGET_S * 1e3)
 
 
-def server_side(before: dict, after: dict, wall_s: float) -> dict:
-    """Differences of voxtriton's counters and histograms over one measurement of `wall_s` seconds."""
+def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> dict:
+    """Differences of voxtriton's counters and histograms (summed over `servers` servers) over one
+    measurement of `wall_s` seconds."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
     def mean(name, labels=""):
@@ -255,7 +256,7 @@ def server_side(before: dict, after: dict, wall_s: float) -> dict:
         "chunks": chunks, "urgent_share": (chunks["urgent"] / total) if total else None,
         # Per lane: calls, chunks and frames per call (batch occupancy), and the share of the
         # measurement the lane spent decoding (near 1: the lane is saturated).
-        "codec_lanes": {lane: codec_lane(delta, lane, chunks[lane], wall_s) for lane in LANES
+        "codec_lanes": {lane: codec_lane(delta, lane, chunks[lane], wall_s * servers) for lane in LANES
                         if delta.get(f'voxtriton_codec_calls_total{{lane="{lane}"}}')},
         "server_ttfa_ms_mean": mean("voxtriton_ttfa_seconds"),
         "deadline_misses": delta.get("voxtriton_deadline_misses_total", 0.0),
@@ -263,11 +264,13 @@ def server_side(before: dict, after: dict, wall_s: float) -> dict:
     }
 
 
-def codec_lane(delta: dict, lane: str, chunks: float, wall_s: float) -> dict:
+def codec_lane(delta: dict, lane: str, chunks: float, lane_seconds: float) -> dict:
+    """One lane's calls, occupancy and busy share; `lane_seconds`: the measurement's wall time times
+    the servers whose counters were summed."""
     calls = delta[f'voxtriton_codec_calls_total{{lane="{lane}"}}']
     return {"calls": calls, "chunks_per_call": round(chunks / calls, 2),
             "frames_per_call": round(delta.get(f'voxtriton_codec_frames_total{{lane="{lane}"}}', 0.0) / calls, 1),
-            "busy_fraction": round(delta.get(f'voxtriton_codec_busy_seconds_total{{lane="{lane}"}}', 0.0) / wall_s, 3)}
+            "busy_fraction": round(delta.get(f'voxtriton_codec_busy_seconds_total{{lane="{lane}"}}', 0.0) / lane_seconds, 3)}
 
 
 class Fleet:
@@ -325,7 +328,7 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     finally:
         gc.enable()
     summary = summarize(results, lag)
-    summary["server"] = server_side(before, settled_metrics(fleet), time.monotonic() - started)
+    summary["server"] = server_side(before, settled_metrics(fleet), time.monotonic() - started, len(fleet.servers))
     # Another busy process on the host slows the server's Python threads: session 5 lost three runs to
     # a neighbouring server computing on the CPUs. The 1-minute load average (which includes this
     # server and client, and overlaps the previous probe) makes that visible.

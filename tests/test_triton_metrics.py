@@ -58,8 +58,8 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics = module.TritonMetrics(flush_interval_s=60)  # only close() flushes in this test
     metrics.chunk_sent("urgent", 2, 0.004, True, 0.09)
     metrics.chunk_sent("urgent", 4, 0.006, False, 0.2)
-    metrics.codec_call("background", 3, 75, 0.04)
-    metrics.codec_call("background", 2, 50, 0.03)
+    metrics.codec_call("background", 75, 0.04)
+    metrics.codec_call("background", 50, 0.03)
     metrics.frame_step(0.03, 5, StepTiming(admit_s=0.004, decode_s=0.02, decode_device_s=0.019))
     metrics.gauges(3, 2, {"urgent": 1, "background": 0, "inline": 0}, 0)
     metrics.gauges(3, 2, {"urgent": 0, "background": 0, "inline": 0}, 1)

@@ -47,8 +47,10 @@ class SchedulerConfig:
             sizes = ()
         if not sizes or min(sizes) < 1:
             raise ValueError(f"chunk_schedule must be comma-separated frame counts >= 1, got {self.chunk_schedule!r}")
-        if self.max_batch < 1 or self.slack_margin_s < 0 or self.ttfa_target_s < 0:
-            raise ValueError("max_batch >= 1, slack_margin_s >= 0 and ttfa_target_s >= 0 are required")
+        if self.max_batch < 1 or self.slack_margin_s < 0:
+            raise ValueError("max_batch >= 1 and slack_margin_s >= 0 are required")
+        if self.ttfa_target_s < 0:
+            raise ValueError(f"scheduler_ttfa_target_s must be >= 0, got {self.ttfa_target_s}")
 
     @cached_property
     def sizes(self) -> tuple[int, ...]:

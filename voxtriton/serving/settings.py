@@ -99,7 +99,7 @@ class TTSSettings:
         if self.backbone_partition not in ("exclusive", "shared"):
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")
-        check_lane_sms("background_sms", self.background_sms, allow_whole_gpu=False)
+        check_lane_sms("background_sms", self.background_sms)
         if self.text_layout not in ("full", "interleaved"):
             raise ValueError(f"config.pbtxt parameter 'text_layout' must be full or interleaved, got {self.text_layout!r}")
 
@@ -124,7 +124,7 @@ class CodecSettings:
     test_fault: str = ""  # test-only fault injection: "raise" | "exit" (see README)
 
     def __post_init__(self):
-        check_lane_sms("sm_count", self.sm_count, allow_whole_gpu=True)
+        check_lane_sms("sm_count", self.sm_count)
 
     @staticmethod
     def from_model_config(model_config: dict | str) -> "CodecSettings":
@@ -136,11 +136,10 @@ class CodecSettings:
 HALF_OF_THE_GPU = "half"
 
 
-def check_lane_sms(name: str, value: str, allow_whole_gpu: bool) -> None:
-    lowest = 0 if allow_whole_gpu else 1
-    if value != HALF_OF_THE_GPU and not (value.isdigit() and int(value) >= lowest):
-        raise ValueError(f"config.pbtxt parameter {name!r} must be {HALF_OF_THE_GPU!r} or an SM count >= {lowest}, "
-                         f"got {value!r}")
+def check_lane_sms(name: str, value: str) -> None:
+    """'half' or a count (0: the whole GPU; where a partition is required, the model refuses 0 on the GPU)."""
+    if value != HALF_OF_THE_GPU and not value.isdigit():
+        raise ValueError(f"config.pbtxt parameter {name!r} must be {HALF_OF_THE_GPU!r} or an SM count, got {value!r}")
 
 
 def lane_sms(value: str, total_sms: int) -> int:

@@ -89,7 +89,7 @@ class TritonMetrics:
             queue.append((self.ttfa, "observe", since_submit_s))
             queue.append((self.first_codec, "observe", decode_s))
 
-    def codec_call(self, lane, chunks, frames, seconds):
+    def codec_call(self, lane, frames, seconds):
         queue = self._updates
         queue.append((self.codec_calls[lane], "increment", 1))
         queue.append((self.codec_busy[lane], "increment", seconds))

@@ -156,7 +156,8 @@ class TTSTritonModel:
             background_sms = lane_sms(settings.background_sms, total)
             if not 0 < background_sms < total:
                 raise ValueError(f"config.pbtxt parameter 'background_sms' must be between 1 and {total - 1} "
-                                 f"(this GPU has {total} SMs), got {settings.background_sms}")
+                                 f"(this GPU has {total} SMs), got {settings.background_sms}"
+                                 + (f" ({background_sms} SMs)" if settings.background_sms != str(background_sms) else ""))
             shared = settings.backbone_partition == "shared"
             backbone_sms = 0 if shared else total - background_sms
         self.partition = SMPartition(device, backbone_sms, high_priority=shared)

@@ -69,8 +69,8 @@ class Stream:
 
 class ServiceMetrics(Protocol):
     def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float) -> None: ...
-    def codec_call(self, lane: str, chunks: int, frames: int, seconds: float) -> None:
-        """One decode call on `lane`: `chunks` chunks of `frames` frames in all (padding included)."""
+    def codec_call(self, lane: str, frames: int, seconds: float) -> None:
+        """One decode call on `lane`, of `frames` frames in all (padding included)."""
     def rejected(self) -> None: ...
     def frame_step(self, seconds: float, batch: int, timing: StepTiming) -> None:
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
@@ -312,12 +312,17 @@ class TTSService:
         """One chunk's path, on the service clock (seconds): its request arrived, its frames were
         cut into a chunk (when they were generated, or when the stream's previous chunk was done,
         whichever was later), its codec call started and ended, and when it was due (playback
-        deadline, or for a first chunk the TTFA target). Written under the service lock."""
-        self.chunk_trace.write(json.dumps({
-            "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane, "promoted": chunk.promoted,
-            "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at, "cut": chunk.ready_at,
-            "start": started, "end": decoded, "due": chunk.due(self.scheduler.config.ttfa_target_s),
-            "sent": self.clock()}) + "\n")
+        deadline, or for a first chunk the TTFA target). Written under the service lock. A failed
+        write (disk full, file closed) turns the trace off: it must never stop a lane."""
+        try:
+            self.chunk_trace.write(json.dumps({
+                "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane, "promoted": chunk.promoted,
+                "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at, "cut": chunk.ready_at,
+                "start": started, "end": decoded, "due": chunk.due(self.scheduler.config.ttfa_target_s),
+                "sent": self.clock()}) + "\n")
+        except (OSError, ValueError) as error:
+            log.error("chunk trace stopped: %s", error)
+            self.chunk_trace = None
 
     def _drain_inline(self) -> None:
         while True:
@@ -356,7 +361,7 @@ class TTSService:
             return
         elapsed = self.clock() - started
         if self.metrics:
-            self.metrics.codec_call(lane, len(live), codes.shape[0] * codes.shape[1], elapsed)
+            self.metrics.codec_call(lane, codes.shape[0] * codes.shape[1], elapsed)
         samples_per_frame = audio.shape[1] // codes.shape[1]
         with self.lock:
             for i, (chunk, stream) in enumerate(live):
