@@ -52,10 +52,12 @@ class StreamingModule(nn.Module):
     def state_slots(self) -> list[StateSlot]:
         raise NotImplementedError
 
-    def _after_history(self, x: torch.Tensor, state: StreamState, keep: int, activation=None) -> torch.Tensor:
-        """The carried history followed by activation(x) (or x); its last `keep` columns become the
-        next chunk's history. The activation writes its output after the history itself, so the
-        padding costs no extra pass over the activation."""
+    def _input(self, x: torch.Tensor, state: StreamState, keep: int, activation=None) -> torch.Tensor:
+        """activation(x) (or x), after the carried history when the layer keeps one (`keep` > 0): the
+        last `keep` columns become the next chunk's history. The activation writes its output after
+        the history itself, so the padding costs no extra pass over the activation."""
+        if not keep:
+            return activation(x) if activation is not None else x
         history = state.take(self.state_name)
         padded = activation(x, history=history) if activation is not None else torch.cat((history, x), dim=-1)
         state.put(self.state_name, padded[..., -keep:])
@@ -89,10 +91,7 @@ class CausalConv(StreamingModule):
                 add_bias: bool = True) -> torch.Tensor:
         """conv(activation(x)) (or conv(x)) over the carried history. add_bias=False leaves this
         convolution's bias to the caller, which fuses it into what follows."""
-        if self.context:
-            x = self._after_history(x, state, self.context, activation)
-        elif activation is not None:
-            x = activation(x)
+        x = self._input(x, state, self.context, activation)
         conv = self.conv
         return F.conv1d(x, conv.weight, conv.bias if add_bias else None, dilation=conv.dilation, groups=conv.groups)
 
@@ -125,10 +124,7 @@ class CausalTransConv(StreamingModule):
         """conv(activation(x)) (or conv(x)) after the previous frame, trimmed; the bias is added to the
         trimmed output in the same pass that makes it contiguous."""
         frames = x.shape[-1]
-        if self.overlaps:
-            x = self._after_history(x, state, 1, activation)
-        elif activation is not None:
-            x = activation(x)
+        x = self._input(x, state, 1 if self.overlaps else 0, activation)
         y = F.conv_transpose1d(x, self.conv.weight, None, stride=self.stride)
         first = self.stride if self.overlaps else 0
         return kernels.add_channel_bias(y[..., first: first + self.stride * frames], self.conv.bias)
