@@ -1,0 +1,73 @@
+"""Where late chunks lost their time, from a server's chunk trace (tts `chunk_trace_path`).
+
+Per chunk index: how long after the stream's first chunk was sent the chunk was cut (its frames
+generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
+after they were due) by index and lane. The frame period over the course of the run, measured from
+streams whose fifth chunk waited for its frames, per time window.
+
+    python benchmarks/chunk_trace_report.py TRACE.jsonl[.gz] [--window 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+
+def read_trace(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def report(records: list[dict], window_s: float = 4.0) -> dict:
+    streams: dict[str, dict[int, dict]] = collections.defaultdict(dict)
+    for record in records:
+        streams[record["stream"]][record["index"]] = record
+    late = [r for r in records if r["index"] > 0 and r["sent"] > r["due"]]
+    by_index = {}
+    for index in range(1, 5):
+        chunks = [(s[0], s[index]) for s in streams.values() if 0 in s and index in s]
+        if not chunks:
+            continue
+        cut = [(c["cut"] - first["sent"]) * 1e3 for first, c in chunks]
+        wait = [(c["start"] - c["cut"]) * 1e3 for _, c in chunks]
+        by_index[index] = {"chunks": len(chunks), "cut_after_first_sent_ms_p50": round(quantile(cut, 0.5)),
+                           "cut_after_first_sent_ms_p99": round(quantile(cut, 0.99)),
+                           "lane_wait_ms_p50": round(quantile(wait, 0.5)), "lane_wait_ms_p99": round(quantile(wait, 0.99))}
+    # A fifth chunk cut well after the fourth was sent waited for its frames: one frame step each
+    # since the fourth's cut (which, when it too waited for frames, came at its last frame).
+    origin = min(r["arrived"] for r in records)
+    periods = collections.defaultdict(list)
+    for s in streams.values():
+        if 3 in s and 4 in s and s[4]["cut"] - s[3]["sent"] > 0.005:
+            periods[int((s[3]["cut"] - origin) // window_s)].append((s[4]["cut"] - s[3]["cut"]) / s[4]["frames"] * 1e3)
+    return {"chunks": len(records), "late": len(late),
+            "late_by_index": dict(sorted(collections.Counter(r["index"] for r in late).items())),
+            "late_by_lane": dict(collections.Counter(r["lane"] for r in late)),
+            "late_arrived_s": [round(min(r["arrived"] for r in late) - origin, 1),
+                               round(max(r["arrived"] for r in late) - origin, 1)] if late else None,
+            "by_index": by_index,
+            "frame_period_ms_by_window": {f"{k * window_s:g}s": round(statistics.median(v))
+                                          for k, v in sorted(periods.items()) if len(v) > 5}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--window", type=float, default=4.0, help="seconds per frame-period window")
+    args = parser.parse_args()
+    print(json.dumps(report(read_trace(args.trace), args.window), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/chunk_trace_report.py on a hand-made trace whose answers are known."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from chunk_trace_report import read_trace, report  # noqa: E402
+
+
+def stream(name, arrived, period, late_index=None):
+    """Chunks of 2,2,4,4,8 frames cut as their frames arrive every `period` s, each decoded in 5 ms
+    after a 1 ms wait; chunk `late_index` is sent after it was due."""
+    records, frames, first_sent, played = [], 0, None, 0.0
+    for index, size in enumerate((2, 2, 4, 4, 8)):
+        frames += size
+        cut = arrived + 0.05 + frames * period
+        sent = cut + 0.006
+        first_sent = first_sent if first_sent is not None else sent
+        due = arrived + 0.2 if index == 0 else first_sent + played
+        if index == late_index:
+            due = sent - 0.01
+        records.append({"stream": name, "index": index, "lane": "urgent", "promoted": False, "frames": size,
+                        "batch": 1, "arrived": arrived, "cut": cut, "start": cut + 0.001, "end": sent, "due": due,
+                        "sent": sent})
+        played += size * 0.08
+    return records
+
+
+def test_the_report_finds_late_chunks_cut_times_and_the_frame_period(tmp_path):
+    records = [r for i in range(9) for r in stream(f"a{i}", 0.1 * i, 0.02)]  # the median stream
+    records += [r for i in range(7) for r in stream(f"b{i}", 5.0 + 0.1 * i, 0.05, late_index=2 if i == 0 else None)]
+    path = tmp_path / "trace.jsonl.gz"
+    with gzip.open(path, "wt") as out:
+        out.writelines(json.dumps(r) + "\n" for r in records)
+    result = report(read_trace(path), window_s=4.0)
+    assert result["chunks"] == 80 and result["late"] == 1
+    assert result["late_by_index"] == {2: 1} and result["late_by_lane"] == {"urgent": 1}
+    assert result["late_arrived_s"] == [5.0, 5.0]
+    # Chunk 2 ends at frame 8, cut 6 frame steps after the first chunk (sent 6 ms after its cut).
+    assert result["by_index"][2]["cut_after_first_sent_ms_p50"] == round((6 * 0.02 - 0.006) * 1e3)
+    assert result["by_index"][2]["cut_after_first_sent_ms_p99"] == round((6 * 0.05 - 0.006) * 1e3)
+    assert result["by_index"][1]["lane_wait_ms_p50"] == 1
+    assert result["frame_period_ms_by_window"] == {"0s": 20, "4s": 50}
