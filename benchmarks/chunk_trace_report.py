@@ -3,7 +3,8 @@
 Per chunk index: how long after the stream's first chunk was sent the chunk was cut (its frames
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
 after they were due) by index and lane. The frame period over the course of the run, measured from
-streams whose fifth chunk waited for its frames, per time window.
+streams whose fifth chunk waited for its frames, per time window, and, where the trace has the
+engine's step lines, each window's frame steps split into their parts.
 
     python benchmarks/chunk_trace_report.py TRACE.jsonl[.gz] [--window 4]
 """
@@ -29,7 +30,33 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def report(records: list[dict], window_s: float = 4.0) -> dict:
+def step_windows(steps: list[dict], origin: float, window_s: float) -> dict:
+    """Per time window, the frame steps that returned frames: the median period and batch, and the
+    mean of each part (ms): host admission, launch + wait for the frames, the rest of the pass (the
+    service's bookkeeping), and the GPU's own time for the frame step and for the prefills."""
+    windows = collections.defaultdict(list)
+    for step in steps:
+        if step["frames"]:
+            windows[int((step["end"] - origin) // window_s)].append(step)
+    mean_ms = lambda values: round(statistics.fmean(values) * 1e3, 1) if values else None
+    table = {}
+    for key, group in sorted(windows.items()):
+        table[f"{key * window_s:g}s"] = {
+            "steps": len(group), "period_ms_p50": round(statistics.median(s["period"] for s in group) * 1e3, 1),
+            "frames_p50": statistics.median(s["frames"] for s in group),
+            "admit_ms": mean_ms([s["admit_s"] for s in group]), "decode_ms": mean_ms([s["decode_s"] for s in group]),
+            "other_ms": mean_ms([s["period"] - s["admit_s"] - s["decode_s"] for s in group]),
+            "device_ms": mean_ms([s["decode_device_s"] for s in group if s["decode_device_s"] is not None]),
+            # per step, counting steps without a prefill as 0
+            "prefill_device_ms": mean_ms([s["prefill_device_s"] or 0.0 for s in group if s["decode_device_s"] is not None]),
+            "admitted": sum(s["admitted"] for s in group)}
+    return table
+
+
+def report(lines: list[dict], window_s: float = 4.0) -> dict:
+    # Traces from before the step lines have chunk lines without a kind.
+    records = [r for r in lines if r.get("kind", "chunk") == "chunk"]
+    steps = [r for r in lines if r.get("kind") == "step"]
     streams: dict[str, dict[int, dict]] = collections.defaultdict(dict)
     for record in records:
         streams[record["stream"]][record["index"]] = record
@@ -58,7 +85,8 @@ def report(records: list[dict], window_s: float = 4.0) -> dict:
                                round(max(r["arrived"] for r in late) - origin, 1)] if late else None,
             "by_index": by_index,
             "frame_period_ms_by_window": {f"{k * window_s:g}s": round(statistics.median(v))
-                                          for k, v in sorted(periods.items()) if len(v) > 5}}
+                                          for k, v in sorted(periods.items()) if len(v) > 5},
+            "steps_by_window": step_windows(steps, origin, window_s) if steps else None}
 
 
 def main() -> None:

@@ -45,3 +45,22 @@ def test_the_report_finds_late_chunks_cut_times_and_the_frame_period(tmp_path):
     assert result["by_index"][2]["cut_after_first_sent_ms_p99"] == round((6 * 0.05 - 0.006) * 1e3)
     assert result["by_index"][1]["lane_wait_ms_p50"] == 1
     assert result["frame_period_ms_by_window"] == {"0s": 20, "4s": 50}
+
+
+def test_step_lines_are_split_into_windows_and_parts(tmp_path):
+    records = stream("a", 0.0, 0.02)
+    steps = [{"kind": "step", "end": 0.5 + 0.1 * i, "period": 0.030, "frames": 100 + i, "admit_s": 0.004,
+              "decode_s": 0.020, "decode_device_s": 0.018, "prefill_device_s": 0.003 if i % 2 else None,
+              "admitted": i % 2, "batch": 100 + i} for i in range(4)]
+    steps.append({**steps[0], "end": 4.5, "period": 0.050, "frames": 0})  # a launch that returned nothing
+    steps.append({**steps[0], "end": 4.6, "period": 0.050, "decode_s": 0.040, "decode_device_s": None,
+                  "prefill_device_s": None})  # on a CPU
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records + steps))
+    result = report(read_trace(path), window_s=4.0)
+    assert result["chunks"] == 5
+    assert result["steps_by_window"] == {
+        "0s": {"steps": 4, "period_ms_p50": 30.0, "frames_p50": 101.5, "admit_ms": 4.0, "decode_ms": 20.0,
+               "other_ms": 6.0, "device_ms": 18.0, "prefill_device_ms": 1.5, "admitted": 2},
+        "4s": {"steps": 1, "period_ms_p50": 50.0, "frames_p50": 100, "admit_ms": 4.0, "decode_ms": 40.0,
+               "other_ms": 6.0, "device_ms": None, "prefill_device_ms": None, "admitted": 0}}

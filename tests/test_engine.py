@@ -30,8 +30,16 @@ def make_request(setup, index, frames=20, **sampling):
     return Request(f"r{index}", prompts.build(TEXTS[index], "vivian"), params)
 
 
-def new_engine(setup, rows=8):
-    return Engine(ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64), max_running=rows)
+@pytest.fixture(params=[False, True], ids=["in-step", "overlap"])
+def overlap(request):
+    """Every engine test runs both ways: frames returned by the step that launched them, and (the
+    server's default) by the next one."""
+    return request.param
+
+
+def new_engine(setup, rows=8, overlap=False):
+    return Engine(ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64), max_running=rows,
+                  overlap=overlap)
 
 
 def run(engine, arrivals: dict[int, list[Request]], cancel_at: dict[int, Request] | None = None):
@@ -49,32 +57,33 @@ def run(engine, arrivals: dict[int, list[Request]], cancel_at: dict[int, Request
     return {k: np.stack(v) for k, v in codes.items()}
 
 
-def test_requests_joining_a_running_batch_get_the_codes_they_get_alone(setup):
+def test_requests_joining_a_running_batch_get_the_codes_they_get_alone(setup, overlap):
     alone = {}
     for i in range(4):
         alone.update(run(new_engine(setup), {0: [make_request(setup, i, frames=12 + 3 * i)]}))
-    together = run(new_engine(setup), {0: [make_request(setup, 0, 12)], 2: [make_request(setup, 1, 15)],
+    together = run(new_engine(setup, overlap=overlap), {0: [make_request(setup, 0, 12)], 2: [make_request(setup, 1, 15)],
                                        3: [make_request(setup, 2, 18), make_request(setup, 3, 21)]})
     for request_id, codes in alone.items():
         assert codes.shape == (len(codes), 16)
         np.testing.assert_array_equal(together[request_id], codes)
 
 
-def test_finishing_requests_free_their_rows_and_others_continue(setup):
-    engine = new_engine(setup, rows=2)
+def test_finishing_requests_free_their_rows_and_others_continue(setup, overlap):
+    engine = new_engine(setup, rows=2, overlap=overlap)
     short, long_, waiting = make_request(setup, 0, 3), make_request(setup, 1, 10), make_request(setup, 2, 4)
     result = run(engine, {0: [short, long_, waiting]})
     assert {k: len(v) for k, v in result.items()} == {"r0": 3, "r1": 10, "r2": 4}
-    assert engine.running == [] and not engine.waiting
+    assert engine.running == [] and not engine.waiting and not engine.has_work
     assert all(r.finish_reason == "max_frames" for r in (short, long_, waiting))
     np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 10)]})["r1"])
 
 
-def test_cancelled_request_leaves_at_the_next_step(setup):
-    engine = new_engine(setup)
+def test_cancelled_request_leaves_at_the_next_step(setup, overlap):
+    engine = new_engine(setup, overlap=overlap)
     victim, survivor = make_request(setup, 0, 50), make_request(setup, 1, 8)
     result = run(engine, {0: [victim, survivor]}, cancel_at={3: victim})
-    assert victim.finish_reason == "cancelled" and len(result["r0"]) == 3
+    # Cancelled before the fourth launch; with overlap the third frame was still on its way, and dropped.
+    assert victim.finish_reason == "cancelled" and len(result["r0"]) == 3 - overlap
     np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 8)]})["r1"])
 
 
@@ -87,8 +96,10 @@ def test_seed_controls_sampling(setup):
     assert not np.array_equal(first, run(new_engine(setup), {0: [other]})["r0"])
 
 
-def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_checkpoint):
-    """A talker that always prefers end-of-speech still yields two frames (min_new_tokens=2)."""
+def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_checkpoint, overlap):
+    """A talker that always prefers end-of-speech still yields two frames (min_new_tokens=2). With
+    overlap the end is seen one step late: the frame launched meanwhile is dropped, and the request
+    waiting for the freed row gets the codes it gets alone."""
     config, _, prompts = setup
     backbone = load_backbone(tiny_checkpoint, config)
 
@@ -96,23 +107,27 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
         return logits.index_fill(-1, torch.tensor([config.talker.codec_eos_id]), 100.0)
 
     backbone.talker.codec_head.register_forward_hook(prefer_eos)
-    engine = Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2)
-    eager = Request("eager", prompts.build("Stop soon.", "ryan"),
-                    GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=30))
-    stubborn = Request("stubborn", prompts.build("Keep going.", "ryan"),
-                       GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=5, ignore_eos=True))
-    result = run(engine, {0: [eager, stubborn]})
+    new = lambda: Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2,
+                         overlap=overlap)
+    request = lambda name, text, **length: Request(name, prompts.build(text, "ryan"), GenerationParams.create(
+        config.generation, 1000, temperature=0.0, **length))
+    eager = request("eager", "Stop soon.", max_frames=30)
+    stubborn = request("stubborn", "Keep going.", max_frames=9, ignore_eos=True)
+    late = request("late", "Wait for a row.", max_frames=4, ignore_eos=True)
+    result = run(new(), {0: [eager, stubborn, late]})
     assert (eager.finish_reason, len(result["eager"])) == ("eos", 2)
-    assert (stubborn.finish_reason, len(result["stubborn"])) == ("max_frames", 5)
+    assert (stubborn.finish_reason, len(result["stubborn"])) == ("max_frames", 9)
     assert config.talker.codec_eos_id not in result["stubborn"][:, 0]
+    alone = run(new(), {0: [request("late", "Wait for a row.", max_frames=4, ignore_eos=True)]})
+    np.testing.assert_array_equal(result["late"], alone["late"])
 
 
-def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup):
+def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup, overlap):
     """The padded prefill (static buffers, scratch cache, groups of the largest batch bucket: what
     the GPU replays as graphs) must not change a request's codes, also when it joins a running batch."""
     arrivals = lambda: {0: [make_request(setup, 0, 10)], 1: [make_request(setup, i, 10) for i in (1, 2, 3, 4)]}
     exact = run(new_engine(setup), arrivals())
-    engine = new_engine(setup)
+    engine = new_engine(setup, overlap=overlap)
     engine.runner.set_buckets([], [], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
     padded = run(engine, arrivals())
     assert exact.keys() == padded.keys() and len(exact) == 5

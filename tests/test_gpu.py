@@ -28,7 +28,7 @@ DEVICE = torch.device("cuda:0")
 TEXTS = ["One.", "Two voices now.", "Three streams share a batch.", "Four is padded to eight.", "Five!"]
 
 
-def generate(checkpoint, graphs: bool, dtype=torch.bfloat16) -> dict[str, np.ndarray]:
+def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = False) -> dict[str, np.ndarray]:
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -39,7 +39,7 @@ def generate(checkpoint, graphs: bool, dtype=torch.bfloat16) -> dict[str, np.nda
         assert len(runner.prefill_graphs) == 4
     else:
         runner.set_buckets(**buckets)
-    engine = Engine(runner, max_running=8)
+    engine = Engine(runner, max_running=8, overlap=overlap)
     requests = [Request(f"r{i}", prompts.build(text, "ryan"), GenerationParams.create(
         config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True)) for i, text in enumerate(TEXTS)]
     codes: dict[str, list] = {}
@@ -57,9 +57,12 @@ def generate(checkpoint, graphs: bool, dtype=torch.bfloat16) -> dict[str, np.nda
     return {k: np.stack(v) for k, v in codes.items()}
 
 
-def test_cuda_graphs_give_the_eager_codes(tiny_checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_graphs_give_the_eager_codes(tiny_checkpoint, overlap):
+    """Also with the next frame step launched before the host reads a step's frames, and prompts
+    uploaded from pinned memory while a step is in flight."""
     eager = generate(tiny_checkpoint, graphs=False)
-    graphed = generate(tiny_checkpoint, graphs=True)
+    graphed = generate(tiny_checkpoint, graphs=True, overlap=overlap)
     assert eager.keys() == graphed.keys() and len(eager) == 5
     for name in eager:
         np.testing.assert_array_equal(graphed[name], eager[name])

@@ -143,7 +143,7 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
     codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
     scheduler_config = SchedulerConfig(policy=policy, chunk_schedule="2,2,4,4,8")
-    engine = Engine(runner, 2)
+    engine = Engine(runner, 2, overlap=policy != "serial")  # as the tts model builds it
     pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
     lane = InProcessLane(codec, pool.tensor)
     trace = io.StringIO()
@@ -165,7 +165,12 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
     # The chunk trace: one line per chunk, in order, each chunk cut only after the previous one was
     # sent, due at the TTFA target (first chunk) or when the audio sent before it has played.
-    records = [json.loads(line) for line in trace.getvalue().splitlines()]
+    lines = [json.loads(line) for line in trace.getvalue().splitlines()]
+    records = [r for r in lines if r["kind"] == "chunk"]
+    # And one line per frame step that returned frames: 13 frames in all, one admission, times that add up.
+    steps = [r for r in lines if r["kind"] == "step"]
+    assert sum(r["frames"] for r in steps) == 13 and sum(r["admitted"] for r in steps) == 1
+    assert all(r["period"] >= r["admit_s"] + r["decode_s"] for r in steps)
     assert [(r["index"], r["frames"], r["batch"]) for r in records] == [(i, n, 1) for i, n in enumerate([2, 2, 4, 4, 1])]
     assert {r["lane"] for r in records} == {"inline" if policy == "serial" else "urgent"}
     for previous, record in zip([None] + records, records):

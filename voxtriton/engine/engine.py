@@ -2,6 +2,13 @@
 
 Continuous batching: a request that arrives joins the running batch at the next step (its prompt
 is prefilled in that step) and leaves it the step it finishes, so no request waits for another.
+
+Overlap: with `overlap` on, a step launches the next frame step on the GPU before it waits for the
+frames of the step launched before it, so the GPU works through the host's bookkeeping and
+admissions instead of waiting for them. Each frame step's inputs live on the GPU, so launching it
+needs nothing from the previous step's frames, except knowing who finished: a request that ends by
+end-of-speech is seen one step late, and that step's frame for it is dropped. Ends by `max_frames`
+are known at launch, so those rows leave without a wasted frame.
 """
 
 from __future__ import annotations
@@ -26,30 +33,50 @@ class FrameOutput:
 
 @dataclass
 class StepTiming:
-    """Where one frame step's wall time went. Next to each other they tell GPU contention (the
-    device time grows) from host work (only the wall grows) and from admissions (prefill grows)."""
+    """Where one step's wall time went, on the host, and what the GPU spent on it.
 
-    admit_s: float = 0.0  # admitting requests: their prompts' prefill and row setup, waited for
-    decode_s: float = 0.0  # the frame's decode, launch to codes on the host
-    decode_device_s: float | None = None  # the same decode as the GPU timed it (CUDA events; None on CPU)
+    Next to each other they tell GPU contention (the device times grow) from host work (only the wall
+    grows) and from admissions."""
+
+    admit_s: float = 0.0  # admitting requests: prompts' uploads and the prefill's launch (its run, on CPU)
+    decode_s: float = 0.0  # launching the frame step and waiting for the frames returned
+    decode_device_s: float | None = None  # the returned frames' step as timed on the GPU (CUDA events; None on CPU)
+    prefill_device_s: float | None = None  # the prefill launched with that step, on the GPU (None: none, or CPU)
+    admitted: int = 0  # requests admitted by this step
+    batch: int = 0  # rows in the frame step this step launched
+
+
+@dataclass
+class _Launched:
+    """A frame step on its way: `requests[i]` owned row i when it was launched."""
+
+    requests: list[Request]
+    codes: torch.Tensor  # [len(requests), groups + 1] on the host (pinned on a GPU), valid once `done`
+    done: torch.cuda.Event | None
+    events: tuple | None  # CUDA timing events: (before the prefill or None, before the decode, after it)
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, max_running: int):
+    def __init__(self, runner: ModelRunner, max_running: int, overlap: bool = False):
         if max_running > runner.max_rows:
             raise ValueError(f"max_running={max_running} exceeds the runner's {runner.max_rows} rows")
         self.runner = runner
         self.max_running = max_running
+        self.overlap = overlap
         self.eos = runner.config.talker.codec_eos_id
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # index == row
+        self.running: list[Request] = []  # index == row; requests whose next frame is still to launch
+        self.in_flight: _Launched | None = None
         self.last_timing = StepTiming()
-        self._decode_events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                               if runner.device.type == "cuda" else None)
+        self._cuda = runner.device.type == "cuda"
+        if self._cuda:  # two host buffers: one being filled by the step in flight, one being read
+            shape = (runner.max_rows, runner.step_output.shape[1])
+            self._host_codes = [torch.empty(shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._launches = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight)
 
     def add(self, request: Request) -> None:
         needed = request.position + request.params.max_frames
@@ -59,9 +86,14 @@ class Engine:
             raise ValueError(f"text has {len(request.prompt.trailing_text_ids)} tokens, limit {self.runner.max_text_tokens}")
         self.waiting.append(request)
 
-    def _release(self, request: Request, reason: str) -> None:
-        """Take a request out of the batch; the last row moves into its place."""
-        request.status, request.finish_reason = Status.FINISHED, reason
+    def abort(self) -> None:
+        """Forget every request, running, waiting or in flight (after a failed step)."""
+        self.running.clear()
+        self.waiting.clear()
+        self.in_flight = None
+
+    def _leave_batch(self, request: Request) -> None:
+        """Free a request's row; the last row moves into its place (queued after the steps in flight)."""
         row, last = request.row, len(self.running) - 1
         if row != last:
             moved = self.running[last]
@@ -70,56 +102,103 @@ class Engine:
         self.running.pop()
         request.row = None
 
-    def _admit(self) -> bool:
-        """Prefill waiting requests into free rows; True if any was admitted."""
+    @staticmethod
+    def _finish(request: Request, reason: str) -> None:
+        request.status, request.finish_reason = Status.FINISHED, reason
+
+    def _admit(self) -> int:
+        """Prefill waiting requests into free rows; returns how many were admitted."""
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
-            request.status, request.finish_reason = Status.FINISHED, "cancelled"
+            self._finish(request, "cancelled")
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             admitted.append(self.waiting.popleft())
-        if not admitted:
-            return False
-        first_row = len(self.running)
-        self.runner.prefill(admitted, first_row)
-        for offset, request in enumerate(admitted):
-            request.status, request.row = Status.RUNNING, first_row + offset
-        self.running.extend(admitted)
-        return True
+        if admitted:
+            first_row = len(self.running)
+            self.runner.prefill(admitted, first_row)
+            for offset, request in enumerate(admitted):
+                request.status, request.row = Status.RUNNING, first_row + offset
+            self.running.extend(admitted)
+        return len(admitted)
 
     def step(self) -> list[FrameOutput]:
-        """Generate the next frame of every running request (admitting waiting ones first)."""
+        """Launch the next frame of every running request (admitting waiting ones first) and return
+        the frames of the step launched before it, or, without overlap, of this one."""
         for request in [r for r in self.running if r.cancelled]:
-            self._release(request, "cancelled")
+            self._leave_batch(request)
+            self._finish(request, "cancelled")
         started = time.perf_counter()
-        if self.waiting and self._admit():
-            self.runner.synchronize()  # so the prefill's time is counted as admission, not decode
-        if not self.running:
+        prefill_event = self._event() if self.waiting else None
+        admitted = self._admit() if self.waiting else 0
+        timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=len(self.running))
+        started = time.perf_counter()
+        launched = self._launch(prefill_event if admitted else None) if self.running else None
+        if self.overlap:
+            launched, self.in_flight = self.in_flight, launched
+        if launched is None:
+            timing.decode_s = time.perf_counter() - started
+            self.last_timing = timing
             return []
-        timing = self.last_timing = StepTiming(admit_s=time.perf_counter() - started)
-        started = time.perf_counter()
-        span = max(r.position for r in self.running) + 1
-        events = self._decode_events
-        if events:
-            events[0].record()
-        result = self.runner.decode(len(self.running), span)
-        if events:
-            events[1].record()
-        result = result.to("cpu", copy=True).numpy()  # waits for the decode, so both events are done
+        if launched.done is not None:
+            launched.done.synchronize()
         timing.decode_s = time.perf_counter() - started
-        if events:
-            timing.decode_device_s = events[0].elapsed_time(events[1]) / 1e3
-        outputs = []
-        for request in list(self.running):
-            row = result[request.row]
+        if launched.events:
+            before_prefill, before_decode, after = launched.events
+            timing.decode_device_s = before_decode.elapsed_time(after) / 1e3
+            if before_prefill is not None:
+                timing.prefill_device_s = before_prefill.elapsed_time(before_decode) / 1e3
+        self.last_timing = timing
+        return self._frames(launched)
+
+    def _event(self) -> torch.cuda.Event | None:
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _launch(self, before_prefill: torch.cuda.Event | None) -> _Launched:
+        """Queue one frame step for rows 0..B-1 and the copy of its codes to the host."""
+        requests = list(self.running)
+        span = max(r.position for r in requests) + 1
+        before_decode = self._event()
+        codes = self.runner.decode(len(requests), span)
+        after, done = self._event(), None
+        if self._cuda:
+            host = self._host_codes[self._launches % 2][: len(requests)]
+            self._launches += 1
+            host.copy_(codes, non_blocking=True)
+            codes, done = host, torch.cuda.Event()
+            done.record()
+        for request in requests:  # all first: a row's move copies its positions up to this frame
             request.frames += 1
+        for request in requests:
+            if request.frames >= request.params.max_frames:  # its last frame is in this step
+                self._leave_batch(request)
+        events = (before_prefill, before_decode, after) if self._cuda else None
+        # On CPU the codes are the runner's output buffer, which the next launch overwrites.
+        return _Launched(requests, codes if self._cuda else codes.clone(), done, events)
+
+    def _frames(self, launched: _Launched) -> list[FrameOutput]:
+        """The frames of a finished step, for the requests that have not ended since its launch."""
+        codes = launched.codes.numpy().copy()  # streams keep their frames; the host buffer is reused
+        outputs = []
+        for row, request in enumerate(launched.requests):
+            if request.status is Status.FINISHED:
+                continue  # ended by end-of-speech in the step before, or cancelled: a frame past its end
+            if request.cancelled:  # cancelled with its last frame in flight: nobody wants it
+                self._finish(request, "cancelled")
+                continue
+            request.emitted += 1
             reason = None
-            if request.frames >= request.params.max_frames:
+            if request.emitted >= request.params.max_frames:
                 reason = "max_frames"
-            elif row[-1] == self.eos and not request.params.ignore_eos:
+            elif codes[row, -1] == self.eos and not request.params.ignore_eos:
                 reason = "eos"
-            outputs.append(FrameOutput(request, row[:-1], reason))
-        for output in outputs:
-            if output.finish_reason:
-                self._release(output.request, output.finish_reason)
+            outputs.append(FrameOutput(request, codes[row, :-1], reason))
+            if reason:
+                self._finish(request, reason)
+                if request.row is not None:
+                    self._leave_batch(request)
         return outputs

@@ -74,10 +74,13 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.set_buckets([], [])
 
-    def synchronize(self) -> None:
-        """Wait for the work queued on this thread's stream (no-op on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, without the host waiting: a copy from pageable memory waits
+        for the work queued before it on the stream (a frame step in flight), one from pinned memory
+        does not (the pinned buffer is kept until the copy is done)."""
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -97,7 +100,8 @@ class ModelRunner:
         # float64 holds every value exactly (seeds have 31 bits, top-k and positions are small).
         scalars = torch.tensor([[float(getattr(r.params, name)) for _, name in columns]
                                 + [float(fold_seed(r.params.seed)), float(len(r.prompt.text_ids))] for r in requests],
-                               dtype=torch.float64).to(self.device)
+                               dtype=torch.float64)
+        scalars = self._upload(scalars)
         for index, (tensor, _) in enumerate(columns):
             tensor[rows] = scalars[:, index].to(tensor.dtype)
         self.main.seeds[rows] = scalars[:, -2].long()
@@ -106,7 +110,7 @@ class ModelRunner:
         for i, request in enumerate(requests):
             ids = request.prompt.trailing_text_ids
             trailing[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        self.trailing[rows] = trailing.to(self.device)
+        self.trailing[rows] = self._upload(trailing)
         self.seen[rows] = False
         self.frame_index[rows] = 0
 
@@ -150,9 +154,8 @@ class ModelRunner:
             text[i, : lengths[i]] = torch.tensor(request.prompt.text_ids)
             codec[i, : lengths[i]] = torch.tensor(request.prompt.codec_ids)
         last_index = torch.tensor(lengths + [1] * (batch - count)) - 1
-        # Uploads first: a copy from pageable memory waits for the work queued before it on the
-        # stream, so queued ahead of the prefill it does not wait for the prefill.
         self._set_params(rows, requests)
+        text, codec, last_index = (self._upload(t) for t in (text, codec, last_index))
         if padded:
             self.prefill_text[:batch, :length].copy_(text)
             self.prefill_codec[:batch, :length].copy_(codec)
@@ -168,7 +171,7 @@ class ModelRunner:
             self.cache.values[:, rows, :, :length] = self.prefill_kv.values[:, :count, :, :length]
         else:
             cache = StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows])
-            last = self._prompt_last_hidden(text.to(self.device), codec.to(self.device), last_index.to(self.device), cache)
+            last = self._prompt_last_hidden(text, codec, last_index, cache)
         last = last[:count]
         self.past_hidden[rows] = last
         frames = self.frame_index[rows]

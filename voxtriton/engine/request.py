@@ -90,7 +90,8 @@ class Request:
     params: GenerationParams
     status: Status = Status.WAITING
     row: int | None = None  # row in the runner's batch while running
-    frames: int = 0  # frames generated so far
+    frames: int = 0  # frames launched: generated, or in a frame step on its way
+    emitted: int = 0  # frames returned by the engine
     finish_reason: str | None = None  # eos | max_frames | cancelled
     cancelled: bool = field(default=False, repr=False)
 

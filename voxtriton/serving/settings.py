@@ -80,8 +80,11 @@ class TTSSettings:
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.2  # a sweep makes one round trip per open stream
-    chunk_trace_path: str = ""  # append one JSON line per chunk sent to this file ("" = off); for diagnosis
+    chunk_trace_path: str = ""  # append one JSON line per chunk sent and per frame step ("" = off); for diagnosis
     cuda_graphs: bool = True
+    # Launch each frame step before handling the previous one's frames, so the GPU does not wait
+    # for the host's bookkeeping and admissions (not with the serial policy). See engine/engine.py.
+    engine_overlap: bool = True
     graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams
     graph_spans: str = "256,512,1024,2048"  # attention-span buckets, capped at max_positions
     prefill_graph_batch_sizes: str = "1,2,4,8"  # prompts admitted together (larger admissions go in groups)

@@ -171,7 +171,8 @@ class TTSTritonModel:
             log.info("tts: captured %d CUDA graphs", len(runner.graphs))
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
-        engine = Engine(runner, settings.max_streams)
+        # serial's codec takes turns with the backbone: no frame step may be queued while it decodes.
+        engine = Engine(runner, settings.max_streams, overlap=settings.engine_overlap and scheduler_config.policy != "serial")
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
         self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued, scheduler_config), state_size, device,
                                          publish_for=os.getppid())

@@ -16,6 +16,7 @@ lanes decode them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -197,15 +198,17 @@ class TTSService:
             self.lock.notify_all()
         if self.scheduler.config.policy == "serial":
             self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
+        period, timing = time.perf_counter() - started, self.engine.last_timing
         if self.metrics and outputs:
-            self.metrics.frame_step(time.perf_counter() - started, len(outputs), self.engine.last_timing)
+            self.metrics.frame_step(period, len(outputs), timing)
+        if self.chunk_trace and (outputs or timing.batch):  # with overlap, a first launch returns nothing
+            with self.lock:
+                self._write_trace({"kind": "step", "end": self.clock(), "period": period, "frames": len(outputs),
+                                   **dataclasses.asdict(timing)})
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
         if stream is None or stream.ended:
-            return
-        if reason == "cancelled":
-            self._end(stream, "request cancelled")
             return
         stream.frames.append(codes)
         self.scheduler.frames_generated(request.request_id, 1, done=reason is not None)
@@ -259,8 +262,7 @@ class TTSService:
                 if stream not in self.incoming and stream.request.status != Status.FINISHED:
                     stream.request.cancelled = True
                     self._end(stream, message)
-            self.engine.running.clear()
-            self.engine.waiting.clear()
+            self.engine.abort()
 
     def _end(self, stream: Stream, error: str | None) -> None:
         """Close a stream exactly once: with an error, or (error None) after its final chunk was sent.
@@ -312,14 +314,19 @@ class TTSService:
         """One chunk's path, on the service clock (seconds): its request arrived, its frames were
         cut into a chunk (when they were generated, or when the stream's previous chunk was done,
         whichever was later), its codec call started and ended, and when it was due (playback
-        deadline, or for a first chunk the TTFA target). Written under the service lock. A failed
-        write (disk full, file closed) turns the trace off: it must never stop a lane."""
+        deadline, or for a first chunk the TTFA target)."""
+        self._write_trace({
+            "kind": "chunk", "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane,
+            "promoted": chunk.promoted, "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at,
+            "cut": chunk.ready_at, "start": started, "end": decoded,
+            "due": chunk.due(self.scheduler.config.ttfa_target_s), "sent": self.clock()})
+
+    def _write_trace(self, record: dict) -> None:
+        """One line of the trace: a chunk sent, or a frame step (its period, its frames, and its
+        `StepTiming`). Under the service lock. A failed write (disk full, file closed) turns the
+        trace off: it must never stop a lane or the engine."""
         try:
-            self.chunk_trace.write(json.dumps({
-                "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane, "promoted": chunk.promoted,
-                "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at, "cut": chunk.ready_at,
-                "start": started, "end": decoded, "due": chunk.due(self.scheduler.config.ttfa_target_s),
-                "sent": self.clock()}) + "\n")
+            self.chunk_trace.write(json.dumps(record) + "\n")
         except (OSError, ValueError) as error:
             log.error("chunk trace stopped: %s", error)
             self.chunk_trace = None
