@@ -51,8 +51,8 @@ class _Launched:
     """A frame step on its way: `requests[i]` owned row i when it was launched."""
 
     requests: list[Request]
-    codes: torch.Tensor  # [len(requests), groups + 1] on the host (pinned on a GPU), valid once `done`
-    done: torch.cuda.Event | None
+    codes: torch.Tensor  # [len(requests), groups + 1] (see `ModelRunner.stash_codes`)
+    ready: torch.cuda.Event | None
     events: tuple | None  # CUDA timing events: (before the prefill or None, before the decode, after it)
 
 
@@ -69,10 +69,6 @@ class Engine:
         self.in_flight: _Launched | None = None
         self.last_timing = StepTiming()
         self._cuda = runner.device.type == "cuda"
-        if self._cuda:  # two host buffers: one being filled by the step in flight, one being read
-            shape = (runner.max_rows, runner.step_output.shape[1])
-            self._host_codes = [torch.empty(shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
-            self._launches = 0
 
     @property
     def has_work(self) -> bool:
@@ -140,8 +136,7 @@ class Engine:
             timing.decode_s = time.perf_counter() - started
             self.last_timing = timing
             return []
-        if launched.done is not None:
-            launched.done.synchronize()
+        codes = self.runner.read_codes(launched.codes, launched.ready)
         timing.decode_s = time.perf_counter() - started
         if launched.events:
             before_prefill, before_decode, after = launched.events
@@ -149,7 +144,7 @@ class Engine:
             if before_prefill is not None:
                 timing.prefill_device_s = before_prefill.elapsed_time(before_decode) / 1e3
         self.last_timing = timing
-        return self._frames(launched)
+        return self._frames(launched, codes)
 
     def _event(self) -> torch.cuda.Event | None:
         if not self._cuda:
@@ -164,25 +159,18 @@ class Engine:
         span = max(r.position for r in requests) + 1
         before_decode = self._event()
         codes = self.runner.decode(len(requests), span)
-        after, done = self._event(), None
-        if self._cuda:
-            host = self._host_codes[self._launches % 2][: len(requests)]
-            self._launches += 1
-            host.copy_(codes, non_blocking=True)
-            codes, done = host, torch.cuda.Event()
-            done.record()
+        after = self._event()
+        codes, ready = self.runner.stash_codes(codes)
         for request in requests:  # all first: a row's move copies its positions up to this frame
             request.frames += 1
         for request in requests:
             if request.frames >= request.params.max_frames:  # its last frame is in this step
                 self._leave_batch(request)
         events = (before_prefill, before_decode, after) if self._cuda else None
-        # On CPU the codes are the runner's output buffer, which the next launch overwrites.
-        return _Launched(requests, codes if self._cuda else codes.clone(), done, events)
+        return _Launched(requests, codes, ready, events)
 
-    def _frames(self, launched: _Launched) -> list[FrameOutput]:
+    def _frames(self, launched: _Launched, codes: np.ndarray) -> list[FrameOutput]:
         """The frames of a finished step, for the requests that have not ended since its launch."""
-        codes = launched.codes.numpy().copy()  # streams keep their frames; the host buffer is reused
         outputs = []
         for row, request in enumerate(launched.requests):
             if request.status is Status.FINISHED:

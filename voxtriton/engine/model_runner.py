@@ -11,6 +11,9 @@ Python; the host learns one [B, 17] array per frame step.
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import torch
 
 from ..kernels import triton_usable
@@ -25,7 +28,10 @@ NO_CODEC = -1
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3TTSBackbone, max_rows: int, max_positions: int, max_text_tokens: int):
+    def __init__(self, model: Qwen3TTSBackbone, max_rows: int, max_positions: int, max_text_tokens: int,
+                 prefill_stream: torch.cuda.Stream | None = None):
+        """prefill_stream: where padded prefills run, beside the frame step in flight (see
+        `_beside_the_step`); None: on the caller's stream, between steps."""
         config: Qwen3TTSConfig = model.config
         self.model, self.config = model, config
         talker = model.talker
@@ -70,17 +76,51 @@ class ModelRunner:
         self.code_groups = torch.arange(config.talker.num_code_groups, device=self.device)
         self.max_text_tokens = max_text_tokens
         self.step_output = zeros(max_rows, config.talker.num_code_groups + 1, dtype=long)
+        # Host transfers go through a stream of their own: a copy to or from pageable memory waits for
+        # the work queued before it on its stream, which on the compute stream is a frame step in
+        # flight. (Pinned memory would avoid that, but allocating it under a green context aborts.)
+        self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stashed_codes = [torch.zeros_like(self.step_output) for _ in range(2)]  # see `stash_codes`
+        self.stashes = 0
+        self.prefill_stream = prefill_stream
+        # Recorded on the compute stream once it has read a prefill's outputs (KV scratch and last
+        # hidden states), which the next prefill overwrites.
+        self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.set_buckets([], [])
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device, without the host waiting: a copy from pageable memory waits
-        for the work queued before it on the stream (a frame step in flight), one from pinned memory
-        does not (the pinned buffer is kept until the copy is done)."""
-        if self.device.type != "cuda":
+        """A host tensor on the device, for use on the current stream, without waiting for its work."""
+        if self.transfer_stream is None:
             return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.transfer_stream):
+            uploaded = tensor.to(self.device)
+        compute.wait_stream(self.transfer_stream)
+        uploaded.record_stream(compute)  # allocated on the transfer stream, used on the compute stream
+        return uploaded
+
+    def stash_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Keep a frame step's codes [B, groups + 1] for the host: the next step overwrites `decode`'s
+        output. On a GPU: a copy into one of two buffers (read before the step after next), and an
+        event for when it is there."""
+        if self.transfer_stream is None:
+            return codes.clone(), None
+        stash = self.stashed_codes[self.stashes % 2][: len(codes)]
+        self.stashes += 1
+        stash.copy_(codes)
+        ready = torch.cuda.Event()
+        ready.record()
+        return stash, ready
+
+    def read_codes(self, stash: torch.Tensor, ready: torch.cuda.Event | None) -> np.ndarray:
+        """Stashed codes on the host, once they are ready (not waiting for the steps queued after them)."""
+        if ready is None:
+            return stash.numpy()
+        ready.synchronize()
+        with torch.cuda.stream(self.transfer_stream):
+            return stash.to("cpu").numpy()
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -157,15 +197,16 @@ class ModelRunner:
         self._set_params(rows, requests)
         text, codec, last_index = (self._upload(t) for t in (text, codec, last_index))
         if padded:
-            self.prefill_text[:batch, :length].copy_(text)
-            self.prefill_codec[:batch, :length].copy_(codec)
-            self.prefill_last[:batch].copy_(last_index)
-            entry = self.prefill_graphs.get((batch, length))
-            if entry is not None:
-                entry[0].replay()
-                last = entry[1]
-            else:
-                last = self._prefill_padded(batch, length)
+            with self._beside_the_step():
+                self.prefill_text[:batch, :length].copy_(text)
+                self.prefill_codec[:batch, :length].copy_(codec)
+                self.prefill_last[:batch].copy_(last_index)
+                entry = self.prefill_graphs.get((batch, length))
+                if entry is not None:
+                    entry[0].replay()
+                    last = entry[1]
+                else:
+                    last = self._prefill_padded(batch, length)
             # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
             self.cache.keys[:, rows, :, :length] = self.prefill_kv.keys[:, :count, :, :length]
             self.cache.values[:, rows, :, :length] = self.prefill_kv.values[:, :count, :, :length]
@@ -177,6 +218,24 @@ class ModelRunner:
         frames = self.frame_index[rows]
         gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None], self.code_groups[:1], self.vocab)[:, 0]
         self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, frames, gumbel)
+        if padded and self.prefill_read is not None:
+            self.prefill_read.record()
+
+    @contextlib.contextmanager
+    def _beside_the_step(self):
+        """Run the block on the prefill stream, so a prefill overlaps the frame step in flight instead of
+        queueing behind it; the caller's stream then waits for it. The block must touch only the
+        prefill's own buffers (uploads, static inputs, KV scratch, graph outputs): rows beyond the
+        batch are padding rows of the step in flight. It starts once the caller's stream has read the
+        previous prefill's outputs; memory it allocates (eager runs) is reused only after that too."""
+        if self.prefill_stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.prefill_stream.wait_event(self.prefill_read)
+        with torch.cuda.stream(self.prefill_stream):
+            yield
+        caller.wait_stream(self.prefill_stream)
 
     def _prompt_last_hidden(self, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor,
                             cache: StaticKV) -> torch.Tensor:
@@ -228,19 +287,24 @@ class ModelRunner:
                 self._reset_rows(slice(0, batch))
                 graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
                 self.graphs[(batch, span)] = graph
+        # A prefill may run beside a frame step (`_beside_the_step`), so its graphs get a memory pool
+        # of their own (graphs sharing a pool share their intermediate buffers) and are captured on the
+        # prefill stream (a graph keeps the cuBLAS workspace of the stream it was captured on).
+        prefill_pool, stream = None, self.prefill_stream or capture_stream(self.device)
         for length in reversed(self.prefill_length_buckets):
             for batch in reversed(self.prefill_batch_buckets):
                 self.prefill_last[:batch] = length - 1
-                graph, pool = self._capture(lambda: self._prefill_padded(batch, length), pool, keep_output=True)
+                graph, prefill_pool = self._capture(lambda: self._prefill_padded(batch, length), prefill_pool,
+                                                    keep_output=True, stream=stream)
                 self.prefill_graphs[(batch, length)] = graph
         self._reset_rows(slice(0, self.max_rows))
         torch.cuda.synchronize(self.device)
 
-    def _capture(self, work, pool, keep_output: bool = False):
+    def _capture(self, work, pool, keep_output: bool = False, stream: torch.cuda.Stream | None = None):
         for _ in range(2):  # warm up kernels and autotuning outside the capture
             work()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(self.device)):
+        with torch.cuda.graph(graph, pool=pool, stream=stream or capture_stream(self.device)):
             output = work()
         return ((graph, output) if keep_output else graph), graph.pool()
 

@@ -98,6 +98,14 @@ class SMPartition:
         else:
             self.stream = torch.cuda.Stream(device, priority=-1 if high_priority else 0)
 
+    def new_stream(self) -> torch.cuda.Stream | None:
+        """Another stream on this partition, at its priority (None on CPU)."""
+        if self.stream is None:
+            return None
+        if self.context is not None:
+            return self.context.Stream()
+        return torch.cuda.Stream(self.device, priority=self.stream.priority)
+
     def __enter__(self):
         if self.stream is not None:
             self._outer = torch.cuda.stream(self.stream)

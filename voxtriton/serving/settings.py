@@ -85,6 +85,8 @@ class TTSSettings:
     # Launch each frame step before handling the previous one's frames, so the GPU does not wait
     # for the host's bookkeeping and admissions (not with the serial policy). See engine/engine.py.
     engine_overlap: bool = True
+    # Run prompts' prefills on a stream of their own, beside the frame step in flight (GPU; graph-sized prompts).
+    prefill_overlap: bool = True
     graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams
     graph_spans: str = "256,512,1024,2048"  # attention-span buckets, capped at max_positions
     prefill_graph_batch_sizes: str = "1,2,4,8"  # prompts admitted together (larger admissions go in groups)

@@ -53,8 +53,9 @@ class TritonMetrics:
                                    histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
         self.step = _family("voxtriton_frame_step_seconds", "Engine loop pass in which every running request advances "
                             "one frame (the frame period while busy)", histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
-        parts = _family("voxtriton_frame_step_part_seconds_total", "Frame steps' wall time by part: admit (prompts' "
-                        "prefill), decode (launch to codes on the host), other (locks, bookkeeping)", counter)
+        parts = _family("voxtriton_frame_step_part_seconds_total", "Frame steps' wall time by part: admit (admitting "
+                        "prompts: uploads, prefill launch), decode (launching the frame step and waiting for the frames "
+                        "returned), other (locks, bookkeeping)", counter)
         self.step_parts = {part: parts.Metric(labels={"part": part}) for part in ("admit", "decode", "other")}
         self.step_device = _family("voxtriton_frame_step_device_seconds",
                                    "The frame step's decode as timed on the GPU (CUDA events; not reported on CPU)",

@@ -164,7 +164,8 @@ class TTSTritonModel:
         backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
         tokenizer = TextTokenizer(checkpoint)
         self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings)
-        runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens)
+        runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens,
+                             prefill_stream=self.partition.new_stream() if settings.prefill_overlap else None)
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets())
