@@ -74,6 +74,8 @@ def test_finishing_requests_free_their_rows_and_others_continue(setup, overlap):
     result = run(engine, {0: [short, long_, waiting]})
     assert {k: len(v) for k, v in result.items()} == {"r0": 3, "r1": 10, "r2": 4}
     assert engine.running == [] and not engine.waiting and not engine.has_work
+    # No frame was launched past max_frames: rows leave at the launch of their last frame.
+    assert all(r.frames == r.emitted == r.params.max_frames for r in (short, long_, waiting))
     assert all(r.finish_reason == "max_frames" for r in (short, long_, waiting))
     np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 10)]})["r1"])
 
@@ -85,6 +87,24 @@ def test_cancelled_request_leaves_at_the_next_step(setup, overlap):
     # Cancelled before the fourth launch; with overlap the third frame was still on its way, and dropped.
     assert victim.finish_reason == "cancelled" and len(result["r0"]) == 3 - overlap
     np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 8)]})["r1"])
+
+
+def test_a_request_whose_cache_ends_at_its_last_frame_never_writes_past_it(setup, overlap):
+    """max_positions = prompt + max_frames: a frame launched after the last one would write past the
+    cache (an out-of-bounds write on a GPU)."""
+    request = make_request(setup, 0, frames=6)
+    runner = ModelRunner(setup[1], max_rows=2, max_positions=request.position + 6, max_text_tokens=64)
+    result = run(Engine(runner, max_running=2, overlap=overlap), {0: [request]})
+    assert len(result["r0"]) == 6 and request.frames == 6
+
+
+def test_a_cancellation_with_the_last_frame_in_flight_drops_it(setup, overlap):
+    """Cancelled after its last frame was launched: with overlap that frame is still on its way and is
+    dropped; in-step it was already returned, and the request finished normally."""
+    request = make_request(setup, 0, frames=3)
+    result = run(new_engine(setup, overlap=overlap), {0: [request]}, cancel_at={3: request})
+    expected = ("cancelled", 2) if overlap else ("max_frames", 3)
+    assert (request.finish_reason, len(result["r0"])) == expected
 
 
 def test_seed_controls_sampling(setup):
@@ -118,8 +138,11 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
     assert (eager.finish_reason, len(result["eager"])) == ("eos", 2)
     assert (stubborn.finish_reason, len(result["stubborn"])) == ("max_frames", 9)
     assert config.talker.codec_eos_id not in result["stubborn"][:, 0]
-    alone = run(new(), {0: [request("late", "Wait for a row.", max_frames=4, ignore_eos=True)]})
-    np.testing.assert_array_equal(result["late"], alone["late"])
+    # stubborn moved into eager's row when eager left (a step late, with overlap) and late took the
+    # last row: both get the codes they get alone.
+    for name, text, frames in (("stubborn", "Keep going.", 9), ("late", "Wait for a row.", 4)):
+        alone = run(new(), {0: [request(name, text, max_frames=frames, ignore_eos=True)]})
+        np.testing.assert_array_equal(result[name], alone[name])
 
 
 def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup, overlap):

@@ -66,7 +66,7 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
     lane = LaneThatFailsAfterCancellation()
     scheduler_config = SchedulerConfig(policy=policy)
-    engine = Engine(runner, 2)
+    engine = Engine(runner, 2, overlap=policy != "serial")  # as the tts model builds it
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1,
                          cancellation_check_s=0.01)
     try:
@@ -95,8 +95,8 @@ def test_the_cancellation_sweep_reaches_streams_beyond_one_hold_of_the_lock(tiny
     runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
     lane = LaneThatFailsAfterCancellation()  # holds the first chunk: nothing finishes meanwhile
-    service = TTSService(Engine(runner, 2), SchedulerConfig(policy="concurrent"), {URGENT: lane, BACKGROUND: lane},
-                         max_queued=3 * CHECKS_PER_HOLD, cancellation_check_s=0.01)
+    service = TTSService(Engine(runner, 2, overlap=True), SchedulerConfig(policy="concurrent"),
+                         {URGENT: lane, BACKGROUND: lane}, max_queued=3 * CHECKS_PER_HOLD, cancellation_check_s=0.01)
     try:
         inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
                   "ignore_eos": np.array([True])}
@@ -192,7 +192,7 @@ def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
     codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
     scheduler_config = SchedulerConfig(policy="concurrent")
-    engine = Engine(runner, 2)
+    engine = Engine(runner, 2, overlap=True)
     slots = codec_slots(engine, 1, scheduler_config)
     pool = CodecStatePool(slots, codec.state_size, "cpu")
     prefill, failures = runner.prefill, [RuntimeError("device fault")]
@@ -213,6 +213,37 @@ def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_
         wait_for(lambda: len(service.free_slots) == slots and not service.streams)
         service.submit(parser.parse("r2", inputs), served)
         assert served.done.wait(60) and served.errors == [] and sum(int(i[2]) for i in served.info) == 4
+    finally:
+        service.shutdown()
+
+
+def test_a_step_that_fails_after_the_engine_finished_a_request_still_ends_its_stream(tiny_checkpoint):
+    """A fault after the engine marked a request finished but before its last frame reached the
+    service (a failing row move, say): the stream gets the error instead of waiting forever."""
+    config = load_config(tiny_checkpoint)
+    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
+    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
+    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
+    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
+    scheduler_config = SchedulerConfig(policy="concurrent")
+    engine = Engine(runner, 2, overlap=True)
+    pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+    frames, failures = engine._frames, [RuntimeError("device fault")]
+
+    def frames_then_fault(*args):
+        outputs = frames(*args)
+        if failures and any(output.finish_reason for output in outputs):
+            raise failures.pop()
+        return outputs
+
+    engine._frames = frames_then_fault
+    service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1)
+    inputs = {"text": np.array([b"Lost at the end."], dtype=object), "max_frames": np.array([4]),
+              "ignore_eos": np.array([True])}
+    try:
+        sink = CollectingSink()
+        service.submit(parser.parse("r1", inputs), sink)
+        assert sink.done.wait(60) and sink.errors == ["generation failed: device fault"]
     finally:
         service.shutdown()
 

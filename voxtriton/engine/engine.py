@@ -36,7 +36,8 @@ class StepTiming:
     """Where one step's wall time went, on the host, and what the GPU spent on it.
 
     Next to each other they tell GPU contention (the device times grow) from host work (only the wall
-    grows) and from admissions."""
+    grows) and from admissions. With overlap, `admitted` and `batch` describe the step this call
+    launched, the device times the step whose frames it returned."""
 
     admit_s: float = 0.0  # admitting requests: prompts' uploads and the prefill's launch (its run, on CPU)
     decode_s: float = 0.0  # launching the frame step and waiting for the frames returned

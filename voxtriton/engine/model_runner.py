@@ -233,6 +233,7 @@ class ModelRunner:
             return
         caller = torch.cuda.current_stream(self.device)
         self.prefill_stream.wait_event(self.prefill_read)
+        self.prefill_stream.wait_stream(self.transfer_stream)  # the prompts' uploads
         with torch.cuda.stream(self.prefill_stream):
             yield
         caller.wait_stream(self.prefill_stream)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..engine.engine import Engine, StepTiming
-from ..engine.request import Request, Status
+from ..engine.request import Request
 from ..errors import ServerBusy
 from ..scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk, ChunkScheduler, SchedulerConfig
 
@@ -66,6 +66,7 @@ class Stream:
     frames: list[np.ndarray] = field(default_factory=list)
     ended: bool = False
     decoding: bool = False  # a chunk of this stream is in a codec lane
+    generated: bool = False  # its last frame reached the service (the engine may finish a request earlier)
 
 
 class ServiceMetrics(Protocol):
@@ -211,7 +212,8 @@ class TTSService:
         if stream is None or stream.ended:
             return
         stream.frames.append(codes)
-        self.scheduler.frames_generated(request.request_id, 1, done=reason is not None)
+        stream.generated = reason is not None
+        self.scheduler.frames_generated(request.request_id, 1, done=stream.generated)
 
     def _watch_cancellations(self) -> None:
         """End the streams whose client cancelled or went away; their generation stops at the next step.
@@ -254,12 +256,14 @@ class TTSService:
             self.lock.notify_all()
 
     def _fail_all_running(self, message: str) -> None:
-        """After a failed step: end every stream the engine had taken, running or being admitted
-        (those were in neither of its lists), with the error. Streams still in `incoming` wait for
-        the next step; streams whose generation had finished still get their remaining chunks."""
+        """After a failed step: end every stream the engine had taken, running, being admitted
+        (those were in neither of its lists) or with frames in flight, with the error. Streams still
+        in `incoming` wait for the next step; streams whose last frame had reached the service still
+        get their remaining chunks. (A request the engine marked finished whose last frame was lost
+        with the step is failed too: nothing else would end its stream.)"""
         with self.lock:
             for stream in list(self.streams.values()):
-                if stream not in self.incoming and stream.request.status != Status.FINISHED:
+                if stream not in self.incoming and not stream.generated:
                     stream.request.cancelled = True
                     self._end(stream, message)
             self.engine.abort()
