@@ -41,13 +41,6 @@ def test_the_background_lane_is_half_the_gpu_by_default_in_groups_of_eight_sms()
         CodecSettings.from_model_config(config(sm_count="-8"))
 
 
-def test_a_codec_lane_takes_an_mps_client_priority_by_name():
-    assert CodecSettings.from_model_config(config()).mps_priority == "normal"
-    assert CodecSettings.from_model_config(config(mps_priority="below_normal")).mps_priority == "below_normal"
-    with pytest.raises(ValueError, match="'mps_priority' must be one of normal, below_normal, got 'low'"):
-        CodecSettings.from_model_config(config(mps_priority="low"))
-
-
 def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, tmp_path):
     """A GPU host whose CUDA build of torch cannot use CUDA (CUDA_VISIBLE_DEVICES, MPS) must not
     quietly serve on the CPU; an explicit device=cpu still may, and so may CUDA_VISIBLE_DEVICES naming

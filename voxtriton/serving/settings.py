@@ -123,10 +123,6 @@ class CodecSettings:
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
     sm_count: str = "0"  # "0": the whole GPU; N: a green context of N SMs; "half": see `lane_sms`
     high_priority: bool = False  # whole-GPU lanes only: a high-priority CUDA stream (the urgent lane)
-    # This process's priority among the GPU's CUDA MPS clients (CUDA_MPS_CLIENT_PRIORITY, read when
-    # the process first creates its CUDA context): normal, or below_normal so its kernels yield to the
-    # backbone's and the urgent lane's. Stream priorities only order work inside one process.
-    mps_priority: str = "normal"
     cuda_graphs: bool = True
     graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
     graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes
@@ -134,9 +130,6 @@ class CodecSettings:
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)
-        if self.mps_priority not in MPS_CLIENT_PRIORITIES:
-            raise ValueError(f"config.pbtxt parameter 'mps_priority' must be one of {', '.join(MPS_CLIENT_PRIORITIES)}, "
-                             f"got {self.mps_priority!r}")
 
     @staticmethod
     def from_model_config(model_config: dict | str) -> "CodecSettings":
@@ -146,7 +139,6 @@ class CodecSettings:
 
 
 HALF_OF_THE_GPU = "half"
-MPS_CLIENT_PRIORITIES = {"normal": "0", "below_normal": "1"}  # values of CUDA_MPS_CLIENT_PRIORITY
 
 
 def check_lane_sms(name: str, value: str) -> None:

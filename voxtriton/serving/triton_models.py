@@ -29,7 +29,7 @@ from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
 from .requests import SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
-from .settings import MPS_CLIENT_PRIORITIES, CodecSettings, TTSSettings, lane_sms
+from .settings import CodecSettings, TTSSettings, lane_sms
 from .state_pool import CodecStatePool, attach
 from .triton_metrics import TritonMetrics
 from .tts_service import TTSService, codec_slots
@@ -223,10 +223,7 @@ class CodecTritonModel:
         _configure_logging()
         _exit_with_server()
         self.name = json.loads(args["model_config"])["name"]
-        settings = CodecSettings.from_model_config(args["model_config"])
-        # Before the first CUDA call: the MPS client reads it when this stub process creates its context.
-        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = MPS_CLIENT_PRIORITIES[settings.mps_priority]
-        self.service = CodecService(settings, self.name)
+        self.service = CodecService(CodecSettings.from_model_config(args["model_config"]), self.name)
         log.info("%s: device %s, %s SMs, state size %d", self.name, self.service.device,
                  self.service.partition.sm_count or "all", self.service.state_size)
 
