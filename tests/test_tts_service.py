@@ -58,15 +58,26 @@ def wait_for(condition, timeout=30.0):
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("policy", ["concurrent", "serial"])
-def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhile(tiny_checkpoint, policy):
+def engine_and_parser(tiny_checkpoint, policy: str, **scheduler) -> tuple[Engine, RequestParser, SchedulerConfig]:
+    """The tiny backbone's engine with two rows, built as the tts model builds it (overlapped, except
+    under serial), a request parser and the scheduler's configuration."""
     config = load_config(tiny_checkpoint)
     settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
     runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
+    return Engine(runner, 2, overlap=policy != "serial"), parser, SchedulerConfig(policy=policy, **scheduler)
+
+
+def cpu_codec(tiny_checkpoint, engine: Engine, scheduler_config: SchedulerConfig) -> tuple[CodecService, CodecStatePool]:
+    """A CPU codec and a state pool with the rows the service needs."""
+    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
+    return codec, CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+
+
+@pytest.mark.parametrize("policy", ["concurrent", "serial"])
+def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhile(tiny_checkpoint, policy):
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, policy)
     lane = LaneThatFailsAfterCancellation()
-    scheduler_config = SchedulerConfig(policy=policy)
-    engine = Engine(runner, 2, overlap=policy != "serial")  # as the tts model builds it
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1,
                          cancellation_check_s=0.01)
     try:
@@ -90,13 +101,10 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
 def test_the_cancellation_sweep_reaches_streams_beyond_one_hold_of_the_lock(tiny_checkpoint):
     """More open streams than one hold of the lock checks: a cancelled stream far down the list is
     still ended, with the error, and only that one."""
-    config = load_config(tiny_checkpoint)
-    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
-    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
     lane = LaneThatFailsAfterCancellation()  # holds the first chunk: nothing finishes meanwhile
-    service = TTSService(Engine(runner, 2, overlap=True), SchedulerConfig(policy="concurrent"),
-                         {URGENT: lane, BACKGROUND: lane}, max_queued=3 * CHECKS_PER_HOLD, cancellation_check_s=0.01)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane},
+                         max_queued=3 * CHECKS_PER_HOLD, cancellation_check_s=0.01)
     try:
         inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
                   "ignore_eos": np.array([True])}
@@ -137,14 +145,8 @@ class CollectingSink:
 def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoint, policy):
     """13 frames under the schedule 2,2,4,4,8: the last chunk holds 1 frame, decoded padded to 8.
     The stream still gets 13 frames of codes and exactly the audio of decoding them in one piece."""
-    config = load_config(tiny_checkpoint)
-    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
-    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
-    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
-    scheduler_config = SchedulerConfig(policy=policy, chunk_schedule="2,2,4,4,8")
-    engine = Engine(runner, 2, overlap=policy != "serial")  # as the tts model builds it
-    pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, policy, chunk_schedule="2,2,4,4,8")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     trace = io.StringIO()
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace)
@@ -186,15 +188,9 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
 def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_on(tiny_checkpoint):
     """The prefill fails once (a device fault, say): the requests being admitted were in neither of
     the engine's lists by then, and still get an error, not silence; the next request is served."""
-    config = load_config(tiny_checkpoint)
-    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
-    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
-    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
-    scheduler_config = SchedulerConfig(policy="concurrent")
-    engine = Engine(runner, 2, overlap=True)
-    slots = codec_slots(engine, 1, scheduler_config)
-    pool = CodecStatePool(slots, codec.state_size, "cpu")
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    slots, runner = pool.rows, engine.runner
     prefill, failures = runner.prefill, [RuntimeError("device fault")]
 
     def prefill_failing_once(*args):
@@ -220,14 +216,8 @@ def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_
 def test_a_step_that_fails_after_the_engine_finished_a_request_still_ends_its_stream(tiny_checkpoint):
     """A fault after the engine marked a request finished but before its last frame reached the
     service (a failing row move, say): the stream gets the error instead of waiting forever."""
-    config = load_config(tiny_checkpoint)
-    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
-    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
-    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
-    scheduler_config = SchedulerConfig(policy="concurrent")
-    engine = Engine(runner, 2, overlap=True)
-    pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     frames, failures = engine._frames, [RuntimeError("device fault")]
 
     def frames_then_fault(*args):
@@ -254,14 +244,8 @@ class FullDisk:
 
 
 def test_a_failing_chunk_trace_turns_itself_off_and_the_stream_completes(tiny_checkpoint):
-    config = load_config(tiny_checkpoint)
-    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
-    runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
-    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
-    scheduler_config = SchedulerConfig(policy="concurrent", chunk_schedule="2")
-    engine = Engine(runner, 2)
-    pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1,
                          chunk_trace=FullDisk())
     try:
