@@ -98,7 +98,7 @@ class TTSService:
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                  device: torch.device | str = "cpu", engine_context=None, chunk_trace: TextIO | None = None):
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
-        given, gets one JSON line per chunk sent (see `_trace`)."""
+        given, gets one JSON line per chunk sent and per frame step (see `_write_trace`)."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
