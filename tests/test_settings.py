@@ -74,3 +74,17 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it(value, devices):
     from voxtriton.serving.settings import visible_devices
 
     assert visible_devices(value) == devices
+
+
+@pytest.mark.parametrize("value, expected", [("false", False), ("true", True)])
+def test_the_codec_process_sets_cudnn_autotuning_from_its_setting(tiny_checkpoint, value, expected):
+    from voxtriton.serving.codec_service import CodecService
+
+    previous = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = not expected
+        CodecService(CodecSettings.from_model_config(config(checkpoint_dir=str(tiny_checkpoint), device="cpu",
+                                                            cudnn_autotune=value)))
+        assert torch.backends.cudnn.benchmark is expected
+    finally:
+        torch.backends.cudnn.benchmark = previous

@@ -124,6 +124,10 @@ class CodecSettings:
     sm_count: str = "0"  # "0": the whole GPU; N: a green context of N SMs; "half": see `lane_sms`
     high_priority: bool = False  # whole-GPU lanes only: a high-priority CUDA stream (the urgent lane)
     cuda_graphs: bool = True
+    # Let cuDNN time its convolution algorithms per shape (before each graph capture) instead of
+    # taking its heuristic's choice, which for some dilated layers is a fallback kernel 10x slower
+    # (benchmarks/results/codec_speed_h200.md, session 9).
+    cudnn_autotune: bool = True
     graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
     graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes
     test_fault: str = ""  # test-only fault injection: "raise" | "exit" (see README)

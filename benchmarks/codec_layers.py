@@ -1,0 +1,99 @@
+"""Time each convolution of one codec call (GPU): where a call's time goes, layer by layer.
+
+    python benchmarks/codec_layers.py --checkpoint /tmp/ck-1.7b --json heuristic.json
+    python benchmarks/codec_layers.py --checkpoint /tmp/ck-1.7b --cudnn-benchmark --json autotuned.json
+
+For each call shape (batch x frames) it decodes one chunk eagerly, records the arguments of every
+`F.conv1d` / `F.conv_transpose1d` the decoder makes, and times each distinct layer. cuDNN picks each
+layer's algorithm by its heuristic, or with `--cudnn-benchmark` by timing them. Compare the two in
+separate processes: PyTorch caches one plan per convolution shape whichever way it was chosen, so
+within one process the first choice sticks. The checkpoint is random-weight (`voxtriton
+make-checkpoint`): timings are real, the audio is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from voxtriton.models.config import load_config
+from voxtriton.models.loader import load_codec
+
+
+def record_layers(codec, batch: int, frames: int) -> list[dict]:
+    """Every convolution of one eager decode: one entry per distinct call shape, with its count."""
+    layers: dict[tuple, dict] = {}
+    originals = {"conv1d": F.conv1d, "conv_transpose1d": F.conv_transpose1d}
+
+    def recorder(name):
+        def record(x, weight, bias=None, *positional, **options):
+            key = (name, tuple(x.shape), tuple(weight.shape), positional, tuple(sorted(options.items())))
+            if key in layers:
+                layers[key]["count"] += 1
+            else:
+                layers[key] = {"op": name, "x": x.clone(), "weight": weight, "bias": bias, "positional": positional,
+                               "options": options, "count": 1}
+            return originals[name](x, weight, bias, *positional, **options)
+        return record
+
+    F.conv1d, F.conv_transpose1d = recorder("conv1d"), recorder("conv_transpose1d")
+    try:
+        codes = torch.randint(0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device="cuda")
+        codec.decode(codes, torch.zeros(batch, dtype=torch.long, device="cuda"), codec.new_state(batch))
+    finally:
+        F.conv1d, F.conv_transpose1d = originals["conv1d"], originals["conv_transpose1d"]
+    return list(layers.values())
+
+
+def milliseconds(function, repeat: int = 10) -> float:
+    for _ in range(3):  # with autotuning, the first call times the algorithms
+        function()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeat):
+        function()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / repeat
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--shapes", default="8x2,16x4,128x25", help="comma-separated BATCHxFRAMES")
+    parser.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time its algorithms per shape")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    codec = load_codec(args.checkpoint, load_config(args.checkpoint), device=torch.device("cuda"), dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              "cudnn_benchmark": args.cudnn_benchmark, "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+    for shape in args.shapes.split(","):
+        batch, frames = (int(n) for n in shape.split("x"))
+        rows, total = [], 0.0
+        for layer in record_layers(codec, batch, frames):
+            op = getattr(F, layer["op"])
+            ms = milliseconds(lambda: op(layer["x"], layer["weight"], layer["bias"], *layer["positional"], **layer["options"]))
+            total += layer["count"] * ms
+            row = {"op": layer["op"], "x": list(layer["x"].shape), "weight": list(layer["weight"].shape),
+                   "arguments": [*map(str, layer["positional"]), *(f"{k}={v}" for k, v in layer["options"].items())],
+                   "count": layer["count"], "ms": round(ms, 4)}
+            rows.append(row)
+            print(json.dumps({"shape": shape, **row}), flush=True)
+        result["shapes"][shape] = {"layers": rows, "total_ms": round(total, 3)}
+        print(json.dumps({"shape": shape, "total_ms": result["shapes"][shape]["total_ms"]}), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
