@@ -29,11 +29,13 @@ def test_a_raising_codec_fails_only_the_requests_it_was_serving(faulty_server):
     assert all(r.completed and len(r.audio) == 10 * 1920 for r in good)
 
 
-@pytest.fixture
-def crashing_server(tiny_checkpoint):
-    # The urgent codec's process exits at its 3rd call (once); voxtriton must reload it.
+@pytest.fixture(params=["1", "2"], ids=["one lane worker", "two lane workers"])
+def crashing_server(tiny_checkpoint, request):
+    # The urgent codec's process exits at its 3rd call (once); voxtriton must reload it, once, also
+    # when two calls were out at that lane.
     with start_server(tiny_checkpoint, policy="concurrent",
-                      parameters={"codec_urgent": {"test_fault": "exit:3"}}) as running:
+                      parameters={"codec_urgent": {"test_fault": "exit:3"},
+                                  "tts": {"lane_workers": request.param}}) as running:
         yield running
 
 

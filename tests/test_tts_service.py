@@ -68,10 +68,11 @@ def engine_and_parser(tiny_checkpoint, policy: str, **scheduler) -> tuple[Engine
     return Engine(runner, 2, overlap=policy != "serial"), parser, SchedulerConfig(policy=policy, **scheduler)
 
 
-def cpu_codec(tiny_checkpoint, engine: Engine, scheduler_config: SchedulerConfig) -> tuple[CodecService, CodecStatePool]:
-    """A CPU codec and a state pool with the rows the service needs."""
+def cpu_codec(tiny_checkpoint, engine: Engine, scheduler_config: SchedulerConfig,
+              lane_workers: int = 1) -> tuple[CodecService, CodecStatePool]:
+    """A CPU codec and a state pool with the rows the service needs (max_queued=1)."""
     codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
-    return codec, CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+    return codec, CodecStatePool(codec_slots(engine, 1, scheduler_config, lane_workers), codec.state_size, "cpu")
 
 
 @pytest.mark.parametrize("policy", ["concurrent", "serial"])
@@ -183,6 +184,55 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     assert records[1]["due"] >= records[0]["sent"] + 2 * 0.08 - 1e-3
     for previous, record in zip(records[1:], records[2:]):
         assert record["due"] >= previous["due"] + previous["frames"] * 0.08 - 1e-6
+
+
+class LaneThatHoldsItsFirstCallForASecond:
+    """Its first call returns only once a second call has started (or after 30 s); calls then decode
+    one at a time, as Triton runs them at one codec instance."""
+
+    def __init__(self, lane):
+        self.lane, self.calls, self.lock, self.decoding = lane, 0, threading.Lock(), threading.Lock()
+        self.first_started, self.second_started = threading.Event(), threading.Event()
+        self.overlapped = False
+
+    def decode(self, codes, start, slots):
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+        if call == 1:
+            self.first_started.set()
+            self.overlapped = self.second_started.wait(30)
+        elif call == 2:
+            self.second_started.set()
+        with self.decoding:
+            return self.lane.decode(codes, start, slots)
+
+
+def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tiny_checkpoint):
+    """A second stream's chunk is decoded while the lane's first call is still out, and both streams
+    get exactly the audio of decoding their codes in one piece; every codec slot comes back."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,4")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config, lane_workers=2)
+    lane = LaneThatHoldsItsFirstCallForASecond(InProcessLane(codec, pool.tensor))
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, lane_workers=2)
+    try:
+        sinks = [CollectingSink(), CollectingSink()]
+        inputs = {"text": np.array([b"Two calls at once."], dtype=object), "max_frames": np.array([10]),
+                  "ignore_eos": np.array([True]), "seed": np.array([3])}
+        service.submit(parser.parse("r1", inputs), sinks[0])
+        assert lane.first_started.wait(60)  # the first stream's first chunk is out
+        service.submit(parser.parse("r2", inputs), sinks[1])
+        assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
+        assert lane.overlapped, "the second call never started while the first was out"
+        wait_for(lambda: len(service.free_slots) == codec_slots(engine, 1, scheduler_config, 2))
+    finally:
+        service.shutdown()
+    for sink in sinks:
+        codes = np.concatenate(sink.codes)
+        assert codes.shape == (10, 16)
+        whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
+                                      codec.model.new_state(1))
+        assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
 
 
 def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_on(tiny_checkpoint):

@@ -77,6 +77,11 @@ class TTSSettings:
     # kernels filling in around it; "exclusive" gives it only the SMs the background lane does not
     # use. On the H200 "shared" stalled fewer streams at every rate measured (goodput_h200.md).
     backbone_partition: str = "shared"
+    # Codec calls each lane keeps in flight. With 2, a lane gathers and sends one batch while its
+    # other batch decodes: the second call waits in Triton's queue at the codec instance, so the
+    # codec process runs them back to back instead of idling through the lane's host work (about 40%
+    # of the urgent lane's time on the H200 in session 9). Not yet measured on a GPU.
+    lane_workers: int = 1
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.2  # a sweep makes one round trip per open stream
@@ -105,6 +110,8 @@ class TTSSettings:
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")
         check_lane_sms("background_sms", self.background_sms)
+        if self.lane_workers < 1:
+            raise ValueError(f"config.pbtxt parameter 'lane_workers' must be at least 1, got {self.lane_workers}")
         if self.text_layout not in ("full", "interleaved"):
             raise ValueError(f"config.pbtxt parameter 'text_layout' must be full or interleaved, got {self.text_layout!r}")
 

@@ -104,8 +104,13 @@ class BLSCodecLane:
     def __init__(self, model_name: str, pool: CodecStatePool):
         self.model_name = model_name
         self.pool_handle = pool.handle_tensor()
+        # With several lane workers, the calls in flight when the process died all fail: only the
+        # first of them reloads the model.
+        self.restart_lock = threading.Lock()
+        self.restarts = 0
 
     def decode(self, codes, start, slots):
+        restarts_before = self.restarts
         request = pb_utils.InferenceRequest(
             model_name=self.model_name, requested_output_names=["audio"],
             inputs=[to_triton("codes", codes), to_triton("start", start), to_triton("slots", slots),
@@ -115,24 +120,29 @@ class BLSCodecLane:
         if response.has_error():
             message = response.error().message()
             if "is not healthy" in message:
-                self._restart()
+                self._restart(restarts_before)
             raise RuntimeError(f"{self.model_name}: {message}")
         return from_triton(pb_utils.get_output_tensor_by_name(response, "audio"))
 
-    def _restart(self) -> None:
-        """The lane's process died, and Triton 2.51 does not restart Python stubs: reload the model.
+    def _restart(self, restarts_before: int) -> None:
+        """The lane's process died, and Triton 2.51 does not restart Python stubs: reload the model,
+        unless another call reloaded it since this one started.
 
         Needs tritonserver in explicit model-control mode (`voxtriton serve` starts it so). The
         requests of the failed call still fail; the next ones go to the new process.
         """
-        log.error("%s: its process is gone; reloading the model", self.model_name)
-        try:
-            pb_utils.unload_model(self.model_name)
-            pb_utils.load_model(self.model_name)
-            log.info("%s: reloaded", self.model_name)
-        except Exception as error:
-            log.error("%s: reload failed (%s); start tritonserver with --model-control-mode=explicit "
-                      "--load-model=* so voxtriton can restart a failed codec lane", self.model_name, error)
+        with self.restart_lock:
+            if self.restarts != restarts_before:
+                return
+            self.restarts += 1
+            log.error("%s: its process is gone; reloading the model", self.model_name)
+            try:
+                pb_utils.unload_model(self.model_name)
+                pb_utils.load_model(self.model_name)
+                log.info("%s: reloaded", self.model_name)
+            except Exception as error:
+                log.error("%s: reload failed (%s); start tritonserver with --model-control-mode=explicit "
+                          "--load-model=* so voxtriton can restart a failed codec lane", self.model_name, error)
 
 
 class TTSTritonModel:
@@ -175,8 +185,8 @@ class TTSTritonModel:
         # serial's codec takes turns with the backbone: no frame step may be queued while it decodes.
         engine = Engine(runner, settings.max_streams, overlap=settings.engine_overlap and scheduler_config.policy != "serial")
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
-        self.state_pool = CodecStatePool(codec_slots(engine, settings.max_queued, scheduler_config), state_size, device,
-                                         publish_for=os.getppid())
+        slots = codec_slots(engine, settings.max_queued, scheduler_config, settings.lane_workers)
+        self.state_pool = CodecStatePool(slots, state_size, device, publish_for=os.getppid())
         log.info("tts: codec state pool of %d streams (%.0f MB)", self.state_pool.rows,
                  self.state_pool.rows * state_size * 4 / 1e6)
         lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
@@ -185,7 +195,8 @@ class TTSTritonModel:
         self.chunk_trace = open(settings.chunk_trace_path, "a", buffering=1 << 20) if settings.chunk_trace_path else None
         self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
                                   settings.cancellation_check_s, metrics=self.metrics, device=device,
-                                  engine_context=self.partition, chunk_trace=self.chunk_trace)
+                                  engine_context=self.partition, chunk_trace=self.chunk_trace,
+                                  lane_workers=settings.lane_workers)
         self.ids = itertools.count()
 
     def execute(self, requests):

@@ -4,8 +4,9 @@ Threads:
 - the caller (Triton's execute) submits requests and returns at once (decoupled model);
 - the engine thread admits requests, runs one frame step for every running request, and hands the
   frames to the chunk scheduler, which cuts chunks and queues them on a lane;
-- one worker per codec lane takes a batch from its queue, calls the codec (BLS in the server),
-  sends each chunk's audio to its stream, and lets the scheduler cut that stream's next chunk;
+- one worker per codec lane (or `lane_workers` of them) takes a batch from its queue, calls the
+  codec (BLS in the server), sends each chunk's audio to its stream, and lets the scheduler cut
+  that stream's next chunk;
 - a watcher polls the clients' cancellation flags (a round trip to the server process each, so
   not on the engine thread, whose every millisecond delays every stream).
 A stream has at most one chunk in flight (the next one continues the codec state this one leaves in
@@ -80,10 +81,11 @@ class ServiceMetrics(Protocol):
     def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
 
 
-def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig) -> int:
+def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1) -> int:
     """Rows the codec state pool needs: one per stream the service holds, plus the rows of streams
-    that ended while a lane was decoding their chunk (up to one batch per lane; freed on return)."""
-    return engine.max_running + max_queued + 2 * scheduler_config.max_batch
+    that ended while a lane was decoding their chunk (up to one batch per lane worker, two lanes;
+    freed on return)."""
+    return engine.max_running + max_queued + 2 * lane_workers * scheduler_config.max_batch
 
 
 def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
@@ -96,9 +98,11 @@ class TTSService:
     def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
                  max_queued: int, cancellation_check_s: float = 0.2,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 device: torch.device | str = "cpu", engine_context=None, chunk_trace: TextIO | None = None):
+                 device: torch.device | str = "cpu", engine_context=None, chunk_trace: TextIO | None = None,
+                 lane_workers: int = 1):
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
-        given, gets one JSON line per chunk sent and per frame step (see `_write_trace`)."""
+        given, gets one JSON line per chunk sent and per frame step (see `_write_trace`).
+        `lane_workers`: codec calls each lane keeps in flight (`TTSSettings.lane_workers`)."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -114,15 +118,15 @@ class TTSService:
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
-        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config)))
+        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config, lane_workers)))
         self.running = True
         self._stopping = threading.Event()  # wakes the cancellation watcher at shutdown
         self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
                         threading.Thread(target=self._watch_cancellations, name="voxtriton-cancellations", daemon=True)]
         if scheduler_config.policy != "serial":
             lanes_used = [URGENT] if scheduler_config.policy != "voxserve" else [URGENT, BACKGROUND]
-            self.threads += [threading.Thread(target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}",
-                                              daemon=True) for lane in lanes_used]
+            self.threads += [threading.Thread(target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}-{worker}",
+                                              daemon=True) for lane in lanes_used for worker in range(lane_workers)]
         for thread in self.threads:
             thread.start()
 
