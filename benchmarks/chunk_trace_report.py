@@ -4,7 +4,11 @@ Per chunk index: how long after the stream's first chunk was sent the chunk was 
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
 after they were due) by index and lane. The frame period over the course of the run, measured from
 streams whose fifth chunk waited for its frames, per time window, and, where the trace has the
-engine's step lines, each window's frame steps split into their parts.
+engine's step lines, each window's frame steps split into their parts. Per window and lane, the
+codec calls (chunks sent with the same lane, start and end are one call) and the share of the
+window they covered. Per lane, the gaps between consecutive calls, split by whether a chunk of the
+next call was already waiting when the previous call ended: time in such gaps is the lane's own
+host work (sending the audio, taking the next batch, the service lock), not a lack of chunks.
 
     python benchmarks/chunk_trace_report.py TRACE.jsonl[.gz] [--window 4]
 """
@@ -53,6 +57,50 @@ def step_windows(steps: list[dict], origin: float, window_s: float) -> dict:
     return table
 
 
+def codec_calls(records: list[dict]) -> dict[tuple[str, float, float], list[dict]]:
+    """The chunks of each codec call, keyed by (lane, start, end)."""
+    calls = collections.defaultdict(list)
+    for record in records:
+        calls[(record["lane"], record["start"], record["end"])].append(record)
+    return calls
+
+
+def lane_windows(records: list[dict], origin: float, window_s: float) -> dict:
+    """Per time window (by call start) and lane: codec calls, chunks per call, and the calls' summed
+    time as a share of the window (above 1 when a lane keeps several calls in flight)."""
+    windows = collections.defaultdict(lambda: collections.defaultdict(list))
+    for (lane, start, end), chunks in codec_calls(records).items():
+        windows[int((start - origin) // window_s)][lane].append((end - start, len(chunks)))
+    return {f"{key * window_s:g}s": {lane: {"calls": len(group), "chunks_per_call": round(statistics.fmean(c for _, c in group), 1),
+                                            "busy": round(sum(d for d, _ in group) / window_s, 2)}
+                                     for lane, group in sorted(lanes.items())}
+            for key, lanes in sorted(windows.items())}
+
+
+def lane_gaps(records: list[dict]) -> dict:
+    """Per lane, over the whole trace: the gaps between one call's end and the next call's start
+    (calls in start order), those where a chunk of the next call had been cut by the previous call's
+    end (the lane's host work) apart from the rest (nothing to decode), and the time from a call's
+    end to the last of its chunks sent."""
+    by_lane = collections.defaultdict(list)
+    for (lane, start, end), chunks in codec_calls(records).items():
+        by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks)))
+    ms = lambda values, q: round(quantile(values, q) * 1e3, 1) if values else None
+    table = {}
+    for lane, calls in sorted(by_lane.items()):
+        calls.sort()
+        working, idle = [], []
+        for (_, end, _, _), (start, _, first_cut, _) in zip(calls, calls[1:]):
+            (working if first_cut <= end else idle).append(start - end)
+        sending = [sent - end for _, end, _, sent in calls]
+        table[lane] = {"calls": len(calls), "call_ms_p50": ms([end - start for start, end, _, _ in calls], 0.5),
+                       "gaps_with_work_waiting": len(working), "work_gap_ms_p50": ms(working, 0.5),
+                       "work_gap_ms_p90": ms(working, 0.9), "work_gaps_s": round(sum(working), 2),
+                       "idle_gaps": len(idle), "idle_gaps_s": round(sum(idle), 2),
+                       "send_after_call_ms_p50": ms(sending, 0.5), "send_after_call_ms_p90": ms(sending, 0.9)}
+    return table
+
+
 def report(lines: list[dict], window_s: float = 4.0) -> dict:
     # Traces from before the step lines have chunk lines without a kind.
     records = [r for r in lines if r.get("kind", "chunk") == "chunk"]
@@ -86,7 +134,9 @@ def report(lines: list[dict], window_s: float = 4.0) -> dict:
             "by_index": by_index,
             "frame_period_ms_by_window": {f"{k * window_s:g}s": round(statistics.median(v))
                                           for k, v in sorted(periods.items()) if len(v) > 5},
-            "steps_by_window": step_windows(steps, origin, window_s) if steps else None}
+            "steps_by_window": step_windows(steps, origin, window_s) if steps else None,
+            "lanes_by_window": lane_windows(records, origin, window_s),
+            "lane_gaps": lane_gaps(records)}
 
 
 def main() -> None:

@@ -47,6 +47,17 @@ def test_the_report_finds_late_chunks_cut_times_and_the_frame_period(tmp_path):
     assert result["frame_period_ms_by_window"] == {"0s": 20, "4s": 50}
 
 
+def test_chunks_of_one_call_count_once_per_lane_window(tmp_path):
+    call = {"stream": "s", "index": 1, "lane": "background", "promoted": False, "frames": 8, "batch": 3,
+            "arrived": 0.0, "cut": 0.5, "start": 1.0, "end": 1.4, "due": 9.0, "sent": 1.4}
+    records = stream("a", 0.0, 0.02) + [{**call, "stream": name} for name in "xyz"]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lanes = report(read_trace(path), window_s=2.0)["lanes_by_window"]["0s"]
+    assert lanes["background"] == {"calls": 1, "chunks_per_call": 3.0, "busy": 0.2}
+    assert lanes["urgent"]["calls"] == 5
+
+
 def test_step_lines_are_split_into_windows_and_parts(tmp_path):
     records = stream("a", 0.0, 0.02)
     steps = [{"kind": "step", "end": 0.5 + 0.1 * i, "period": 0.030, "frames": 100 + i, "admit_s": 0.004,
@@ -64,3 +75,20 @@ def test_step_lines_are_split_into_windows_and_parts(tmp_path):
                "other_ms": 6.0, "device_ms": 18.0, "prefill_device_ms": 1.5, "admitted": 2},
         "4s": {"steps": 1, "period_ms_p50": 50.0, "frames_p50": 100, "admit_ms": 4.0, "decode_ms": 40.0,
                "other_ms": 6.0, "device_ms": None, "prefill_device_ms": None, "admitted": 0}}
+
+
+def test_gaps_between_calls_are_split_by_whether_a_chunk_was_waiting(tmp_path):
+    """Three calls on one lane: the second's chunk was cut while the first ran (a 4 ms gap of host
+    work), the third's only after the second ended (a 100 ms idle gap)."""
+    def chunk(name, cut, start, end, sent):
+        return {"stream": name, "index": 1, "lane": "urgent", "promoted": False, "frames": 2, "batch": 1,
+                "arrived": 0.0, "cut": cut, "start": start, "end": end, "due": 9.0, "sent": sent}
+    records = [chunk("a", 0.000, 0.001, 0.010, 0.012), chunk("b", 0.005, 0.014, 0.020, 0.021),
+               chunk("c", 0.050, 0.120, 0.130, 0.133)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    gaps = report(read_trace(path))["lane_gaps"]["urgent"]
+    assert gaps["calls"] == 3 and gaps["call_ms_p50"] == 9.0
+    assert (gaps["gaps_with_work_waiting"], gaps["work_gap_ms_p50"], gaps["work_gaps_s"]) == (1, 4.0, 0.0)
+    assert (gaps["idle_gaps"], gaps["idle_gaps_s"]) == (1, 0.1)
+    assert gaps["send_after_call_ms_p50"] == 2.0
