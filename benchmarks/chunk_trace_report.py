@@ -78,10 +78,11 @@ def lane_windows(records: list[dict], origin: float, window_s: float) -> dict:
 
 
 def lane_gaps(records: list[dict]) -> dict:
-    """Per lane, over the whole trace: the gaps between one call's end and the next call's start
-    (calls in start order), those where a chunk of the next call had been cut by the previous call's
-    end (the lane's host work) apart from the rest (nothing to decode), and the time from a call's
-    end to the last of its chunks sent."""
+    """Per lane, over the whole trace: the gaps between the end of the calls so far and the next
+    call's start (calls in start order), those where a chunk of the next call had been cut by then
+    (the lane's host work) apart from the rest (nothing to decode), and the time from a call's end
+    to the last of its chunks sent. Calls that overlap an earlier one (traces from before the
+    server counted a queued call from the end of the call ahead of it) make no gap."""
     by_lane = collections.defaultdict(list)
     for (lane, start, end), chunks in codec_calls(records).items():
         by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks)))
@@ -89,9 +90,11 @@ def lane_gaps(records: list[dict]) -> dict:
     table = {}
     for lane, calls in sorted(by_lane.items()):
         calls.sort()
-        working, idle = [], []
-        for (_, end, _, _), (start, _, first_cut, _) in zip(calls, calls[1:]):
-            (working if first_cut <= end else idle).append(start - end)
+        working, idle, free_at = [], [], calls[0][1]
+        for start, end, first_cut, _ in calls[1:]:
+            if start >= free_at:
+                (working if first_cut <= free_at else idle).append(start - free_at)
+            free_at = max(free_at, end)
         sending = [sent - end for _, end, _, sent in calls]
         table[lane] = {"calls": len(calls), "call_ms_p50": ms([end - start for start, end, _, _ in calls], 0.5),
                        "gaps_with_work_waiting": len(working), "work_gap_ms_p50": ms(working, 0.5),

@@ -78,17 +78,18 @@ def test_step_lines_are_split_into_windows_and_parts(tmp_path):
 
 
 def test_gaps_between_calls_are_split_by_whether_a_chunk_was_waiting(tmp_path):
-    """Three calls on one lane: the second's chunk was cut while the first ran (a 4 ms gap of host
-    work), the third's only after the second ended (a 100 ms idle gap)."""
+    """Calls on one lane: the second's chunk was cut while the first ran (a 4 ms gap of host work),
+    the third's only after the second ended (a 100 ms idle gap); a fourth lies within the third."""
     def chunk(name, cut, start, end, sent):
         return {"stream": name, "index": 1, "lane": "urgent", "promoted": False, "frames": 2, "batch": 1,
                 "arrived": 0.0, "cut": cut, "start": start, "end": end, "due": 9.0, "sent": sent}
     records = [chunk("a", 0.000, 0.001, 0.010, 0.012), chunk("b", 0.005, 0.014, 0.020, 0.021),
-               chunk("c", 0.050, 0.120, 0.130, 0.133)]
+               chunk("c", 0.050, 0.120, 0.130, 0.133),
+               chunk("d", 0.110, 0.125, 0.128, 0.129)]  # within call c: no gap of its own
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     gaps = report(read_trace(path))["lane_gaps"]["urgent"]
-    assert gaps["calls"] == 3 and gaps["call_ms_p50"] == 9.0
+    assert gaps["calls"] == 4 and gaps["call_ms_p50"] == 9.0
     assert (gaps["gaps_with_work_waiting"], gaps["work_gap_ms_p50"], gaps["work_gaps_s"]) == (1, 4.0, 0.0)
     assert (gaps["idle_gaps"], gaps["idle_gaps_s"]) == (1, 0.1)
     assert gaps["send_after_call_ms_p50"] == 2.0

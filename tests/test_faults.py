@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 
 from server_helpers import start_server
@@ -41,9 +43,13 @@ def crashing_server(tiny_checkpoint, request):
 
 def test_a_dead_codec_process_fails_its_requests_and_is_replaced(crashing_server):
     client = TTSClient(crashing_server.grpc_url)
-    results = [speak(client, seed=i, frames=4) for i in range(6)]  # 4 frames = 2 codec calls each
+    # Three at a time, so that with two lane workers a second call is out when the process dies.
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # 4 frames = 2 codec calls each
+        results = list(pool.map(lambda seed: speak(client, seed=seed, frames=4), range(6)))
     failed = [i for i, r in enumerate(results) if r.error]
     assert failed, "the injected crash should fail the request it hit"
     assert all("codec_urgent" in results[i].error for i in failed)
     after = [speak(client, seed=10 + i, frames=8) for i in range(3)]
     assert all(r.completed and not r.error for r in after), [r.error for r in after]
+    log = crashing_server.log_file.read_text(errors="replace")
+    assert log.count("codec_urgent: its process is gone; reloading the model") == 1, crashing_server.log_tail()

@@ -86,6 +86,21 @@ def test_codec_graphs_match_eager(tiny_checkpoint):
     assert len(runner.graphs) == 6
 
 
+@pytest.mark.parametrize("value", ["false", "true"])
+def test_a_graphed_codec_autotunes_cudnn_as_its_setting_says(tiny_checkpoint, value):
+    from voxtriton.serving.codec_service import CodecService
+    from voxtriton.serving.settings import CodecSettings
+
+    previous = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = value != "true"
+        CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cuda:0", graph_batch_sizes="1",
+                                   graph_frame_sizes="2", cudnn_autotune=value == "true"))
+        assert torch.backends.cudnn.benchmark is (value == "true")
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
 def test_codec_with_triton_kernels_matches_the_cpu_reference(tiny_checkpoint):
     """The whole decoder, chunked with carried state: CUDA (fused Triton kernels, cuDNN) against the
     CPU's reference formulas, both fp32. cuDNN convolutions may use TF32, hence the tolerance."""

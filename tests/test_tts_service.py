@@ -214,7 +214,9 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,4")
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config, lane_workers=2)
     lane = LaneThatHoldsItsFirstCallForASecond(InProcessLane(codec, pool.tensor))
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, lane_workers=2)
+    trace = io.StringIO()
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, lane_workers=2,
+                         chunk_trace=trace)
     try:
         sinks = [CollectingSink(), CollectingSink()]
         inputs = {"text": np.array([b"Two calls at once."], dtype=object), "max_frames": np.array([10]),
@@ -227,6 +229,11 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
         wait_for(lambda: len(service.free_slots) == codec_slots(engine, 1, scheduler_config, 2))
     finally:
         service.shutdown()
+    # A call that waited for the lane's other call counts from that call's end, so the lane's calls,
+    # as the scheduler's decode estimate and the trace see them, never overlap.
+    calls = sorted({(r["start"], r["end"]) for r in map(json.loads, trace.getvalue().splitlines()) if r["kind"] == "chunk"},
+                   key=lambda call: call[1])
+    assert len(calls) >= 2 and all(later[0] >= earlier[1] for earlier, later in zip(calls, calls[1:]))
     for sink in sinks:
         codes = np.concatenate(sink.codes)
         assert codes.shape == (10, 16)

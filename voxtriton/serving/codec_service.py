@@ -26,9 +26,10 @@ class CodecService:
             sm_count = lane_sms(settings.sm_count, torch.cuda.get_device_properties(self.device).multi_processor_count)
         self.partition = SMPartition(self.device, sm_count, settings.high_priority)
         graphs = self.device.type == "cuda" and settings.cuda_graphs
-        # Process-wide, and this process runs only the codec: its shapes are autotuned in the
-        # warm-up calls before each graph capture.
-        torch.backends.cudnn.benchmark = settings.cudnn_autotune
+        # Process-wide, and this process runs only the codec. The captured shapes are autotuned in
+        # the warm-up calls before their capture; a shape without a graph pays it once, at its
+        # first call. Without graphs every shape would pay it while serving: no autotuning then.
+        torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             self.runner = CodecRunner(self.model, int_list(settings.graph_batch_sizes) if graphs else None,
                                       int_list(settings.graph_frame_sizes) if graphs else None)

@@ -79,8 +79,10 @@ class TTSSettings:
     backbone_partition: str = "shared"
     # Codec calls each lane keeps in flight. With 2, a lane gathers and sends one batch while its
     # other batch decodes: the second call waits in Triton's queue at the codec instance, so the
-    # codec process runs them back to back instead of idling through the lane's host work (about 40%
-    # of the urgent lane's time on the H200 in session 9). Not yet measured on a GPU.
+    # codec process runs them back to back instead of idling through the lane's host work (a third
+    # of the urgent lane's working time on the H200 in session 9). The price: a worker commits to a
+    # batch while the other call runs, so chunks cut meanwhile cannot join it (watch the lanes'
+    # chunks per call). Not yet measured on a GPU.
     lane_workers: int = 1
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
@@ -131,9 +133,9 @@ class CodecSettings:
     sm_count: str = "0"  # "0": the whole GPU; N: a green context of N SMs; "half": see `lane_sms`
     high_priority: bool = False  # whole-GPU lanes only: a high-priority CUDA stream (the urgent lane)
     cuda_graphs: bool = True
-    # Let cuDNN time its convolution algorithms per shape (before each graph capture) instead of
-    # taking its heuristic's choice, which for some dilated layers is a fallback kernel 10x slower
-    # (benchmarks/results/codec_speed_h200.md, session 9).
+    # Let cuDNN time its convolution algorithms per shape (before each graph capture; with
+    # cuda_graphs only) instead of taking its heuristic's choice, which for some dilated layers is a
+    # fallback kernel 10x slower (benchmarks/results/codec_speed_h200.md, session 9).
     cudnn_autotune: bool = True
     graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
     graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes

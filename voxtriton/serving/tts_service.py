@@ -119,6 +119,8 @@ class TTSService:
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
         self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config, lane_workers)))
+        self.lane_clock_lock = threading.Lock()  # not the service lock: taken the moment a call returns
+        self.lane_free_at: dict[str, float] = {}  # when each lane's latest call ended (see `_call_span`)
         self.running = True
         self._stopping = threading.Event()  # wakes the cancellation watcher at shutdown
         self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
@@ -347,6 +349,18 @@ class TTSService:
                 return
             self._decode_batch(INLINE, batch)
 
+    def _call_span(self, lane: str, issued: float) -> tuple[float, float]:
+        """(start, end) of a codec call just returned. With several workers on a lane, a call issued
+        while the lane's previous one ran waited for it in Triton's queue (one codec instance runs
+        one call at a time): it starts when that one ended. Counting the wait would inflate the lane's
+        decode estimate, and with it the slack the scheduler routes by. A worker that records its
+        end late (descheduled after its call returned) can leave the wait counted: an approximation."""
+        ended = self.clock()
+        with self.lane_clock_lock:
+            started = max(issued, self.lane_free_at.get(lane, issued))
+            self.lane_free_at[lane] = max(ended, self.lane_free_at.get(lane, ended))
+        return started, ended
+
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
             # Only chunks of streams still open: the scheduler's timeline must be the chunk's own.
@@ -359,7 +373,7 @@ class TTSService:
                               for c, s in live])
             for _, stream in live:
                 stream.decoding = True
-        started = self.clock()
+        issued = self.clock()
         try:
             audio = self.lanes[URGENT if lane == INLINE else lane].decode(
                 torch.from_numpy(codes.astype(np.int32)),
@@ -374,7 +388,8 @@ class TTSService:
                     self._free_slot(stream)  # also when it had already ended (cancelled) meanwhile
                 self.lock.notify_all()
             return
-        elapsed = self.clock() - started
+        started, ended = self._call_span(lane, issued)
+        elapsed = ended - started
         if self.metrics:
             self.metrics.codec_call(lane, codes.shape[0] * codes.shape[1], elapsed)
         samples_per_frame = audio.shape[1] // codes.shape[1]
