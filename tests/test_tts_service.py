@@ -242,6 +242,45 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
         assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
 
 
+class SinkThatTriesTheServiceLock(CollectingSink):
+    """Records, for each chunk, whether another thread could take the service lock during the send."""
+
+    def __init__(self):
+        super().__init__()
+        self.service, self.lock_free = None, []
+
+    def send(self, audio, codes, info, final):
+        def try_lock():
+            if self.service.lock.acquire(timeout=5):
+                self.service.lock.release()
+                self.lock_free.append(True)
+            else:
+                self.lock_free.append(False)
+        other = threading.Thread(target=try_lock)
+        other.start()
+        other.join()
+        super().send(audio, codes, info, final)
+
+
+def test_audio_is_sent_without_the_service_lock(tiny_checkpoint):
+    """A send is an IPC round trip per chunk in the server; the engine and the other lanes must not
+    wait for it."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,4")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        sink = SinkThatTriesTheServiceLock()
+        sink.service = service
+        inputs = {"text": np.array([b"Sent freely."], dtype=object), "max_frames": np.array([10]),
+                  "ignore_eos": np.array([True])}
+        service.submit(parser.parse("r1", inputs), sink)
+        assert sink.done.wait(120) and sink.errors == []
+    finally:
+        service.shutdown()
+    assert sink.lock_free == [True] * 3  # chunks of 2, 4 and 4 frames
+
+
 def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_on(tiny_checkpoint):
     """The prefill fails once (a device fault, say): the requests being admitted were in neither of
     the engine's lists by then, and still get an error, not silence; the next request is served."""

@@ -67,7 +67,8 @@ class TritonSink:
     """Streams one request's chunks through its decoupled response sender.
 
     Once the final response is sent Triton may release the request, so `cancelled()` must not ask
-    about it any more: a flag, set under the sink's own lock, closes the sink first.
+    about it any more, and nothing more may be sent: a flag, set under the sink's own lock, closes
+    the sink first.
     """
 
     def __init__(self, request, sender, requested: set[str]):
@@ -88,6 +89,8 @@ class TritonSink:
 
     def _send(self, response, final):
         with self.lock:
+            if self.closed:  # a chunk decoded for a stream that was failed or cancelled meanwhile
+                return
             if final:
                 self.closed = True
             self.sender.send(response, flags=FINAL if final else 0)
