@@ -111,6 +111,41 @@ def test_background_chunk_running_out_of_slack_is_promoted():
     assert sched.queues[BACKGROUND] == []
 
 
+def background_chunks(sched, clock, names, frames=8):
+    """A background chunk of `frames` frames per stream, the first stream's due soonest."""
+    chunks = []
+    for offset, name in enumerate(names):
+        sched.open(name)
+        sched.frames_generated(name, frames)
+        clock.now = offset * 0.1
+        serve(sched, URGENT)  # its first chunk: playback starts, later deadlines follow in order
+    clock.now = 0.0
+    for name in names:
+        chunks += sched.frames_generated(name, frames)
+    assert all(c.lane == BACKGROUND for c in chunks)
+    return chunks
+
+
+def test_an_idle_urgent_lane_takes_the_most_urgent_background_chunks_up_to_its_frame_budget():
+    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0, idle_urgent_takes_frames=16)
+    first, second, third = background_chunks(sched, clock, ["a", "b", "c"])
+    assert sched.next_batch(URGENT) == [first, second]  # 16 frames, earliest deadlines first
+    assert first.lane == URGENT and first.taken and not first.promoted
+    assert sched.next_batch(BACKGROUND) == [third] and not third.taken
+    # Never with urgent work of its own, never beyond the budget, never by default.
+    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0, idle_urgent_takes_frames=16)
+    background_chunks(sched, clock, ["a", "b"])
+    sched.open("new")
+    [own] = sched.frames_generated("new", 8)
+    assert sched.next_batch(URGENT) == [own]
+    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0, idle_urgent_takes_frames=4)
+    background_chunks(sched, clock, ["a"])
+    assert sched.next_batch(URGENT) == []
+    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0)
+    background_chunks(sched, clock, ["a"])
+    assert sched.next_batch(URGENT) == []
+
+
 def test_batches_respect_size_limit_and_equal_chunk_sizes():
     sched, clock = scheduler(max_batch=3, policy="concurrent")
     sched.open("c")  # a stream at its third chunk (4 frames): never in a batch of 2-frame chunks
@@ -209,9 +244,9 @@ def test_next_chunk_beats_first_chunks_well_before_its_deadline():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["open", "frames", "done", "urgent", "background", "tick"]),
                           st.integers(0, 5), st.integers(1, 30)), min_size=20, max_size=300),
-       st.sampled_from(["voxserve", "concurrent", "serial"]))
-def test_random_sequences_keep_order_and_never_starve(events, policy):
-    sched, clock = scheduler(policy=policy, max_batch=4)
+       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]))
+def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames):
+    sched, clock = scheduler(policy=policy, max_batch=4, idle_urgent_takes_frames=idle_urgent_takes_frames)
     lanes = [INLINE] if policy == "serial" else [URGENT, BACKGROUND]
     generated: dict[str, int] = {}
     delivered: dict[str, list[tuple[int, int]]] = {}

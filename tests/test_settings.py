@@ -25,6 +25,7 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
     ("background_sms", "most", "'background_sms' must be 'half' or an SM count, got 'most'"),
     ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),
     ("lane_workers", "0", "'lane_workers' must be at least 1, got 0"),
+    ("scheduler_idle_urgent_takes_frames", "-1", "scheduler_idle_urgent_takes_frames must be >= 0, got -1"),
 ])
 def test_a_bad_parameter_is_refused_by_name(name, value, message):
     with pytest.raises(ValueError) as error:

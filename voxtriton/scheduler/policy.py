@@ -37,6 +37,10 @@ class SchedulerConfig:
     initial_decode_estimate_s: float = 0.05
     # When a first chunk is due, after its request arrived (the time-to-first-audio target).
     ttfa_target_s: float = 0.2
+    # voxserve: when the urgent lane has nothing to decode, it takes background chunks (earliest
+    # deadline first, one size) of up to this many frames in all; 0: never. Kept small, so a first
+    # chunk that arrives meanwhile waits for one short call at most. Not yet measured on a GPU.
+    idle_urgent_takes_frames: int = 0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -51,6 +55,8 @@ class SchedulerConfig:
             raise ValueError("max_batch >= 1 and slack_margin_s >= 0 are required")
         if self.ttfa_target_s < 0:
             raise ValueError(f"scheduler_ttfa_target_s must be >= 0, got {self.ttfa_target_s}")
+        if self.idle_urgent_takes_frames < 0:
+            raise ValueError(f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}")
 
     @cached_property
     def sizes(self) -> tuple[int, ...]:
@@ -84,6 +90,7 @@ class Chunk:
     decode_frames: int
     lane: str = ""
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane
+    taken: bool = False  # queued for the background lane, then decoded by the idle urgent lane
 
     def due(self, ttfa_target_s: float) -> float:
         """When the listener needs this chunk: its playback deadline, or for a first chunk the TTFA
@@ -226,20 +233,42 @@ class ChunkScheduler:
         Equal sizes (`decode_frames`) keep a batch one shape. Within a lane the order is
         earliest deadline first (first come first served for `concurrent`), so no chunk waits
         behind an unbounded stream of later ones; background chunks that run out of slack are
-        promoted to the urgent lane instead of waiting for the slow one.
+        promoted to the urgent lane instead of waiting for the slow one, and an idle urgent lane may
+        take a few more (`idle_urgent_takes_frames`).
         """
         now = self.clock()
         self._promote(now)
         queue = self.queues[lane]
         if not queue:
-            return []
+            return self._take_for_idle_urgent_lane() if lane == URGENT else []
         fifo = self.config.policy in ("concurrent", "disaggregated", "serial")
         target = self.config.ttfa_target_s
         queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.due(target)))
+        return self._take_head_size(queue, self.config.max_batch)
+
+    @staticmethod
+    def _take_head_size(queue: list[Chunk], limit: int) -> list[Chunk]:
+        """Up to `limit` chunks of the (sorted) queue's head size, in queue order, taken off it."""
         head = queue[0]
-        batch = [c for c in queue if c.decode_frames == head.decode_frames][: self.config.max_batch]
+        batch = [c for c in queue if c.decode_frames == head.decode_frames][:limit]
         for chunk in batch:
             queue.remove(chunk)
+        return batch
+
+    def _take_for_idle_urgent_lane(self) -> list[Chunk]:
+        """Background chunks for the urgent lane while it has nothing of its own (voxserve, when
+        `idle_urgent_takes_frames` allows): the most urgent ones, of one size, up to that many frames."""
+        waiting = self.queues[BACKGROUND]
+        budget = self.config.idle_urgent_takes_frames
+        if self.config.policy != "voxserve" or not budget or not waiting:
+            return []
+        waiting.sort(key=lambda c: c.due(self.config.ttfa_target_s))
+        count = min(self.config.max_batch, budget // waiting[0].decode_frames)
+        if count == 0:
+            return []
+        batch = self._take_head_size(waiting, count)
+        for chunk in batch:
+            chunk.lane, chunk.taken = URGENT, True
         return batch
 
     def chunk_done(self, chunk: Chunk, decode_seconds: float) -> list[Chunk]:

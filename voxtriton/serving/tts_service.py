@@ -329,7 +329,7 @@ class TTSService:
         deadline, or for a first chunk the TTFA target)."""
         self._write_trace({
             "kind": "chunk", "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane,
-            "promoted": chunk.promoted, "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at,
+            "promoted": chunk.promoted, "taken": chunk.taken, "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at,
             "cut": chunk.ready_at, "start": started, "end": decoded,
             "due": chunk.due(self.scheduler.config.ttfa_target_s), "sent": self.clock()})
 
