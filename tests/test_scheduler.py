@@ -112,38 +112,42 @@ def test_background_chunk_running_out_of_slack_is_promoted():
 
 
 def background_chunks(sched, clock, names, frames=8):
-    """A background chunk of `frames` frames per stream, the first stream's due soonest."""
-    chunks = []
+    """A background chunk of `frames` frames per stream, due in the order of `names` and queued in
+    the reverse order."""
     for offset, name in enumerate(names):
         sched.open(name)
         sched.frames_generated(name, frames)
         clock.now = offset * 0.1
-        serve(sched, URGENT)  # its first chunk: playback starts, later deadlines follow in order
+        serve(sched, URGENT)  # its first chunk: playback starts, so the deadlines follow `names`
     clock.now = 0.0
-    for name in names:
-        chunks += sched.frames_generated(name, frames)
-    assert all(c.lane == BACKGROUND for c in chunks)
-    return chunks
+    chunks = {}
+    for name in reversed(names):
+        [chunks[name]] = sched.frames_generated(name, frames)
+    assert all(c.lane == BACKGROUND for c in chunks.values())
+    return [chunks[name] for name in names]
 
 
-def test_an_idle_urgent_lane_takes_the_most_urgent_background_chunks_up_to_its_frame_budget():
-    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0, idle_urgent_takes_frames=16)
-    first, second, third = background_chunks(sched, clock, ["a", "b", "c"])
+def test_an_idle_urgent_lane_takes_the_most_urgent_of_a_background_backlog_up_to_its_frame_budget():
+    options = {"chunk_schedule": "8", "slack_margin_s": 0.0, "max_batch": 2}
+    sched, clock = scheduler(idle_urgent_takes_frames=16, **options)
+    first, second, third = background_chunks(sched, clock, ["a", "b", "c"])  # more than one call's worth
     assert sched.next_batch(URGENT) == [first, second]  # 16 frames, earliest deadlines first
     assert first.lane == URGENT and first.taken and not first.promoted
     assert sched.next_batch(BACKGROUND) == [third] and not third.taken
-    # Never with urgent work of its own, never beyond the budget, never by default.
-    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0, idle_urgent_takes_frames=16)
+    # Not without a backlog (an idle background lane takes its own), not with urgent work of its
+    # own, not beyond the budget, not by default.
+    sched, clock = scheduler(idle_urgent_takes_frames=16, **options)
     background_chunks(sched, clock, ["a", "b"])
+    assert sched.next_batch(URGENT) == []
+    sched, clock = scheduler(idle_urgent_takes_frames=16, **options)
+    background_chunks(sched, clock, ["a", "b", "c"])
     sched.open("new")
     [own] = sched.frames_generated("new", 8)
     assert sched.next_batch(URGENT) == [own]
-    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0, idle_urgent_takes_frames=4)
-    background_chunks(sched, clock, ["a"])
-    assert sched.next_batch(URGENT) == []
-    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0)
-    background_chunks(sched, clock, ["a"])
-    assert sched.next_batch(URGENT) == []
+    for budget in (4, 0):
+        sched, clock = scheduler(idle_urgent_takes_frames=budget, **options)
+        background_chunks(sched, clock, ["a", "b", "c"])
+        assert sched.next_batch(URGENT) == []
 
 
 def test_batches_respect_size_limit_and_equal_chunk_sizes():

@@ -128,6 +128,8 @@ class CollectingSink:
         self.audio, self.codes, self.info, self.errors, self.done = [], [], [], [], threading.Event()
 
     def send(self, audio, codes, info, final):
+        if self.done.is_set():  # as sinks do after their final response or error (ResponseSink.send)
+            return
         self.audio.append(audio.numpy().copy())
         self.codes.append(np.asarray(codes).copy())
         self.info.append(info.copy())
@@ -279,6 +281,36 @@ def test_audio_is_sent_without_the_service_lock(tiny_checkpoint):
     finally:
         service.shutdown()
     assert sink.lock_free == [True] * 3  # chunks of 2, 4 and 4 frames
+
+
+class SlowSink(CollectingSink):
+    def send(self, audio, codes, info, final):
+        time.sleep(0.2)
+        super().send(audio, codes, info, final)
+
+
+def test_each_chunk_counts_as_sent_when_its_own_send_returned(tiny_checkpoint):
+    """Two streams' first chunks share a codec call; the second is sent 0.2 s after the first, and
+    the first's time to first audio (and its playback clock) must not include that wait."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    trace = io.StringIO()
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace)
+    try:
+        sinks = [SlowSink(), SlowSink()]
+        inputs = {"text": np.array([b"Sent in turn."], dtype=object), "max_frames": np.array([2]),
+                  "ignore_eos": np.array([True])}
+        with service.lock:  # both admitted in one engine pass: their chunks go in one call
+            for name, sink in zip(("r1", "r2"), sinks):
+                service.submit(parser.parse(name, inputs), sink)
+        assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
+    finally:
+        service.shutdown()
+    records = [r for r in map(json.loads, trace.getvalue().splitlines()) if r["kind"] == "chunk"]
+    assert [r["batch"] for r in records] == [2, 2]
+    first, second = sorted(r["sent"] for r in records)
+    assert second - first >= 0.19
 
 
 def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_on(tiny_checkpoint):

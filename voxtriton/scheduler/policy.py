@@ -37,9 +37,10 @@ class SchedulerConfig:
     initial_decode_estimate_s: float = 0.05
     # When a first chunk is due, after its request arrived (the time-to-first-audio target).
     ttfa_target_s: float = 0.2
-    # voxserve: when the urgent lane has nothing to decode, it takes background chunks (earliest
-    # deadline first, one size) of up to this many frames in all; 0: never. Kept small, so a first
-    # chunk that arrives meanwhile waits for one short call at most. Not yet measured on a GPU.
+    # voxserve: when the urgent lane has nothing to decode and the background lane is more than a
+    # call behind, the urgent lane takes background chunks (earliest deadline first, one size) of up
+    # to this many frames in all; 0: never. Kept small, so a first chunk that arrives meanwhile waits
+    # for one short call per urgent lane worker at most. Not yet measured on a GPU.
     idle_urgent_takes_frames: int = 0
 
     def __post_init__(self):
@@ -257,10 +258,14 @@ class ChunkScheduler:
 
     def _take_for_idle_urgent_lane(self) -> list[Chunk]:
         """Background chunks for the urgent lane while it has nothing of its own (voxserve, when
-        `idle_urgent_takes_frames` allows): the most urgent ones, of one size, up to that many frames."""
+        `idle_urgent_takes_frames` allows): the most urgent ones, of one size, up to that many frames.
+
+        Only from a backlog of more than one background call (`max_batch` chunks): an idle
+        background lane takes its chunks itself, in full batches (both lanes' workers wake on the
+        same events, and whichever comes first would otherwise split them up)."""
         waiting = self.queues[BACKGROUND]
         budget = self.config.idle_urgent_takes_frames
-        if self.config.policy != "voxserve" or not budget or not waiting:
+        if self.config.policy != "voxserve" or not budget or len(waiting) <= self.config.max_batch:
             return []
         waiting.sort(key=lambda c: c.due(self.config.ttfa_target_s))
         count = min(self.config.max_batch, budget // waiting[0].decode_frames)
@@ -271,9 +276,10 @@ class ChunkScheduler:
             chunk.lane, chunk.taken = URGENT, True
         return batch
 
-    def chunk_done(self, chunk: Chunk, decode_seconds: float) -> list[Chunk]:
-        """The chunk's audio was sent: advance the playback clock and cut the stream's next chunk."""
-        now = self.clock()
+    def chunk_done(self, chunk: Chunk, decode_seconds: float, sent_at: float | None = None) -> list[Chunk]:
+        """The chunk's audio was sent (at `sent_at`, default now): advance the playback clock and cut
+        the stream's next chunk."""
+        now = self.clock() if sent_at is None else sent_at
         stream = chunk.stream
         self.estimates[chunk.lane].observe(decode_seconds)
         if stream.first_sent_at is None:

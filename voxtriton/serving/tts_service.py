@@ -322,7 +322,7 @@ class TTSService:
             if batch:
                 self._decode_batch(lane, batch)
 
-    def _trace(self, chunk: Chunk, batch: int, started: float, decoded: float) -> None:
+    def _trace(self, chunk: Chunk, batch: int, started: float, decoded: float, sent: float) -> None:
         """One chunk's path, on the service clock (seconds): its request arrived, its frames were
         cut into a chunk (when they were generated, or when the stream's previous chunk was done,
         whichever was later), its codec call started and ended, and when it was due (playback
@@ -331,7 +331,7 @@ class TTSService:
             "kind": "chunk", "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane,
             "promoted": chunk.promoted, "taken": chunk.taken, "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at,
             "cut": chunk.ready_at, "start": started, "end": decoded,
-            "due": chunk.due(self.scheduler.config.ttfa_target_s), "sent": self.clock()})
+            "due": chunk.due(self.scheduler.config.ttfa_target_s), "sent": sent})
 
     def _write_trace(self, record: dict) -> None:
         """One line of the trace: a chunk sent, or a frame step (its period, its frames, and its
@@ -408,26 +408,27 @@ class TTSService:
         # larger batches), and the engine and the other lanes wait for that lock. A stream has one
         # chunk in flight, so nothing else sends for it now; one that ends meanwhile (a cancellation)
         # has a closed sink, which drops the chunk.
-        gone = set()
+        sent = []  # (chunk, stream, when it was sent, or None if the client is gone)
         for row, chunk, stream in deliveries:
             info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
             try:
                 stream.sink.send(audio[row, : chunk.frames * samples_per_frame], codes[row, : chunk.frames], info,
                                  chunk.last)
+                sent.append((chunk, stream, self.clock()))
             except Exception as error:  # client gone: stop generating for it
                 log.info("stream %s: send failed (%s); cancelling", stream.request.request_id, error)
-                gone.add(stream.request.request_id)
+                sent.append((chunk, stream, None))
         with self.lock:
-            for row, chunk, stream in deliveries:
-                if stream.request.request_id in gone or stream.ended:
+            for chunk, stream, sent_at in sent:
+                if sent_at is None or stream.ended:
                     self._end(stream, None)  # a no-op for a stream ended while its chunk was sent
                     continue
                 if self.metrics:
                     self.metrics.chunk_sent(chunk.lane, chunk.frames, elapsed, chunk.index == 0,
-                                            self.clock() - stream.submitted_at)
+                                            sent_at - stream.submitted_at)
                 if self.chunk_trace:
-                    self._trace(chunk, len(live), started, started + elapsed)
-                self.scheduler.chunk_done(chunk, elapsed)
+                    self._trace(chunk, len(live), started, started + elapsed, sent_at)
+                self.scheduler.chunk_done(chunk, elapsed, sent_at)
                 if chunk.last:
                     self._end(stream, None)
             self.lock.notify_all()
