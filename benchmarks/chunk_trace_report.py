@@ -82,7 +82,9 @@ def lane_gaps(records: list[dict]) -> dict:
     call's start (calls in start order), those where a chunk of the next call had been cut by then
     (the lane's host work) apart from the rest (nothing to decode), and the time from a call's end
     to the last of its chunks sent. Calls that overlap an earlier one (traces from before the
-    server counted a queued call from the end of the call ahead of it) make no gap."""
+    server counted a queued call from the end of the call ahead of it) make no gap. And the lane's
+    backlog: at each call's start, the chunks the same lane decoded later that had been cut by then
+    (promoted chunks left out: they waited on the other lane first), with their sizes."""
     by_lane = collections.defaultdict(list)
     for (lane, start, end), chunks in codec_calls(records).items():
         by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks)))
@@ -96,12 +98,36 @@ def lane_gaps(records: list[dict]) -> dict:
                 (working if first_cut <= free_at else idle).append(start - free_at)
             free_at = max(free_at, end)
         sending = [sent - end for _, end, _, sent in calls]
+        backlog, sizes = lane_backlog([r for r in records if r["lane"] == lane and not r["promoted"]],
+                                      [start for start, _, _, _ in calls])
         table[lane] = {"calls": len(calls), "call_ms_p50": ms([end - start for start, end, _, _ in calls], 0.5),
                        "gaps_with_work_waiting": len(working), "work_gap_ms_p50": ms(working, 0.5),
                        "work_gap_ms_p90": ms(working, 0.9), "work_gaps_s": round(sum(working), 2),
                        "idle_gaps": len(idle), "idle_gaps_s": round(sum(idle), 2),
-                       "send_after_call_ms_p50": ms(sending, 0.5), "send_after_call_ms_p90": ms(sending, 0.9)}
+                       "send_after_call_ms_p50": ms(sending, 0.5), "send_after_call_ms_p90": ms(sending, 0.9),
+                       "chunks_per_call_p50": quantile([n for _, n in chunk_counts(records, lane)], 0.5),
+                       "waiting_at_call_start_p50": quantile(backlog, 0.5), "waiting_at_call_start_p90": quantile(backlog, 0.9),
+                       "waiting_frames_mix": dict(sizes.most_common(5))}
     return table
+
+
+def chunk_counts(records: list[dict], lane: str) -> list[tuple[float, int]]:
+    return [(start, len(chunks)) for (call_lane, start, _), chunks in codec_calls(records).items() if call_lane == lane]
+
+
+def lane_backlog(chunks: list[dict], starts: list[float]) -> tuple[list[int], collections.Counter]:
+    """For each call start: how many of `chunks` had been cut and were not yet started; and how often
+    each chunk size was among them."""
+    chunks = sorted(chunks, key=lambda c: c["cut"])
+    backlog, sizes, waiting, next_cut = [], collections.Counter(), [], 0
+    for start in sorted(starts):
+        while next_cut < len(chunks) and chunks[next_cut]["cut"] <= start:
+            waiting.append(chunks[next_cut])
+            next_cut += 1
+        waiting = [c for c in waiting if c["start"] > start]
+        backlog.append(len(waiting))
+        sizes.update(c["frames"] for c in waiting)
+    return backlog, sizes
 
 
 def report(lines: list[dict], window_s: float = 4.0) -> dict:

@@ -93,3 +93,6 @@ def test_gaps_between_calls_are_split_by_whether_a_chunk_was_waiting(tmp_path):
     assert (gaps["gaps_with_work_waiting"], gaps["work_gap_ms_p50"], gaps["work_gaps_s"]) == (1, 4.0, 0.0)
     assert (gaps["idle_gaps"], gaps["idle_gaps_s"]) == (1, 0.1)
     assert gaps["send_after_call_ms_p50"] == 2.0
+    # At call b's start chunk d was not cut yet; at c's, d (cut at 0.110, started at 0.125) waited.
+    assert (gaps["waiting_at_call_start_p50"], gaps["waiting_at_call_start_p90"]) == (0, 1)
+    assert gaps["waiting_frames_mix"] == {2: 1} and gaps["chunks_per_call_p50"] == 1
