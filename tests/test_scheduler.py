@@ -150,6 +150,30 @@ def test_an_idle_urgent_lane_takes_the_most_urgent_of_a_background_backlog_up_to
         assert sched.next_batch(URGENT) == []
 
 
+@pytest.mark.parametrize("fullest", [False, True])
+def test_the_background_lane_can_take_its_fullest_size_instead_of_its_heads(fullest):
+    """Two 8-frame chunks due soonest, three 16-frame chunks due later: by default the head's size
+    goes first; with `background_fullest_size` the three, in deadline order."""
+    sched, clock = scheduler(chunk_schedule="4,8,16", slack_margin_s=0.0, max_batch=4, background_fullest_size=fullest)
+    later, sooner = ["c", "d", "e"], ["a", "b"]
+    for names in (later, sooner):
+        for name in names:
+            sched.open(name)
+            sched.frames_generated(name, 4)
+        serve(sched, URGENT)  # first chunks: playback starts
+        for name in names:
+            sched.frames_generated(name, 8)
+        if names is later:
+            serve(sched, BACKGROUND)  # their 8-frame chunks, in one call
+            for name in names:
+                sched.frames_generated(name, 16)
+    assert len(sched.queues[BACKGROUND]) == 5
+    batch = sched.next_batch(BACKGROUND)
+    expected = later if fullest else sooner
+    assert [c.stream.stream_id for c in batch] == expected
+    assert [c.stream.stream_id for c in sched.next_batch(BACKGROUND)] == (sooner if fullest else later)
+
+
 def test_batches_respect_size_limit_and_equal_chunk_sizes():
     sched, clock = scheduler(max_batch=3, policy="concurrent")
     sched.open("c")  # a stream at its third chunk (4 frames): never in a batch of 2-frame chunks
@@ -248,9 +272,10 @@ def test_next_chunk_beats_first_chunks_well_before_its_deadline():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["open", "frames", "done", "urgent", "background", "tick"]),
                           st.integers(0, 5), st.integers(1, 30)), min_size=20, max_size=300),
-       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]))
-def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames):
-    sched, clock = scheduler(policy=policy, max_batch=4, idle_urgent_takes_frames=idle_urgent_takes_frames)
+       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]), st.booleans())
+def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames, background_fullest_size):
+    sched, clock = scheduler(policy=policy, max_batch=4, idle_urgent_takes_frames=idle_urgent_takes_frames,
+                             background_fullest_size=background_fullest_size)
     lanes = [INLINE] if policy == "serial" else [URGENT, BACKGROUND]
     generated: dict[str, int] = {}
     delivered: dict[str, list[tuple[int, int]]] = {}

@@ -17,6 +17,7 @@ Definitions (../shared/design.md):
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -42,6 +43,11 @@ class SchedulerConfig:
     # to this many frames in all; 0: never. Kept small, so a first chunk that arrives meanwhile waits
     # for one short call per urgent lane worker at most. Not yet measured on a GPU.
     idle_urgent_takes_frames: int = 0
+    # voxserve: the background lane decodes the size with the most chunks waiting (earliest deadline
+    # first within it) instead of the size of its earliest-deadline chunk. Every chunk it holds has
+    # slack (those that run out are promoted), and on the H200 its calls took 6 chunks at p50 while
+    # 195 waited, mostly of another size (session 9). Not yet measured on a GPU.
+    background_fullest_size: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -235,7 +241,8 @@ class ChunkScheduler:
         earliest deadline first (first come first served for `concurrent`), so no chunk waits
         behind an unbounded stream of later ones; background chunks that run out of slack are
         promoted to the urgent lane instead of waiting for the slow one, and an idle urgent lane may
-        take a few more (`idle_urgent_takes_frames`).
+        take a few more (`idle_urgent_takes_frames`). With `background_fullest_size`, the background
+        lane takes the size with the most chunks waiting instead of its head's.
         """
         now = self.clock()
         self._promote(now)
@@ -245,6 +252,10 @@ class ChunkScheduler:
         fifo = self.config.policy in ("concurrent", "disaggregated", "serial")
         target = self.config.ttfa_target_s
         queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.due(target)))
+        if lane == BACKGROUND and self.config.background_fullest_size:
+            sizes = collections.Counter(c.decode_frames for c in queue)
+            fullest = max(sizes, key=lambda size: min(sizes[size], self.config.max_batch))  # ties: the earliest due
+            queue.sort(key=lambda c: c.decode_frames != fullest)  # stable: deadline order within each part
         return self._take_head_size(queue, self.config.max_batch)
 
     @staticmethod
