@@ -313,6 +313,57 @@ def test_each_chunk_counts_as_sent_when_its_own_send_returned(tiny_checkpoint):
     assert second - first >= 0.19
 
 
+class LaneThatHoldsItsFirstCall:
+    def __init__(self, lane):
+        self.lane, self.calls, self.first_started, self.release = lane, [], threading.Event(), threading.Event()
+
+    def decode(self, codes, start, slots, valid_frames=None):
+        self.calls.append(None if valid_frames is None else valid_frames.tolist())
+        if len(self.calls) == 1:
+            self.first_started.set()
+            self.release.wait(60)
+        return self.lane.decode(codes, start, slots, valid_frames)
+
+
+def test_a_shorter_chunk_joins_a_longer_ones_call_and_both_streams_stay_exact(tiny_checkpoint):
+    """Schedule 4,2 with mixed sizes: while the first call (r1's 4 frames) is held, r2's first chunk
+    (4 frames) queues; r1's second (2 frames) joins its call, padded to 4. Both streams still get
+    exactly the audio of decoding their codes whole: r1's state went on from its own 6th frame."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="4,2",
+                                                         mix_sizes=True)
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = LaneThatHoldsItsFirstCall(InProcessLane(codec, pool.tensor))
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        sinks = [CollectingSink(), CollectingSink()]
+        inputs = {"text": np.array([b"Mixed in one call."], dtype=object), "max_frames": np.array([8]),
+                  "ignore_eos": np.array([True]), "seed": np.array([4])}
+        service.submit(parser.parse("r1", inputs), sinks[0])
+        assert lane.first_started.wait(60)
+        service.submit(parser.parse("r2", inputs), sinks[1])
+        wait_for(lambda: service.scheduler.queue_depths()[URGENT] == 1)  # r2's first chunk
+        lane.release.set()
+        assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
+    finally:
+        lane.release.set()
+        service.shutdown()
+    assert [4, 2] in lane.calls  # r2's 4 frames and r1's 2 in one call
+    for sink in sinks:
+        codes = np.concatenate(sink.codes)
+        assert codes.shape == (8, 16) and [int(info[2]) for info in sink.info] == [4, 2, 2]
+        whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
+                                      codec.model.new_state(1))
+        assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
+
+
+def test_the_codec_refuses_row_lengths_outside_the_call(tiny_checkpoint):
+    engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    codes = torch.zeros(2, 4, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"valid_frames must be \[2\] counts in \[1, 4\], got \[4, 5\]"):
+        codec.decode(codes, torch.zeros(2, dtype=torch.long), torch.tensor([0, 1]), pool.tensor, torch.tensor([4, 5]))
+
+
 def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_on(tiny_checkpoint):
     """The prefill fails once (a device fault, say): the requests being admitted were in neither of
     the engine's lists by then, and still get an error, not silence; the next request is served."""

@@ -48,6 +48,11 @@ class SchedulerConfig:
     # slack (those that run out are promoted), and on the H200 its calls took 6 chunks at p50 while
     # 195 waited, mostly of another size (session 9). Not yet measured on a GPU.
     background_fullest_size: bool = False
+    # A call takes, besides its head's size, shorter chunks too, padded to the head's length (the
+    # codec keeps each row's state at its own last frame; codec setting mixed_lengths). A lane's
+    # calls took 5-6 chunks at p50 on the H200 while dozens waited, mostly of other sizes (session
+    # 9). Not yet measured on a GPU.
+    mix_sizes: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -237,7 +242,8 @@ class ChunkScheduler:
     def next_batch(self, lane: str) -> list[Chunk]:
         """Chunks for one decode call on `lane`: the most urgent chunk plus others of the same size.
 
-        Equal sizes (`decode_frames`) keep a batch one shape. Within a lane the order is
+        Equal sizes (`decode_frames`) keep a batch one shape (with `mix_sizes`, shorter chunks join,
+        padded). Within a lane the order is
         earliest deadline first (first come first served for `concurrent`), so no chunk waits
         behind an unbounded stream of later ones; background chunks that run out of slack are
         promoted to the urgent lane instead of waiting for the slow one, and an idle urgent lane may
@@ -258,11 +264,12 @@ class ChunkScheduler:
             queue.sort(key=lambda c: c.decode_frames != fullest)  # stable: deadline order within each part
         return self._take_head_size(queue, self.config.max_batch)
 
-    @staticmethod
-    def _take_head_size(queue: list[Chunk], limit: int) -> list[Chunk]:
-        """Up to `limit` chunks of the (sorted) queue's head size, in queue order, taken off it."""
-        head = queue[0]
-        batch = [c for c in queue if c.decode_frames == head.decode_frames][:limit]
+    def _take_head_size(self, queue: list[Chunk], limit: int) -> list[Chunk]:
+        """Up to `limit` chunks of the (sorted) queue's head size (or, with `mix_sizes`, of at most
+        that size), in queue order, taken off it. The call decodes the head's length."""
+        size = queue[0].decode_frames
+        fits = (lambda c: c.decode_frames <= size) if self.config.mix_sizes else (lambda c: c.decode_frames == size)
+        batch = [c for c in queue if fits(c)][:limit]
         for chunk in batch:
             queue.remove(chunk)
         return batch

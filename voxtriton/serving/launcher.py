@@ -196,6 +196,10 @@ class TritonServer:
                     overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
             else:
                 print("voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device")
+        if (parameters or {}).get("tts", {}).get("scheduler_mix_sizes", "").lower() in ("true", "1", "yes"):
+            # mixed-size calls need codec graphs that take each row's length (CodecSettings.mixed_lengths)
+            for model in ("codec_urgent", "codec_background"):
+                overrides.setdefault(model, {})["mixed_lengths"] = "true"
         for model, values in (parameters or {}).items():
             overrides.setdefault(model, {}).update(values)
         self.repository = render_repository(repository, self.workdir / "models", overrides)
