@@ -74,11 +74,11 @@ def assert_both_lanes_in_order(results) -> None:
 
 
 def test_a_shorter_chunk_shares_a_longer_ones_codec_call_through_bls(tiny_checkpoint):
-    """Schedule 4,2 with mixed sizes, and a codec that takes a second a call: r1's second chunk (2
+    """Schedule 4,2 with mixed sizes, and a codec that takes 3 s a call: r1's second chunk (2
     frames) waits behind r2's first (4 frames) and joins its call, padded to 4 frames (the frame
     counter counts them). Both streams still get exactly their solo audio."""
     parameters = {"tts": {"scheduler_mix_sizes": "true", "scheduler_chunk_schedule": "4,2"},
-                  "codec_urgent": {"test_fault": "delay:1000"}}
+                  "codec_urgent": {"test_fault": "delay:3000"}}
     items = [("Mixed through the server.", 21, 6), ("Joined a moment later.", 22, 6)]
     with start_server(tiny_checkpoint, policy="concurrent", parameters=parameters) as server:
         client = TTSClient(server.grpc_url)
@@ -86,7 +86,7 @@ def test_a_shorter_chunk_shares_a_longer_ones_codec_call_through_bls(tiny_checkp
                                              ignore_eos=True, codes=True, info=True).raise_for_error()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(one, items[0])
-            time.sleep(0.3)  # r1's first call is out when r2 arrives
+            time.sleep(1.5)  # r1's first call (3 s) is out when r2 arrives, even on a slow host
             second = pool.submit(one, items[1])
             results = [first.result(), second.result()]
         # Calls [r1 4], [r2 4 + r1 2 padded to 4], [r2 2]: 14 frames decoded for 12 sent (12 without

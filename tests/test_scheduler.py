@@ -215,6 +215,19 @@ def test_mixed_sizes_let_shorter_chunks_join_the_heads_call(mix_sizes):
         assert batches == [[("c", 4)], [("a0", 2), ("a1", 2), ("a2", 2)]]
 
 
+def test_mixed_sizes_never_pad_a_chunk_to_more_than_twice_its_length():
+    sched, clock = scheduler(max_batch=4, policy="concurrent", mix_sizes=True, chunk_schedule="2,2,8")
+    sched.open("c")
+    for _ in range(2):
+        sched.frames_generated("c", 2)
+        serve(sched, URGENT)
+    sched.frames_generated("c", 8)  # first in line: an 8-frame chunk
+    sched.open("a")
+    sched.frames_generated("a", 2)  # a 2-frame first chunk: 4x padding, it waits for its own call
+    assert [c.stream.stream_id for c in sched.next_batch(URGENT)] == ["c"]
+    assert [c.stream.stream_id for c in sched.next_batch(URGENT)] == ["a"]
+
+
 def test_background_is_earliest_deadline_first():
     sched, clock = scheduler(max_batch=1, chunk_schedule="4", slack_margin_s=0.0)
     for name, sent_at in (("late", 0.5), ("early", 0.0), ("middle", 0.2)):

@@ -71,7 +71,7 @@ class StreamingModule(nn.Module):
 
     def _input(self, x: torch.Tensor, state: StreamState, keep: int, activation=None) -> torch.Tensor:
         """activation(x) (or x), after the carried history when the layer keeps one (`keep` > 0): the
-        last `keep` columns become the next chunk's history. The activation writes its output after
+        last `keep` columns of each row's own input (`StreamState.tail`) become its next history. The activation writes its output after
         the history itself, so the padding costs no extra pass over the activation."""
         if not keep:
             return activation(x) if activation is not None else x

@@ -48,10 +48,11 @@ class SchedulerConfig:
     # slack (those that run out are promoted), and on the H200 its calls took 6 chunks at p50 while
     # 195 waited, mostly of another size (session 9). Not yet measured on a GPU.
     background_fullest_size: bool = False
-    # A call takes, besides its head's size, shorter chunks too, padded to the head's length (the
-    # codec keeps each row's state at its own last frame; codec setting mixed_lengths). A lane's
-    # calls took 5-6 chunks at p50 on the H200 while dozens waited, mostly of other sizes (session
-    # 9). Not yet measured on a GPU.
+    # A call takes, besides its head's size, chunks of at least half that size, padded to the
+    # head's length (the codec keeps each row's state at its own last frame; codec setting
+    # mixed_lengths). Half: no row costs more than twice its own frames. A lane's calls took 5-6
+    # chunks at p50 on the H200 while dozens waited, mostly of other sizes (session 9). Not yet
+    # measured on a GPU.
     mix_sizes: bool = False
 
     def __post_init__(self):
@@ -240,7 +241,8 @@ class ChunkScheduler:
             self.queues[URGENT].append(chunk)
 
     def next_batch(self, lane: str) -> list[Chunk]:
-        """Chunks for one decode call on `lane`: the most urgent chunk plus others of the same size.
+        """Chunks for one decode call on `lane`: the most urgent chunk plus others of its size (or, with
+        `mix_sizes`, of up to its size).
 
         Equal sizes (`decode_frames`) keep a batch one shape (with `mix_sizes`, shorter chunks join,
         padded). Within a lane the order is
@@ -266,9 +268,13 @@ class ChunkScheduler:
 
     def _take_head_size(self, queue: list[Chunk], limit: int) -> list[Chunk]:
         """Up to `limit` chunks of the (sorted) queue's head size (or, with `mix_sizes`, of at most
-        that size), in queue order, taken off it. The call decodes the head's length."""
+        that size and at least half of it), in queue order, taken off it. The call decodes the
+        head's length."""
         size = queue[0].decode_frames
-        fits = (lambda c: c.decode_frames <= size) if self.config.mix_sizes else (lambda c: c.decode_frames == size)
+        if self.config.mix_sizes:
+            fits = lambda c: size <= 2 * c.decode_frames <= 2 * size
+        else:
+            fits = lambda c: c.decode_frames == size
         batch = [c for c in queue if fits(c)][:limit]
         for chunk in batch:
             queue.remove(chunk)
