@@ -87,32 +87,28 @@ def lane_gaps(records: list[dict]) -> dict:
     (promoted chunks left out: they waited on the other lane first), with their sizes."""
     by_lane = collections.defaultdict(list)
     for (lane, start, end), chunks in codec_calls(records).items():
-        by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks)))
+        by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks), len(chunks)))
     ms = lambda values, q: round(quantile(values, q) * 1e3, 1) if values else None
     table = {}
     for lane, calls in sorted(by_lane.items()):
         calls.sort()
         working, idle, free_at = [], [], calls[0][1]
-        for start, end, first_cut, _ in calls[1:]:
+        for start, end, first_cut, _, _ in calls[1:]:
             if start >= free_at:
                 (working if first_cut <= free_at else idle).append(start - free_at)
             free_at = max(free_at, end)
-        sending = [sent - end for _, end, _, sent in calls]
+        sending = [sent - end for _, end, _, sent, _ in calls]
         backlog, sizes = lane_backlog([r for r in records if r["lane"] == lane and not r["promoted"]],
-                                      [start for start, _, _, _ in calls])
-        table[lane] = {"calls": len(calls), "call_ms_p50": ms([end - start for start, end, _, _ in calls], 0.5),
+                                      [start for start, *_ in calls])
+        table[lane] = {"calls": len(calls), "call_ms_p50": ms([end - start for start, end, *_ in calls], 0.5),
                        "gaps_with_work_waiting": len(working), "work_gap_ms_p50": ms(working, 0.5),
                        "work_gap_ms_p90": ms(working, 0.9), "work_gaps_s": round(sum(working), 2),
                        "idle_gaps": len(idle), "idle_gaps_s": round(sum(idle), 2),
                        "send_after_call_ms_p50": ms(sending, 0.5), "send_after_call_ms_p90": ms(sending, 0.9),
-                       "chunks_per_call_p50": quantile([n for _, n in chunk_counts(records, lane)], 0.5),
+                       "chunks_per_call_p50": quantile([count for *_, count in calls], 0.5),
                        "waiting_at_call_start_p50": quantile(backlog, 0.5), "waiting_at_call_start_p90": quantile(backlog, 0.9),
                        "waiting_frames_mix": dict(sizes.most_common(5))}
     return table
-
-
-def chunk_counts(records: list[dict], lane: str) -> list[tuple[float, int]]:
-    return [(start, len(chunks)) for (call_lane, start, _), chunks in codec_calls(records).items() if call_lane == lane]
 
 
 def lane_backlog(chunks: list[dict], starts: list[float]) -> tuple[list[int], collections.Counter]:
