@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_codec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from codec_speed import mean_ms  # noqa: E402
 
 
 def record_layers(codec, batch: int, frames: int) -> list[dict]:
@@ -50,19 +54,6 @@ def record_layers(codec, batch: int, frames: int) -> list[dict]:
     return list(layers.values())
 
 
-def milliseconds(function, repeat: int = 10) -> float:
-    for _ in range(3):  # with autotuning, the first call times the algorithms
-        function()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeat):
-        function()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / repeat
-
-
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +73,7 @@ def main() -> None:
         rows, total = [], 0.0
         for layer in record_layers(codec, batch, frames):
             op = getattr(F, layer["op"])
-            ms = milliseconds(lambda: op(layer["x"], layer["weight"], layer["bias"], *layer["positional"], **layer["options"]))
+            ms = mean_ms(lambda: op(layer["x"], layer["weight"], layer["bias"], *layer["positional"], **layer["options"]), 10)
             total += layer["count"] * ms
             row = {"op": layer["op"], "x": list(layer["x"].shape), "weight": list(layer["weight"].shape),
                    "arguments": [*map(str, layer["positional"]), *(f"{k}={v}" for k, v in layer["options"].items())],

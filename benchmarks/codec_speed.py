@@ -28,15 +28,16 @@ from voxtriton.models.loader import load_codec
 SHAPES = "8x2,32x2,16x4,64x8,32x16,128x25,256x25"
 
 
-def replay_ms(runner: CodecRunner, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor, repeat: int) -> float:
-    """Mean milliseconds of one call over `repeat` calls (CUDA events), after three warm-up calls."""
+def mean_ms(call, repeat: int) -> float:
+    """Mean milliseconds of call() over `repeat` calls (CUDA events), after three warm-up calls (with
+    cuDNN autotuning, the first times the algorithms)."""
     for _ in range(3):
-        runner.decode(codes, start, state)
+        call()
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(repeat):
-        runner.decode(codes, start, state)
+        call()
     end.record()
     torch.cuda.synchronize()
     return begin.elapsed_time(end) / repeat
@@ -63,7 +64,8 @@ def main() -> None:
         runner = CodecRunner(codec, [batch], [frames])
         codes = torch.randint(0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device=device)
         start = torch.zeros(batch, dtype=torch.long, device=device)
-        result["ms"][shape] = round(replay_ms(runner, codes, start, codec.new_state(batch), args.repeat), 3)
+        state = codec.new_state(batch)
+        result["ms"][shape] = round(mean_ms(lambda: runner.decode(codes, start, state), args.repeat), 3)
         del runner  # its graphs' memory
     print(json.dumps(result), flush=True)
     if args.json:
