@@ -26,12 +26,15 @@ def _parameters(model_config: dict | str) -> dict[str, str]:
             if key not in TRITON_PARAMETERS}
 
 
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")  # a boolean parameter's values
+
+
 def _coerce(kind, text: str, name: str):
     try:
         if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            if text.lower() not in TRUE_WORDS + FALSE_WORDS:
                 raise ValueError(text)
-            return text.lower() in ("true", "1", "yes")
+            return text.lower() in TRUE_WORDS
         return kind(text)
     except ValueError:
         raise ValueError(f"config.pbtxt parameter {name!r}: cannot read {text!r} as {kind.__name__}") from None

@@ -433,7 +433,7 @@ class TTSService:
                     self.metrics.chunk_sent(chunk.lane, chunk.frames, elapsed, chunk.index == 0,
                                             sent_at - stream.submitted_at)
                 if self.chunk_trace:
-                    self._trace(chunk, len(live), started, started + elapsed, sent_at)
+                    self._trace(chunk, len(live), started, ended, sent_at)
                 self.scheduler.chunk_done(chunk, elapsed, sent_at)
                 if chunk.last:
                     self._end(stream, None)
