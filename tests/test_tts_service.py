@@ -188,26 +188,28 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
         assert record["due"] >= previous["due"] + previous["frames"] * 0.08 - 1e-6
 
 
-class LaneThatHoldsItsFirstCallForASecond:
-    """Its first call returns only once a second call has started (or after 30 s); calls then decode
-    one at a time, as Triton runs them at one codec instance."""
+class LaneThatHoldsItsFirstCall:
+    """Its first call waits until `release` is set (by the test, or with `until_second_call` by a
+    second call starting) or 30 s pass; calls then decode one at a time, as Triton runs them at one
+    codec instance. `calls` records each call's row lengths (None: all the call's)."""
 
-    def __init__(self, lane):
-        self.lane, self.calls, self.lock, self.decoding = lane, 0, threading.Lock(), threading.Lock()
-        self.first_started, self.second_started = threading.Event(), threading.Event()
-        self.overlapped = False
+    def __init__(self, lane, until_second_call: bool = False):
+        self.lane, self.until_second_call, self.calls = lane, until_second_call, []
+        self.lock, self.decoding = threading.Lock(), threading.Lock()
+        self.first_started, self.release = threading.Event(), threading.Event()
+        self.released = False  # the first call was released, not timed out
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, valid_frames=None):
         with self.lock:
-            self.calls += 1
-            call = self.calls
+            self.calls.append(None if valid_frames is None else valid_frames.tolist())
+            call = len(self.calls)
         if call == 1:
             self.first_started.set()
-            self.overlapped = self.second_started.wait(30)
-        elif call == 2:
-            self.second_started.set()
+            self.released = self.release.wait(30)
+        elif call == 2 and self.until_second_call:
+            self.release.set()
         with self.decoding:
-            return self.lane.decode(codes, start, slots)
+            return self.lane.decode(codes, start, slots, valid_frames)
 
 
 def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tiny_checkpoint):
@@ -215,7 +217,7 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
     get exactly the audio of decoding their codes in one piece; every codec slot comes back."""
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,4")
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config, lane_workers=2)
-    lane = LaneThatHoldsItsFirstCallForASecond(InProcessLane(codec, pool.tensor))
+    lane = LaneThatHoldsItsFirstCall(InProcessLane(codec, pool.tensor), until_second_call=True)
     trace = io.StringIO()
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, lane_workers=2,
                          chunk_trace=trace)
@@ -227,7 +229,7 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
         assert lane.first_started.wait(60)  # the first stream's first chunk is out
         service.submit(parser.parse("r2", inputs), sinks[1])
         assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
-        assert lane.overlapped, "the second call never started while the first was out"
+        assert lane.released, "the second call never started while the first was out"
         wait_for(lambda: len(service.free_slots) == codec_slots(engine, 1, scheduler_config, 2))
     finally:
         service.shutdown()
@@ -311,18 +313,6 @@ def test_each_chunk_counts_as_sent_when_its_own_send_returned(tiny_checkpoint):
     assert [r["batch"] for r in records] == [2, 2]
     first, second = sorted(r["sent"] for r in records)
     assert second - first >= 0.19
-
-
-class LaneThatHoldsItsFirstCall:
-    def __init__(self, lane):
-        self.lane, self.calls, self.first_started, self.release = lane, [], threading.Event(), threading.Event()
-
-    def decode(self, codes, start, slots, valid_frames=None):
-        self.calls.append(None if valid_frames is None else valid_frames.tolist())
-        if len(self.calls) == 1:
-            self.first_started.set()
-            self.release.wait(60)
-        return self.lane.decode(codes, start, slots, valid_frames)
 
 
 def test_a_shorter_chunk_joins_a_longer_ones_call_and_both_streams_stay_exact(tiny_checkpoint):
