@@ -41,18 +41,23 @@ class SchedulerConfig:
     # voxserve: when the urgent lane has nothing to decode and the background lane is more than a
     # call behind, the urgent lane takes background chunks (earliest deadline first, one size) of up
     # to this many frames in all; 0: never. Kept small, so a first chunk that arrives meanwhile waits
-    # for one short call per urgent lane worker at most. Not yet measured on a GPU.
+    # for one short call per urgent lane worker at most. On the H200 (session 10, 1.7B, one lane
+    # worker) 16 stalled 0 and 14 streams at 66 and 68 req/s where off stalled 12 and 42, but it was
+    # not measured with the defaults below, so it stays off.
     idle_urgent_takes_frames: int = 0
     # voxserve: the background lane decodes the size with the most chunks waiting (earliest deadline
     # first within it) instead of the size of its earliest-deadline chunk. Every chunk it holds has
     # slack (those that run out are promoted), and on the H200 its calls took 6 chunks at p50 while
-    # 195 waited, mostly of another size (session 9). Not yet measured on a GPU.
-    background_fullest_size: bool = False
+    # 195 waited, mostly of another size (session 9). With it, on the H200 (session 10, 1.7B), the
+    # background lane's calls took 12 chunks instead of 8 and no stream stalled at 64-68 req/s,
+    # where the earliest-deadline size stalled 0, 12 and 42 (benchmarks/results/goodput_h200.md).
+    background_fullest_size: bool = True
     # A call takes, besides its head's size, chunks of at least half that size, padded to the
     # head's length (the codec keeps each row's state at its own last frame; codec setting
     # mixed_lengths). Half: no row costs more than twice its own frames. A lane's calls took 5-6
-    # chunks at p50 on the H200 while dozens waited, mostly of other sizes (session 9). Not yet
-    # measured on a GPU.
+    # chunks at p50 on the H200 while dozens waited, mostly of other sizes (session 9). Measured
+    # worse on the H200 (session 10, 1.7B): padded calls made codec calls about a fifth longer,
+    # and 920 streams stalled at 68 req/s against 476 without it, so it stays off.
     mix_sizes: bool = False
 
     def __post_init__(self):
