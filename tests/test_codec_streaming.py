@@ -48,21 +48,6 @@ def test_chunked_equals_whole(codec, codes, schedule):
     assert (chunked - whole).abs().max().item() <= 1e-4
 
 
-def test_rows_of_different_lengths_in_one_call_continue_from_their_own_last_frame(codec, codes):
-    """Row 0 decodes 3 frames, row 1 all 7 of a 7-frame call (its padding: any codes); then each goes
-    on from where it ended, and both streams' audio equals decoding them whole."""
-    start = torch.zeros(2, dtype=torch.long)
-    whole, _ = codec.decode(codes[:, :12], start, codec.new_state(2))
-    first = torch.stack([torch.cat([codes[0, :3], codes[0, 40:44]]), codes[1, :7]])  # row 0: 4 frames of junk
-    audio, state = codec.decode(first, start, codec.new_state(2), valid_frames=torch.tensor([3, 7]))
-    assert (audio[0, : 3 * 1920] - whole[0, : 3 * 1920]).abs().max().item() <= 1e-4
-    assert (audio[1] - whole[1, : 7 * 1920]).abs().max().item() <= 1e-4
-    second = torch.stack([codes[0, 3:8], codes[1, 7:12]])
-    audio, _ = codec.decode(second, torch.tensor([3, 7]), state)
-    assert (audio[0] - whole[0, 3 * 1920: 8 * 1920]).abs().max().item() <= 1e-4
-    assert (audio[1] - whole[1, 7 * 1920: 12 * 1920]).abs().max().item() <= 1e-4
-
-
 def test_frames_after_the_end_leave_the_audio_before_them_unchanged(codec, codes):
     """Why a stream's short last chunk may be decoded padded to a captured size (Chunk.decode_frames)."""
     start = torch.zeros(2, dtype=torch.long)

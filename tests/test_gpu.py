@@ -86,24 +86,6 @@ def test_codec_graphs_match_eager(tiny_checkpoint):
     assert len(runner.graphs) == 6
 
 
-def test_codec_graphs_with_row_lengths_match_eager(tiny_checkpoint):
-    """Graphs made for mixed lengths: rows of 4, 2 and 3 own frames in a 4-frame call (batch 3 padded
-    to 4), then a call of equal lengths through the same graph; states and audio as eager."""
-    codec = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
-    runner = CodecRunner(codec, batch_buckets=[4], frame_sizes=[4], mixed_lengths=True)
-    codes = torch.randint(0, 2048, (3, 8, 16), device=DEVICE)
-    start = torch.tensor([0, 5, 9], device=DEVICE)
-    valid = torch.tensor([4, 2, 3], device=DEVICE)
-    audio_a, state_a = runner.decode(codes[:, :4], start, codec.new_state(3), valid)
-    audio_b, state_b = codec.decode(codes[:, :4], start, codec.new_state(3), valid)
-    assert (audio_a - audio_b).abs().max().item() <= 1e-5
-    torch.testing.assert_close(state_a, state_b, rtol=1e-3, atol=1e-4)  # states reach ~3: relative
-    audio_a, _ = runner.decode(codes[:, 4:], start + valid, state_a)
-    audio_b, _ = codec.decode(codes[:, 4:], start + valid, state_b)
-    assert (audio_a - audio_b).abs().max().item() <= 1e-5
-    assert list(runner.graphs) == [(4, 4)]
-
-
 @pytest.mark.parametrize("value", ["false", "true"])
 def test_a_graphed_codec_autotunes_cudnn_as_its_setting_says(tiny_checkpoint, value):
     from voxtriton.serving.codec_service import CodecService

@@ -87,17 +87,6 @@ def test_background_partition_is_one_setting():
         server.cleanup()
 
 
-@pytest.mark.server  # builds a TritonServer: needs the tritonserver install
-def test_mixed_size_calls_get_codec_graphs_that_take_row_lengths():
-    server = TritonServer(policy="voxserve", parameters={"tts": {"scheduler_mix_sizes": "true"}}, use_mps=False)
-    try:
-        for lane in ("codec_urgent", "codec_background"):
-            config = (server.repository / lane / "config.pbtxt").read_text()
-            assert 'key: "mixed_lengths" value: { string_value: "true" }' in config
-    finally:
-        server.cleanup()
-
-
 def processes_mentioning(marker: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

@@ -195,39 +195,6 @@ def test_batches_respect_size_limit_and_equal_chunk_sizes():
     assert sizes == [[4], [2, 2, 2], [2, 2, 1], [1]]
 
 
-@pytest.mark.parametrize("mix_sizes", [False, True])
-def test_mixed_sizes_let_shorter_chunks_join_the_heads_call(mix_sizes):
-    sched, clock = scheduler(max_batch=3, policy="concurrent", mix_sizes=mix_sizes)
-    sched.open("c")
-    for _ in range(2):
-        sched.frames_generated("c", 2)
-        serve(sched, URGENT)
-    sched.frames_generated("c", 4)  # first in line: a 4-frame chunk
-    for i in range(3):
-        sched.open(f"a{i}")
-        sched.frames_generated(f"a{i}", 2)
-    batches = []
-    while batch := sched.next_batch(URGENT):
-        batches.append([(c.stream.stream_id, c.decode_frames) for c in batch])
-    if mix_sizes:  # the 2-frame chunks join the 4-frame head's call (padded to 4), up to max_batch
-        assert batches == [[("c", 4), ("a0", 2), ("a1", 2)], [("a2", 2)]]
-    else:
-        assert batches == [[("c", 4)], [("a0", 2), ("a1", 2), ("a2", 2)]]
-
-
-def test_mixed_sizes_never_pad_a_chunk_to_more_than_twice_its_length():
-    sched, clock = scheduler(max_batch=4, policy="concurrent", mix_sizes=True, chunk_schedule="2,2,8")
-    sched.open("c")
-    for _ in range(2):
-        sched.frames_generated("c", 2)
-        serve(sched, URGENT)
-    sched.frames_generated("c", 8)  # first in line: an 8-frame chunk
-    sched.open("a")
-    sched.frames_generated("a", 2)  # a 2-frame first chunk: 4x padding, it waits for its own call
-    assert [c.stream.stream_id for c in sched.next_batch(URGENT)] == ["c"]
-    assert [c.stream.stream_id for c in sched.next_batch(URGENT)] == ["a"]
-
-
 def test_background_is_earliest_deadline_first():
     sched, clock = scheduler(max_batch=1, chunk_schedule="4", slack_margin_s=0.0)
     for name, sent_at in (("late", 0.5), ("early", 0.0), ("middle", 0.2)):
@@ -305,11 +272,10 @@ def test_next_chunk_beats_first_chunks_well_before_its_deadline():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["open", "frames", "done", "urgent", "background", "tick"]),
                           st.integers(0, 5), st.integers(1, 30)), min_size=20, max_size=300),
-       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]), st.booleans(), st.booleans())
-def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames, background_fullest_size,
-                                                      mix_sizes):
+       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]), st.booleans())
+def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames, background_fullest_size):
     sched, clock = scheduler(policy=policy, max_batch=4, idle_urgent_takes_frames=idle_urgent_takes_frames,
-                             background_fullest_size=background_fullest_size, mix_sizes=mix_sizes)
+                             background_fullest_size=background_fullest_size)
     lanes = [INLINE] if policy == "serial" else [URGENT, BACKGROUND]
     generated: dict[str, int] = {}
     delivered: dict[str, list[tuple[int, int]]] = {}

@@ -1,12 +1,9 @@
 """Batched codec decode with CUDA graphs for the common chunk shapes.
 
-A codec call decodes B chunks of T frames each (the scheduler batches equal sizes, or with mixed
-lengths pads shorter chunks to T and names each row's own frames). On a GPU each (batch bucket, T)
-shape is captured once as a CUDA graph over static input/output buffers, and a call pads its batch
-up to the bucket; rows beyond the real batch decode silence from a fresh state and are dropped.
-Shapes that were not captured run eagerly. Graphs take each row's length only when made for mixed
-lengths (`mixed_lengths`): taking each row's state at its own end costs a gather per state tensor,
-which calls of equal lengths need not pay.
+A codec call decodes B chunks of T frames each (the scheduler batches equal sizes). On a GPU each
+(batch bucket, T) shape is captured once as a CUDA graph over static input/output buffers, and a call
+pads its batch up to the bucket; rows beyond the real batch decode silence from a fresh state and are
+dropped. Shapes that were not captured run eagerly.
 """
 
 from __future__ import annotations
@@ -24,10 +21,8 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 class CodecRunner:
-    def __init__(self, model: CodecModel, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None,
-                 mixed_lengths: bool = False):
+    def __init__(self, model: CodecModel, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None):
         self.model = model
-        self.mixed_lengths = mixed_lengths
         param = model.decoder.pre_conv.conv.weight
         self.device, self.dtype = param.device, param.dtype
         triton_usable(self.device)  # decided now, before any graph capture
@@ -41,46 +36,33 @@ class CodecRunner:
                     self._capture(batch, frames)
 
     def _static_inputs(self, batch: int, frames: int) -> dict:
-        inputs = {"codes": torch.zeros(batch, frames, self.quantizers, dtype=torch.long, device=self.device),
-                  "start": torch.zeros(batch, dtype=torch.long, device=self.device),
-                  "state": self.model.new_state(batch)}
-        if self.mixed_lengths:
-            inputs["valid_frames"] = torch.full((batch,), frames, dtype=torch.long, device=self.device)
-        return inputs
+        return {"codes": torch.zeros(batch, frames, self.quantizers, dtype=torch.long, device=self.device),
+                "start": torch.zeros(batch, dtype=torch.long, device=self.device),
+                "state": self.model.new_state(batch)}
 
     @torch.inference_mode()
     def _capture(self, batch: int, frames: int) -> None:
         inputs = self._static_inputs(batch, frames)
-        arguments = (inputs["codes"], inputs["start"], inputs["state"], inputs.get("valid_frames"))
         for _ in range(2):
-            self.model.decode(*arguments)
+            self.model.decode(inputs["codes"], inputs["start"], inputs["state"])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
-            outputs = self.model.decode(*arguments)
+            outputs = self.model.decode(inputs["codes"], inputs["start"], inputs["state"])
         self.pool = graph.pool()
         self.graphs[(batch, frames)] = (graph, inputs, outputs)
 
     @torch.inference_mode()
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor,
-               valid_frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """codes [B, T, Q], start [B], state [B, S], valid_frames [B] or None (see CodecModel.decode)
-        -> (audio [B, T*spf], next state [B, S]), model dtype."""
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """codes [B, T, Q], start [B], state [B, S] -> (audio [B, T*spf], next state [B, S]), model dtype."""
         batch, frames = codes.shape[0], codes.shape[1]
-        if valid_frames is not None and bool((valid_frames == frames).all()):
-            valid_frames = None  # equal lengths: any graph serves
         bucket = next((b for b in self.batch_buckets if b >= batch), None)
         entry = self.graphs.get((bucket, frames)) if bucket else None
-        if entry is None or (valid_frames is not None and not self.mixed_lengths):
-            return self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device),
-                                     None if valid_frames is None else valid_frames.to(self.device))
+        if entry is None:
+            return self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
         graph, inputs, (audio, next_state) = entry
         inputs["codes"][:batch].copy_(codes)
         inputs["start"][:batch].copy_(start)
         inputs["state"][:batch].copy_(state)
-        if self.mixed_lengths:
-            inputs["valid_frames"].fill_(frames)
-            if valid_frames is not None:
-                inputs["valid_frames"][:batch].copy_(valid_frames)
         if bucket > batch:  # padding rows: a fresh stream decoding frame 0s
             inputs["codes"][batch:].zero_()
             inputs["start"][batch:].zero_()

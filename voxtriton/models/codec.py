@@ -31,34 +31,17 @@ class StateSlot:
 
 
 class StreamState:
-    """The per-request state of one decode call: named tensors with a leading batch dimension.
+    """The per-request state of one decode call: named tensors with a leading batch dimension."""
 
-    `valid_frames` [B] (optional): how many of the call's `frames` frames are each row's own; the rest
-    pad a shorter chunk to the call's length. The layers are causal, so padding changes none of a
-    row's real audio, only which columns end its input: `tail` takes each row's state there."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], valid_frames: torch.Tensor | None = None, frames: int = 0):
+    def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
         self.updated: dict[str, torch.Tensor] = {}
-        self.valid_frames, self.frames = valid_frames, frames
 
     def take(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
     def put(self, name: str, value: torch.Tensor) -> None:
         self.updated[name] = value
-
-    def tail(self, padded: torch.Tensor, keep: int, dim: int = -1) -> torch.Tensor:
-        """The `keep` entries along `dim` that end each row's input: `padded` holds `keep` entries of
-        history, then the call's frames at some number of entries per frame."""
-        if self.valid_frames is None:
-            return padded.narrow(dim, padded.shape[dim] - keep, keep)
-        dim %= padded.dim()
-        per_frame = (padded.shape[dim] - keep) // self.frames
-        index = self.valid_frames[:, None] * per_frame + torch.arange(keep, device=padded.device)  # [B, keep]
-        view, size = [1] * padded.dim(), list(padded.shape)
-        view[0], view[dim], size[dim] = padded.shape[0], keep, keep
-        return padded.gather(dim, index.view(view).expand(size))
 
 
 class StreamingModule(nn.Module):
@@ -71,13 +54,13 @@ class StreamingModule(nn.Module):
 
     def _input(self, x: torch.Tensor, state: StreamState, keep: int, activation=None) -> torch.Tensor:
         """activation(x) (or x), after the carried history when the layer keeps one (`keep` > 0): the
-        last `keep` columns of each row's own input (`StreamState.tail`) become its next history. The activation writes its output after
+        last `keep` columns become the next chunk's history. The activation writes its output after
         the history itself, so the padding costs no extra pass over the activation."""
         if not keep:
             return activation(x) if activation is not None else x
         history = state.take(self.state_name)
         padded = activation(x, history=history) if activation is not None else torch.cat((history, x), dim=-1)
-        state.put(self.state_name, state.tail(padded, keep))
+        state.put(self.state_name, padded[..., -keep:])
         return padded
 
 
@@ -205,8 +188,8 @@ class WindowKV(StreamingModule):
         old_values = state.take(self.state_name + ".values")[:, layer]
         keys, values = torch.cat((old_keys, keys), dim=2), torch.cat((old_values, values), dim=2)
         keep = self.shape[2]
-        self._new_keys.append(state.tail(keys, keep, dim=2))
-        self._new_values.append(state.tail(values, keep, dim=2))
+        self._new_keys.append(keys[:, :, -keep:])
+        self._new_values.append(values[:, :, -keep:])
         return keys, values
 
     def begin(self, state: StreamState) -> "WindowKV":
@@ -340,32 +323,27 @@ class CodecModel(nn.Module):
         param = self.decoder.pre_conv.conv.weight
         return torch.zeros(batch, self.state_size, device=device or param.device, dtype=dtype or param.dtype)
 
-    def unpack(self, packed: torch.Tensor, valid_frames: torch.Tensor | None = None, frames: int = 0) -> StreamState:
+    def unpack(self, packed: torch.Tensor) -> StreamState:
         tensors, offset = {}, 0
         for slot in self.slots:
             size = math.prod(slot.shape)
             tensors[slot.name] = packed[:, offset: offset + size].view(-1, *slot.shape)
             offset += size
-        return StreamState(tensors, valid_frames, frames)
+        return StreamState(tensors)
 
     def pack(self, state: StreamState) -> torch.Tensor:
         return torch.cat([state.updated[slot.name].reshape(state.updated[slot.name].shape[0], -1)
                           for slot in self.slots], dim=1)
 
     @torch.inference_mode()
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor,
-               valid_frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode the next chunk of B streams.
 
         codes: [B, T, 16] int64, the next T frames of each stream; start: [B] int64, frames each
         stream has decoded before; packed_state: [B, state_size] from `new_state` or a previous
-        call; valid_frames: [B] int64 in [1, T] (optional), for chunks of different lengths in one
-        call: row b's own frames are its first valid_frames[b], the rest padding, and its next state
-        continues after its own frames. Returns (waveform [B, T * samples_per_frame], of which
-        row b's first valid_frames[b] * samples_per_frame samples are its audio, next packed state).
+        call. Returns (waveform [B, T * samples_per_frame], next packed state).
         """
         param = self.decoder.pre_conv.conv.weight
-        valid = None if valid_frames is None else valid_frames.to(param.device, torch.long)
-        state = self.unpack(packed_state.to(param.dtype), valid, codes.shape[1])
+        state = self.unpack(packed_state.to(param.dtype))
         wav = self.decoder(codes.long(), start.long(), state)
         return wav, self.pack(state)

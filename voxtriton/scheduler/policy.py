@@ -52,13 +52,6 @@ class SchedulerConfig:
     # background lane's calls took 12 chunks instead of 8 and no stream stalled at 64-68 req/s,
     # where the earliest-deadline size stalled 0, 12 and 42 (benchmarks/results/goodput_h200.md).
     background_fullest_size: bool = True
-    # A call takes, besides its head's size, chunks of at least half that size, padded to the
-    # head's length (the codec keeps each row's state at its own last frame; codec setting
-    # mixed_lengths). Half: no row costs more than twice its own frames. A lane's calls took 5-6
-    # chunks at p50 on the H200 while dozens waited, mostly of other sizes (session 9). Measured
-    # worse on the H200 (session 10, 1.7B): padded calls made codec calls about a fifth longer,
-    # and 920 streams stalled at 68 req/s against 476 without it, so it stays off.
-    mix_sizes: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -246,11 +239,9 @@ class ChunkScheduler:
             self.queues[URGENT].append(chunk)
 
     def next_batch(self, lane: str) -> list[Chunk]:
-        """Chunks for one decode call on `lane`: the most urgent chunk plus others of its size (or, with
-        `mix_sizes`, of up to its size).
+        """Chunks for one decode call on `lane`: the most urgent chunk plus others of its size.
 
-        Equal sizes (`decode_frames`) keep a batch one shape (with `mix_sizes`, shorter chunks join,
-        padded). Within a lane the order is
+        Equal sizes (`decode_frames`) keep a batch one shape. Within a lane the order is
         earliest deadline first (first come first served for `concurrent`), so no chunk waits
         behind an unbounded stream of later ones; background chunks that run out of slack are
         promoted to the urgent lane instead of waiting for the slow one, and an idle urgent lane may
@@ -271,16 +262,11 @@ class ChunkScheduler:
             queue.sort(key=lambda c: c.decode_frames != fullest)  # stable: deadline order within each part
         return self._take_head_size(queue, self.config.max_batch)
 
-    def _take_head_size(self, queue: list[Chunk], limit: int) -> list[Chunk]:
-        """Up to `limit` chunks of the (sorted) queue's head size (or, with `mix_sizes`, of at most
-        that size and at least half of it), in queue order, taken off it. The call decodes the
-        head's length."""
+    @staticmethod
+    def _take_head_size(queue: list[Chunk], limit: int) -> list[Chunk]:
+        """Up to `limit` chunks of the (sorted) queue's head size, in queue order, taken off it."""
         size = queue[0].decode_frames
-        if self.config.mix_sizes:
-            fits = lambda c: size <= 2 * c.decode_frames <= 2 * size
-        else:
-            fits = lambda c: c.decode_frames == size
-        batch = [c for c in queue if fits(c)][:limit]
+        batch = [c for c in queue if c.decode_frames == size][:limit]
         for chunk in batch:
             queue.remove(chunk)
         return batch

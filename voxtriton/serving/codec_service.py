@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 
@@ -33,20 +32,15 @@ class CodecService:
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             self.runner = CodecRunner(self.model, int_list(settings.graph_batch_sizes) if graphs else None,
-                                      int_list(settings.graph_frame_sizes) if graphs else None,
-                                      mixed_lengths=settings.mixed_lengths)
+                                      int_list(settings.graph_frame_sizes) if graphs else None)
         self.state_size = self.model.state_size
         self.calls = 0
 
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
-               valid_frames: torch.Tensor | None = None) -> torch.Tensor:
-        """codes [B, T, Q] int, start [B] int64, slots [B] int64, valid_frames [B] int64 or None
-        -> audio [B, T*spf] fp32.
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, Q] int, start [B] int64, slots [B] int64 -> audio [B, T*spf] fp32.
 
         Each stream's codec state is row `slots[i]` of `pool` (see state_pool): read, advanced and
         written back in place; a stream at frame 0 starts from a fresh state, whatever its row holds.
-        With `valid_frames`, row i's chunk is its first valid_frames[i] frames (the rest pad it to
-        T), and its state advances by those only.
         """
         self._maybe_fail()
         batch = codes.shape[0]
@@ -54,9 +48,6 @@ class CodecService:
             raise ValueError(f"codes must be [batch, frames, {self.model.config.num_quantizers}], got {list(codes.shape)}")
         if start.shape != (batch,) or slots.shape != (batch,):
             raise ValueError(f"start and slots must be [{batch}], got {list(start.shape)} and {list(slots.shape)}")
-        if valid_frames is not None and (valid_frames.shape != (batch,) or int(valid_frames.min()) < 1
-                                         or int(valid_frames.max()) > codes.shape[1]):
-            raise ValueError(f"valid_frames must be [{batch}] counts in [1, {codes.shape[1]}], got {valid_frames.tolist()}")
         if pool.dim() != 2 or pool.shape[1] != self.state_size:
             raise ValueError(f"state_pool holds states of {pool.shape[1:]} values, this codec needs {self.state_size}")
         # An out-of-range code or slot would be a device-side assert, which ends this process (and
@@ -70,7 +61,7 @@ class CodecService:
         with self.partition:
             start = start.to(self.device)
             state = pool[slots].to(self.device).masked_fill_((start == 0)[:, None], 0.0)
-            audio, new_state = self.runner.decode(codes.to(self.device), start, state, valid_frames)
+            audio, new_state = self.runner.decode(codes.to(self.device), start, state)
             pool[slots] = new_state.float().to(pool.device)
             audio = audio.float().cpu()  # waits for the decode and (same device) the state write-back
         if pool.device != self.device and pool.device.type == "cuda":  # disaggregated: the pool is elsewhere
@@ -81,15 +72,12 @@ class CodecService:
         """Test-only fault injection (config parameter `test_fault`), to prove a failing lane fails
         only the requests it was serving. "raise:N": every Nth call raises. "exit:N": the Nth call
         kills this process, once per server (a marker file outlives the process, so the reloaded
-        lane runs normally). "delay:MS": every call takes MS ms longer, so chunks queue up behind it."""
+        lane runs normally)."""
         self.calls += 1
         fault = self.settings.test_fault
         if not fault:
             return
         kind, _, every = fault.partition(":")
-        if kind == "delay":
-            time.sleep(int(every) / 1000)
-            return
         if every and self.calls % int(every):
             return
         if kind == "raise":
@@ -109,6 +97,5 @@ class InProcessLane:
     def __init__(self, service: CodecService, pool: torch.Tensor):
         self.service, self.pool = service, pool
 
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
-               valid_frames: torch.Tensor | None = None) -> torch.Tensor:
-        return self.service.decode(codes, start, slots, self.pool, valid_frames)
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.service.decode(codes, start, slots, self.pool)

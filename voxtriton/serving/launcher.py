@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .settings import TRUE_WORDS, cache_dir, visible_devices
+from .settings import cache_dir, visible_devices
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -196,10 +196,6 @@ class TritonServer:
                     overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
             else:
                 print("voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device")
-        if (parameters or {}).get("tts", {}).get("scheduler_mix_sizes", "").lower() in TRUE_WORDS:
-            # mixed-size calls need codec graphs that take each row's length (CodecSettings.mixed_lengths)
-            for model in ("codec_urgent", "codec_background"):
-                overrides.setdefault(model, {})["mixed_lengths"] = "true"
         for model, values in (parameters or {}).items():
             overrides.setdefault(model, {}).update(values)
         self.repository = render_repository(repository, self.workdir / "models", overrides)

@@ -142,12 +142,9 @@ class CodecSettings:
     # cuda_graphs only) instead of taking its heuristic's choice, which for some dilated layers is a
     # fallback kernel 10x slower (benchmarks/results/codec_speed_h200.md, session 9).
     cudnn_autotune: bool = True
-    # Graphs that take each row's own chunk length, for the tts scheduler_mix_sizes calls (where
-    # shorter chunks are padded to the call's length). Without them those calls run eagerly.
-    mixed_lengths: bool = False
     graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
     graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes
-    test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" | "delay:MS" (see README)
+    test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (see README)
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)

@@ -112,14 +112,12 @@ class BLSCodecLane:
         self.restart_lock = threading.Lock()
         self.restarts = 0
 
-    def decode(self, codes, start, slots, valid_frames=None):
+    def decode(self, codes, start, slots):
         restarts_before = self.restarts
-        inputs = [to_triton("codes", codes), to_triton("start", start), to_triton("slots", slots),
-                  to_triton("state_pool", self.pool_handle)]
-        if valid_frames is not None:
-            inputs.append(to_triton("valid_frames", valid_frames))
         request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=["audio"], inputs=inputs,
+            model_name=self.model_name, requested_output_names=["audio"],
+            inputs=[to_triton("codes", codes), to_triton("start", start), to_triton("slots", slots),
+                    to_triton("state_pool", self.pool_handle)],
             preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
         response = request.exec()
         if response.has_error():
@@ -249,9 +247,7 @@ class CodecTritonModel:
             try:
                 get = lambda name: from_triton(pb_utils.get_input_tensor_by_name(request, name))
                 pool = attach(get("state_pool").cpu().numpy().tobytes(), server_pid=os.getppid())
-                valid = pb_utils.get_input_tensor_by_name(request, "valid_frames")  # optional
-                audio = self.service.decode(get("codes"), get("start"), get("slots"), pool,
-                                            None if valid is None else from_triton(valid))
+                audio = self.service.decode(get("codes"), get("start"), get("slots"), pool)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton("audio", audio)]))
             except Exception as error:
                 log.error("%s: decode failed: %s", self.name, error)

@@ -41,10 +41,8 @@ CHECKS_PER_HOLD = 32  # cancellation checks per hold of the service lock (about 
 
 
 class CodecLane(Protocol):
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
-               valid_frames: torch.Tensor | None = None) -> torch.Tensor:
-        """codes [B, T, Q] int32, start [B] int64, slots [B] int64 (rows of the codec state pool),
-        valid_frames [B] int64 (each row's own frames, when chunks of several lengths share the call)
+    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, Q] int32, start [B] int64, slots [B] int64 (rows of the codec state pool)
         -> audio [B, N] fp32 on the CPU."""
 
 
@@ -373,20 +371,16 @@ class TTSService:
             live = [(c, s) for c, s in live if s is not None and not s.ended]
             if not live:
                 return
-            call_frames = max(c.decode_frames for c, _ in live)  # longer than a row's own with mixed sizes
-            codes = np.stack([padded_codes(s.frames[c.first_frame: c.first_frame + c.frames], call_frames)
+            codes = np.stack([padded_codes(s.frames[c.first_frame: c.first_frame + c.frames], c.decode_frames)
                               for c, s in live])
-            own_frames = [c.decode_frames for c, _ in live]
             for _, stream in live:
                 stream.decoding = True
         issued = self.clock()
         try:
-            arguments = [torch.from_numpy(codes.astype(np.int32)),
-                         torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
-                         torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64)]
-            if min(own_frames) < call_frames:
-                arguments.append(torch.tensor(own_frames, dtype=torch.int64))
-            audio = self.lanes[URGENT if lane == INLINE else lane].decode(*arguments)
+            audio = self.lanes[URGENT if lane == INLINE else lane].decode(
+                torch.from_numpy(codes.astype(np.int32)),
+                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
+                torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64))
         except Exception as error:
             log.error("codec lane %s failed: %s", lane, error)
             with self.lock:
