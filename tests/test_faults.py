@@ -13,11 +13,12 @@ from voxtriton_client import TTSClient
 pytestmark = pytest.mark.server
 
 
-@pytest.fixture
-def faulty_server(tiny_checkpoint):
+@pytest.fixture(params=["1", "2"], ids=["one lane worker", "two lane workers"])
+def faulty_server(tiny_checkpoint, request):
     # Every 7th call of the urgent codec raises; all chunks go there under `concurrent`.
     with start_server(tiny_checkpoint, policy="concurrent",
-                      parameters={"codec_urgent": {"test_fault": "raise:7"}}) as running:
+                      parameters={"codec_urgent": {"test_fault": "raise:7"},
+                                  "tts": {"lane_workers": request.param}}) as running:
         yield running
 
 

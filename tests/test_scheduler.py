@@ -152,8 +152,8 @@ def test_an_idle_urgent_lane_takes_the_most_urgent_of_a_background_backlog_up_to
 
 @pytest.mark.parametrize("fullest", [False, True])
 def test_the_background_lane_can_take_its_fullest_size_instead_of_its_heads(fullest):
-    """Two 8-frame chunks due soonest, three 16-frame chunks due later: by default the head's size
-    goes first; with `background_fullest_size` the three, in deadline order."""
+    """Two 8-frame chunks due soonest, three 16-frame chunks due later: without
+    `background_fullest_size` the head's size goes first; with it the three, in deadline order."""
     sched, clock = scheduler(chunk_schedule="4,8,16", slack_margin_s=0.0, max_batch=4, background_fullest_size=fullest)
     later, sooner = ["c", "d", "e"], ["a", "b"]
     for names in (later, sooner):

@@ -4,9 +4,9 @@ Threads:
 - the caller (Triton's execute) submits requests and returns at once (decoupled model);
 - the engine thread admits requests, runs one frame step for every running request, and hands the
   frames to the chunk scheduler, which cuts chunks and queues them on a lane;
-- one worker per codec lane (or `lane_workers` of them) takes a batch from its queue, calls the
-  codec (BLS in the server), sends each chunk's audio to its stream (without the service lock), and
-  lets the scheduler cut that stream's next chunk;
+- each codec lane's workers (`lane_workers`, two in the server) take a batch from its queue, call the
+  codec (BLS in the server), send each chunk's audio to its stream (without the service lock), and
+  let the scheduler cut that stream's next chunk;
 - a watcher polls the clients' cancellation flags (a round trip to the server process each, so
   not on the engine thread, whose every millisecond delays every stream).
 A stream has at most one chunk in flight (the next one continues the codec state this one leaves in
@@ -104,7 +104,8 @@ class TTSService:
                  lane_workers: int = 1):
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
         given, gets one JSON line per chunk sent and per frame step (see `_write_trace`).
-        `lane_workers`: codec calls each lane keeps in flight (`TTSSettings.lane_workers`)."""
+        `lane_workers`: codec calls each lane keeps in flight; the server passes
+        `TTSSettings.lane_workers` (2), direct users get one unless they ask."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
