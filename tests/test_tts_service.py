@@ -188,16 +188,15 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
         assert record["due"] >= previous["due"] + previous["frames"] * 0.08 - 1e-6
 
 
-class LaneThatHoldsItsFirstCall:
-    """Its first call waits until `release` is set (by the test, or with `until_second_call` by a
-    second call starting) or 30 s pass; calls then decode one at a time, as Triton runs them at one
-    codec instance."""
+class LaneThatHoldsItsFirstCallUntilASecondStarts:
+    """Its first call waits until a second call starts, or 30 s pass; calls then decode one at a time,
+    as Triton runs them at one codec instance."""
 
-    def __init__(self, lane, until_second_call: bool = False):
-        self.lane, self.until_second_call, self.calls = lane, until_second_call, 0
+    def __init__(self, lane):
+        self.lane, self.calls = lane, 0
         self.lock, self.decoding = threading.Lock(), threading.Lock()
-        self.first_started, self.release = threading.Event(), threading.Event()
-        self.released = False  # the first call was released, not timed out
+        self.first_started, self.second_started = threading.Event(), threading.Event()
+        self.released = False  # the first call was released by a second, not timed out
 
     def decode(self, codes, start, slots):
         with self.lock:
@@ -205,9 +204,9 @@ class LaneThatHoldsItsFirstCall:
             call = self.calls
         if call == 1:
             self.first_started.set()
-            self.released = self.release.wait(30)
-        elif call == 2 and self.until_second_call:
-            self.release.set()
+            self.released = self.second_started.wait(30)
+        elif call == 2:
+            self.second_started.set()
         with self.decoding:
             return self.lane.decode(codes, start, slots)
 
@@ -217,7 +216,7 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
     get exactly the audio of decoding their codes in one piece; every codec slot comes back."""
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,4")
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config, lane_workers=2)
-    lane = LaneThatHoldsItsFirstCall(InProcessLane(codec, pool.tensor), until_second_call=True)
+    lane = LaneThatHoldsItsFirstCallUntilASecondStarts(InProcessLane(codec, pool.tensor))
     trace = io.StringIO()
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, lane_workers=2,
                          chunk_trace=trace)
