@@ -22,7 +22,8 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
     ("cancellation_check_s", "fast", "'cancellation_check_s': cannot read 'fast' as float"),
     ("cancellation_check_s", "0", "'cancellation_check_s' must be positive"),
     ("backbone_sms", "100", "unknown parameter(s) backbone_sms"),
-    ("background_sms", "most", "'background_sms' must be 'half' or an SM count, got 'most'"),
+    ("background_sms", "most", "'background_sms' must be an SM count or a fraction of the GPU's SMs between 0 and 1 (such as 0.75), got 'most'"),
+    ("background_sms", "1.5", "'background_sms' must be an SM count or a fraction"),
     ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),
     ("lane_workers", "0", "'lane_workers' must be at least 1, got 0"),
     ("scheduler_idle_urgent_takes_frames", "-1", "scheduler_idle_urgent_takes_frames must be >= 0, got -1"),
@@ -33,14 +34,16 @@ def test_a_bad_parameter_is_refused_by_name(name, value, message):
     assert message in str(error.value)
 
 
-def test_the_background_lane_is_half_the_gpu_by_default_in_groups_of_eight_sms():
+def test_the_background_lane_is_three_quarters_of_the_gpu_by_default_in_groups_of_eight_sms():
     settings, _ = TTSSettings.from_model_config(config())
-    assert settings.background_sms == "half" and lane_sms(settings.background_sms, 132) == 64  # H200
-    assert lane_sms("half", 58) == 24 and lane_sms("half", 10) == 8 and lane_sms("40", 132) == 40
-    assert CodecSettings.from_model_config(config(sm_count="half")).sm_count == "half"
+    assert settings.background_sms == "0.75" and lane_sms(settings.background_sms, 132) == 96  # H200
+    assert lane_sms("0.5", 132) == 64 and lane_sms("0.5", 58) == 24 and lane_sms("0.5", 10) == 8
+    assert lane_sms("40", 132) == 40 and lane_sms("0", 132) == 0
+    assert CodecSettings.from_model_config(config(sm_count="0.5")).sm_count == "0.5"
     assert lane_sms(CodecSettings.from_model_config(config()).sm_count, 132) == 0  # the whole GPU
-    with pytest.raises(ValueError, match="'sm_count' must be 'half' or an SM count, got '-8'"):
-        CodecSettings.from_model_config(config(sm_count="-8"))
+    for bad in ("-8", "1.0", "nan", "half"):
+        with pytest.raises(ValueError, match=f"'sm_count' must be an SM count or a fraction .*, got '{bad}'"):
+            CodecSettings.from_model_config(config(sm_count=bad))
 
 
 def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, tmp_path):

@@ -41,9 +41,10 @@ class SchedulerConfig:
     # voxserve: when the urgent lane has nothing to decode and the background lane is more than a
     # call behind, the urgent lane takes background chunks (earliest deadline first, one size) of up
     # to this many frames in all; 0: never. Kept small, so a first chunk that arrives meanwhile waits
-    # for one short call per urgent lane worker at most. On the H200 (session 10, 1.7B, one lane
-    # worker) 16 stalled 0 and 14 streams at 66 and 68 req/s where off stalled 12 and 42, but it was
-    # not measured with the defaults below, so it stays off.
+    # for one short call per urgent lane worker at most. On the H200 (1.7B) 16 stalled 0 and 14
+    # streams at 66 and 68 req/s where off stalled 12 and 42 with one lane worker (session 10); with
+    # two workers and the defaults below, 50 and 100 stalled as many as off at 80 and 84 req/s and
+    # raised p90 TTFA at 76 from 185 to 197-198 ms (session 11), so it stays off.
     idle_urgent_takes_frames: int = 0
     # voxserve: the background lane decodes the size with the most chunks waiting (earliest deadline
     # first within it) instead of the size of its earliest-deadline chunk. Every chunk it holds has

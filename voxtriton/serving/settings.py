@@ -73,9 +73,12 @@ class TTSSettings:
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
-    # SMs of the background codec lane (voxserve): a count, or "half" (see `lane_sms`). On the H200,
-    # 64 stalled fewer streams than 32 or 48 (benchmarks/results/goodput_h200.md).
-    background_sms: str = "half"
+    # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (see
+    # `lane_sms`). On the H200 (1.7B, benchmarks/results/goodput_h200.md): 64 SMs stalled fewer
+    # streams than 32 or 48 (session 7), and 96 no clearly fewer than 64 at 54-58 req/s (session 8).
+    # With two calls in flight per lane (session 11, one machine, one run each) 0.75 (96 SMs) stalled
+    # none at 78 and 80 req/s (two probes), where 64 stalled 44 at 80, and 112 stalled 9 at 76.
+    background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
     # kernels filling in around it; "exclusive" gives it only the SMs the background lane does not
     # use. On the H200 "shared" stalled fewer streams at every rate measured (goodput_h200.md).
@@ -135,7 +138,7 @@ class CodecSettings:
     checkpoint_dir: str = ""
     device: str = "auto"
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
-    sm_count: str = "0"  # "0": the whole GPU; N: a green context of N SMs; "half": see `lane_sms`
+    sm_count: str = "0"  # "0": the whole GPU; N: a green context of N SMs; a fraction: see `lane_sms`
     high_priority: bool = False  # whole-GPU lanes only: a high-priority CUDA stream (the urgent lane)
     cuda_graphs: bool = True
     # Let cuDNN time its convolution algorithms per shape (before each graph capture; with
@@ -156,21 +159,25 @@ class CodecSettings:
         return _from_parameters(CodecSettings, params)
 
 
-HALF_OF_THE_GPU = "half"
-
-
 def check_lane_sms(name: str, value: str) -> None:
-    """'half' or a count (0: the whole GPU; where a partition is required, the model refuses 0 on the GPU)."""
-    if value != HALF_OF_THE_GPU and not value.isdigit():
-        raise ValueError(f"config.pbtxt parameter {name!r} must be {HALF_OF_THE_GPU!r} or an SM count, got {value!r}")
+    """An SM count (0: the whole GPU; where a partition is required, the model refuses 0 on the GPU)
+    or a fraction of the GPU's SMs between 0 and 1, such as 0.75."""
+    try:
+        count_or_fraction = float(value)
+    except ValueError:
+        count_or_fraction = -1.0
+    if not (value.isdigit() or 0 < count_or_fraction < 1):
+        raise ValueError(f"config.pbtxt parameter {name!r} must be an SM count or a fraction of the GPU's SMs "
+                         f"between 0 and 1 (such as 0.75), got {value!r}")
 
 
 def lane_sms(value: str, total_sms: int) -> int:
-    """SMs of a lane's partition on a GPU of `total_sms` SMs. "half": half of them, rounded down to
-    a multiple of 8 (green contexts come in groups of SMs; 64 of the H200's 132), at least 8."""
-    if value == HALF_OF_THE_GPU:
-        return max(8, total_sms // 2 // 8 * 8)
-    return int(value)
+    """SMs of a lane's partition on a GPU of `total_sms` SMs: a count as given, or a fraction of them
+    rounded down to a multiple of 8 (green contexts come in groups of SMs), at least 8. On the H200's
+    132 SMs 0.75 is 96 and 0.5 is 64."""
+    if value.isdigit():
+        return int(value)
+    return max(8, int(float(value) * total_sms) // 8 * 8)
 
 
 def int_list(text: str) -> list[int]:
