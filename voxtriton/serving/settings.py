@@ -92,6 +92,14 @@ class TTSSettings:
     # waiting from 13.3 s to 1.0 s of a run: voxserve stalled no stream at 64-68 req/s where one
     # worker stalled 0, 12 and 42, and concurrent's goodput rose from 54 to 58 req/s.
     lane_workers: int = 2
+    # The interpreter's switch interval in the tts process, in ms (Python's default is 5). A lane
+    # worker whose codec call or chunk send returns (round trips that drop the GIL) waits up to this
+    # long for the GIL while another thread runs Python, as the engine thread does in every frame
+    # step: on CPU, 6 sends beside a thread running Python took 32 ms at 5 ms and 4.8 ms at 0.5
+    # (`benchmarks/response_sends.py`, session 11). A shorter interval also lets those threads cut
+    # into the engine's Python work. On the H200 0.5 made no difference at 18 req/s (session 4); not
+    # measured at today's load, so Python's default stays.
+    switch_interval_ms: float = 5.0
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.2  # a sweep makes one round trip per open stream
@@ -120,6 +128,8 @@ class TTSSettings:
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")
         check_lane_sms("background_sms", self.background_sms)
+        if not self.switch_interval_ms > 0:
+            raise ValueError(f"config.pbtxt parameter 'switch_interval_ms' must be positive, got {self.switch_interval_ms}")
         if self.lane_workers < 1:
             raise ValueError(f"config.pbtxt parameter 'lane_workers' must be at least 1, got {self.lane_workers}")
         if self.text_layout not in ("full", "interleaved"):

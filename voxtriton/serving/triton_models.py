@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -154,6 +155,7 @@ class TTSTritonModel:
         _exit_with_server()
         settings, scheduler_config = TTSSettings.from_model_config(args["model_config"])
         self.settings = settings
+        sys.setswitchinterval(settings.switch_interval_ms / 1e3)
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         checkpoint = ensure_checkpoint(settings.checkpoint_dir)

@@ -1,0 +1,153 @@
+"""What does a codec lane pay to send a batch of chunks? A real tritonserver runs one throwaway
+decoupled Python model. The client opens one streaming request per chunk of a batch, as a codec call
+decodes one chunk for each of several streams; the model then sends batches of responses (one
+chunk of audio to each request), as a lane worker does after a codec call, and times one batch:
+- alone, or beside a thread that runs Python (as the engine thread does, handling every frame
+  step's frames);
+- one send after the other (each a round trip to the server process that drops the GIL, and beside
+  a thread running Python takes about the switch interval to get it back; `bls_gil.py`), or every
+  send of the batch on a thread of its own at once;
+- at several switch intervals (the interpreter's default is 5 ms).
+
+    python benchmarks/response_sends.py --chunks 6 --batches 50 --switch-intervals-ms 5,0.5,0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from voxtriton.serving.launcher import TritonServer
+
+CONFIG = """name: "sender"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "SHAPE" data_type: TYPE_INT32 dims: [ 3 ] } ]
+output [ { name: "AUDIO" data_type: TYPE_FP32 dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+SENDER = """import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+CASES = {cases!r}
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class Spinner:  # a thread that runs Python
+    def __enter__(self):
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.spin)
+        self.thread.start()
+        time.sleep(0.05)
+
+    def spin(self):
+        while not self.stop.is_set():
+            pass
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def batch_ms(send_batch, batches, beside_python, switch_interval_s):
+    default = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval_s)
+    try:
+        with Spinner() if beside_python else open("/dev/null"):
+            started = time.perf_counter()
+            for _ in range(batches):
+                send_batch()
+            return (time.perf_counter() - started) / batches * 1e3
+    finally:
+        sys.setswitchinterval(default)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.senders = []
+
+    def execute(self, requests):
+        for request in requests:
+            chunks, batches, samples = (int(v) for v in pb_utils.get_input_tensor_by_name(request, "SHAPE").as_numpy())
+            self.senders.append(request.get_response_sender())
+        if len(self.senders) == chunks:  # every stream of the batch is open: measure, off Triton's thread
+            threading.Thread(target=self.measure, args=(self.senders, batches, samples)).start()
+            self.senders = []
+        return None
+
+    def measure(self, senders, batches, samples):
+        audio = np.random.rand(samples).astype(np.float32)
+        pool = ThreadPoolExecutor(len(senders))
+        send = lambda sender: sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", audio)]))
+        def one_after_another():
+            for sender in senders:
+                send(sender)
+        def all_at_once():
+            list(pool.map(send, senders))
+        times = [batch_ms(one_after_another if mode == "one after another" else all_at_once, batches, beside, interval)
+                 for interval, beside, mode in CASES]
+        pool.shutdown()
+        # The first stream's last response holds one time per case, in the order of CASES.
+        senders[0].send(pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.array(times, np.float32))]), flags=FINAL)
+        for sender in senders[1:]:
+            sender.send(flags=FINAL)
+"""
+
+
+def write_repository(root: Path, cases: list[tuple]) -> Path:
+    """`cases`: (switch interval in seconds, beside a thread running Python, how a batch is sent)."""
+    (root / "sender" / "1").mkdir(parents=True)
+    (root / "sender" / "config.pbtxt").write_text(CONFIG)
+    (root / "sender" / "1" / "model.py").write_text(SENDER.replace("{cases!r}", repr(cases)))
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=6, help="chunks (streams) per batch: an urgent call's")
+    parser.add_argument("--batches", type=int, default=50, help="batches timed per case")
+    parser.add_argument("--frames", type=int, default=4, help="audio frames per chunk (1920 samples each)")
+    parser.add_argument("--switch-intervals-ms", default="5,0.5", help="comma-separated")
+    parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
+    args = parser.parse_args()
+    cases = [(float(ms) / 1e3, beside, mode) for ms in args.switch_intervals_ms.split(",") for beside in (False, True)
+             for mode in ("one after another", "all at once")]
+    with tempfile.TemporaryDirectory() as tmp:
+        server = TritonServer(repository=write_repository(Path(tmp), cases), tritonserver=args.tritonserver, use_mps=False)
+        with server:
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            results: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            shape = grpcclient.InferInput("SHAPE", [3], "INT32")
+            shape.set_data_from_numpy(np.array([args.chunks, args.batches, args.frames * 1920], np.int32))
+            for stream in range(args.chunks):
+                client.async_stream_infer("sender", [shape], request_id=str(stream), enable_empty_final_response=True)
+            times, open_streams = None, args.chunks
+            while open_streams:
+                result, error = results.get(timeout=600)
+                if error is not None:
+                    raise SystemExit(f"sender failed: {error}\n{server.log_tail(20)}")
+                response = result.get_response()
+                if response.parameters["triton_final_response"].bool_param:
+                    open_streams -= 1
+                    if response.id == "0":
+                        times = result.as_numpy("AUDIO")
+            client.stop_stream()
+    print(f"one batch of {args.chunks} chunk sends to {args.chunks} streams ({args.frames} frames of audio each), "
+          f"mean of {args.batches} batches, ms:")
+    for (interval, beside, mode), ms in zip(cases, times):
+        print(f"  {mode}, {'beside a thread running Python' if beside else 'alone'}, switch interval "
+              f"{interval * 1e3:g} ms: {ms:.2f}")
+
+
+if __name__ == "__main__":
+    main()
