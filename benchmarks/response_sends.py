@@ -7,7 +7,8 @@ chunk of audio to each request), as a lane worker does after a codec call, and t
 - one send after the other (each a round trip to the server process that drops the GIL, and beside
   a thread running Python takes about the switch interval to get it back; `bls_gil.py`), or every
   send of the batch on a thread of its own at once;
-- at several switch intervals (the interpreter's default is 5 ms).
+- at several switch intervals (the interpreter's default is 5 ms), with what the thread running
+  Python gives up meanwhile (its speed as a share of its speed alone).
 
     python benchmarks/response_sends.py --chunks 6 --batches 50 --switch-intervals-ms 5,0.5,0.1
 """
@@ -42,31 +43,45 @@ CASES = {cases!r}
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class Spinner:  # a thread that runs Python
+class Spinner:  # a thread that runs Python, counting its loops
     def __enter__(self):
-        self.stop = threading.Event()
+        self.stop, self.loops = threading.Event(), 0
         self.thread = threading.Thread(target=self.spin)
         self.thread.start()
         time.sleep(0.05)
+        self.started, self.first = time.perf_counter(), self.loops
+        return self
 
     def spin(self):
         while not self.stop.is_set():
-            pass
+            self.loops += 1
+
+    def rate(self):
+        return (self.loops - self.first) / (time.perf_counter() - self.started)
 
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
 
 
-def batch_ms(send_batch, batches, beside_python, switch_interval_s):
+def timed(send_batch, batches, beside_python, switch_interval_s):
+    # ms per batch, and the spinner's speed meanwhile as a share of its speed while this thread sleeps
     default = sys.getswitchinterval()
     sys.setswitchinterval(switch_interval_s)
     try:
-        with Spinner() if beside_python else open("/dev/null"):
+        if not beside_python:
             started = time.perf_counter()
             for _ in range(batches):
                 send_batch()
-            return (time.perf_counter() - started) / batches * 1e3
+            return (time.perf_counter() - started) / batches * 1e3, 0.0
+        with Spinner() as spinner:
+            time.sleep(0.3)
+            alone = spinner.rate()
+            spinner.started, spinner.first = time.perf_counter(), spinner.loops
+            for _ in range(batches):
+                send_batch()
+            ms = (time.perf_counter() - spinner.started) / batches * 1e3
+            return ms, spinner.rate() / alone
     finally:
         sys.setswitchinterval(default)
 
@@ -93,10 +108,12 @@ class TritonPythonModel:
                 send(sender)
         def all_at_once():
             list(pool.map(send, senders))
-        times = [batch_ms(one_after_another if mode == "one after another" else all_at_once, batches, beside, interval)
-                 for interval, beside, mode in CASES]
+        times = []
+        for interval, beside, mode in CASES:
+            times += timed(one_after_another if mode == "one after another" else all_at_once, batches, beside, interval)
         pool.shutdown()
-        # The first stream's last response holds one time per case, in the order of CASES.
+        # The first stream's last response: per case, in the order of CASES, ms per batch and the
+        # spinner's speed as a share of its speed alone.
         senders[0].send(pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.array(times, np.float32))]), flags=FINAL)
         for sender in senders[1:]:
             sender.send(flags=FINAL)
@@ -144,9 +161,9 @@ def main() -> None:
             client.stop_stream()
     print(f"one batch of {args.chunks} chunk sends to {args.chunks} streams ({args.frames} frames of audio each), "
           f"mean of {args.batches} batches, ms:")
-    for (interval, beside, mode), ms in zip(cases, times):
+    for (interval, beside, mode), ms, share in zip(cases, times[0::2], times[1::2]):
         print(f"  {mode}, {'beside a thread running Python' if beside else 'alone'}, switch interval "
-              f"{interval * 1e3:g} ms: {ms:.2f}")
+              f"{interval * 1e3:g} ms: {ms:.2f}" + (f" (that thread ran at {share:.0%} of its speed alone)" if beside else ""))
 
 
 if __name__ == "__main__":
