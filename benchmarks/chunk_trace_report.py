@@ -1,5 +1,8 @@
 """Where late chunks lost their time, from a server's chunk trace (tts `chunk_trace_path`).
 
+First chunks: the server's part of TTFA split into generation (admission, prefill and the first
+frames), the wait for a codec lane, the codec call and the send, at p50 and p90, over the slowest
+tenth, and per time window.
 Per chunk index: how long after the stream's first chunk was sent the chunk was cut (its frames
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
 after they were due) by index and lane. The frame period over the course of the run, measured from
@@ -126,6 +129,35 @@ def lane_backlog(chunks: list[dict], starts: list[float]) -> tuple[list[int], co
     return backlog, sizes
 
 
+FIRST_CHUNK_PARTS = {  # the server's part of TTFA, in order
+    "generate": lambda r: r["cut"] - r["arrived"],  # admission, prefill and the first chunk's frames
+    "lane_wait": lambda r: r["start"] - r["cut"],  # for a lane worker, and in Triton's queue behind the lane's other call
+    "codec": lambda r: r["end"] - r["start"],
+    "send": lambda r: r["sent"] - r["end"],  # the sends of the call's chunks ahead of this one, and its own
+    "total": lambda r: r["sent"] - r["arrived"],
+}
+
+
+def first_chunks(records: list[dict], origin: float, window_s: float) -> dict | None:
+    """Where the server's part of TTFA goes: each part of every first chunk's path (p50, p90), the
+    parts' means over the slowest tenth of first chunks (the tail that fails a p90 target), and per
+    time window (by arrival) the p90 of the whole and of each part."""
+    firsts = [r for r in records if r["index"] == 0]
+    if not firsts:
+        return None
+    ms = lambda values, q: round(quantile(values, q) * 1e3, 1)
+    parts = lambda group, q: {name: ms([part(r) for r in group], q) for name, part in FIRST_CHUNK_PARTS.items()}
+    slowest = sorted(firsts, key=FIRST_CHUNK_PARTS["total"])[-max(1, len(firsts) // 10):]
+    windows = collections.defaultdict(list)
+    for record in firsts:
+        windows[int((record["arrived"] - origin) // window_s)].append(record)
+    return {"count": len(firsts), "p50_ms": parts(firsts, 0.5), "p90_ms": parts(firsts, 0.9),
+            "slowest_tenth_mean_ms": {name: round(statistics.fmean(part(r) for r in slowest) * 1e3, 1)
+                                      for name, part in FIRST_CHUNK_PARTS.items()},
+            "p90_ms_by_window": {f"{key * window_s:g}s": {"count": len(group), **parts(group, 0.9)}
+                                 for key, group in sorted(windows.items())}}
+
+
 def report(lines: list[dict], window_s: float = 4.0) -> dict:
     # Traces from before the step lines have chunk lines without a kind.
     records = [r for r in lines if r.get("kind", "chunk") == "chunk"]
@@ -156,6 +188,7 @@ def report(lines: list[dict], window_s: float = 4.0) -> dict:
             "late_by_lane": dict(collections.Counter(r["lane"] for r in late)),
             "late_arrived_s": [round(min(r["arrived"] for r in late) - origin, 1),
                                round(max(r["arrived"] for r in late) - origin, 1)] if late else None,
+            "first_chunks": first_chunks(records, origin, window_s),
             "by_index": by_index,
             "frame_period_ms_by_window": {f"{k * window_s:g}s": round(statistics.median(v))
                                           for k, v in sorted(periods.items()) if len(v) > 5},

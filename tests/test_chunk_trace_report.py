@@ -96,3 +96,23 @@ def test_gaps_between_calls_are_split_by_whether_a_chunk_was_waiting(tmp_path):
     # At call b's start chunk d was not cut yet; at c's, d (cut at 0.110, started at 0.125) waited.
     assert (gaps["waiting_at_call_start_p50"], gaps["waiting_at_call_start_p90"]) == (0, 1)
     assert gaps["waiting_frames_mix"] == {2: 1} and gaps["chunks_per_call_p50"] == 1
+
+
+def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
+    """Nine first chunks wait 1 ms for their lane; a tenth, later, waits 300 ms: the slowest tenth is
+    that one, and its window shows it."""
+    records = [r for i in range(9) for r in stream(f"a{i}", 0.1 * i, 0.02)]
+    slow = stream("slow", 5.0, 0.02)
+    slow[0] = {**slow[0], "start": slow[0]["cut"] + 0.3, "end": slow[0]["cut"] + 0.305,
+               "sent": slow[0]["cut"] + 0.307}
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records + slow))
+    firsts = report(read_trace(path), window_s=4.0)["first_chunks"]
+    assert firsts["count"] == 10
+    # stream(): cut 50 ms + 2 frames of 20 ms after arrival, a 1 ms wait, 5 ms codec, sent as it ends
+    assert firsts["p50_ms"] == {"generate": 90.0, "lane_wait": 1.0, "codec": 5.0, "send": 0.0, "total": 96.0}
+    assert firsts["slowest_tenth_mean_ms"] == {"generate": 90.0, "lane_wait": 300.0, "codec": 5.0, "send": 2.0,
+                                               "total": 397.0}
+    assert firsts["p90_ms_by_window"]["0s"]["total"] == 96.0 and firsts["p90_ms_by_window"]["0s"]["count"] == 9
+    assert firsts["p90_ms_by_window"]["4s"] == {"count": 1, "generate": 90.0, "lane_wait": 300.0, "codec": 5.0,
+                                                "send": 2.0, "total": 397.0}
