@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -258,10 +259,29 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
         # measurement the lane spent decoding (near 1: the lane is saturated).
         "codec_lanes": {lane: codec_lane(delta, lane, chunks[lane], wall_s * servers) for lane in LANES
                         if delta.get(f'voxtriton_codec_calls_total{{lane="{lane}"}}')},
+        "codec_models": triton_codec_models(delta),
         "server_ttfa_ms_mean": mean("voxtriton_ttfa_seconds"),
         "deadline_misses": delta.get("voxtriton_deadline_misses_total", 0.0),
         "rejected": delta.get("voxtriton_rejected_requests_total", 0.0),
     }
+
+
+def triton_codec_models(delta: dict) -> dict:
+    """Per codec model, Triton's own count of its calls and their mean ms: waiting in its queue (a
+    lane's second call in flight waits there for the first), in the model's execution (the codec
+    process's work and its round trip), and end to end. A lane's mean call time (`codec_ms_mean`)
+    less the end-to-end time is what a call cost the tts process beyond Triton: the BLS round trip
+    and getting the GIL back."""
+    models = {}
+    for key, calls in delta.items():
+        match = re.match(r'nv_inference_exec_count(\{model="codec[^"]*",version="[^"]*"\})$', key)
+        if match and calls:
+            labels = match.group(1)
+            per_call = lambda part: round(delta.get(f"nv_inference_{part}_duration_us{labels}", 0.0) / calls / 1e3, 3)
+            models[re.search(r'model="([^"]*)"', labels).group(1)] = {
+                "calls": calls, "queue_ms": per_call("queue"), "execute_ms": per_call("compute_infer"),
+                "request_ms": per_call("request")}
+    return models
 
 
 def codec_lane(delta: dict, lane: str, chunks: float, lane_seconds: float) -> dict:
@@ -314,7 +334,7 @@ class Fleet:
 
 
 def measure(args, fleet: Fleet, label: str, run) -> dict:
-    before = fleet.metrics()
+    before = settled_metrics(fleet)  # the last probe's (or the warm-up's) updates applied, as `after`'s are
     # No garbage collection while a probe runs (cyclic garbage waits for the end of the probe). The
     # client's event loop stalled for 65-106 ms in 3 of 10 probes of session 6 (client_loop_lag_max_ms;
     # at most 13 ms in the others), which delays every chunk arriving meanwhile and can show as a stall

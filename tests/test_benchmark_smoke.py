@@ -33,6 +33,9 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     urgent = row["server"]["codec_lanes"]["urgent"]
     assert 1 <= urgent["calls"] <= row["server"]["chunks"]["urgent"] and urgent["frames_per_call"] >= 1
     assert 0 < urgent["busy_fraction"] <= 1
+    # Triton's own count of the urgent codec model's calls: one per lane call
+    codec = row["server"]["codec_models"]["codec_urgent"]
+    assert codec["calls"] == urgent["calls"] and 0 < codec["execute_ms"] <= codec["request_ms"]
     assert "| voxserve | 1 |" in (out / "results.md").read_text()
 
 

@@ -275,13 +275,14 @@ class TritonServer:
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
 
     def metrics(self) -> dict[str, float]:
-        """voxtriton's samples from the Prometheus endpoint: {'name{labels}': value}."""
+        """voxtriton's samples from the Prometheus endpoint, and Triton's own per-model inference
+        counters (`nv_inference_*`): {'name{labels}': value}."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
         samples = {}
         for line in text.splitlines():
-            match = re.match(r"^(voxtriton_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+            match = re.match(r"^((?:voxtriton|nv_inference)_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
             if match:
                 samples[match.group(1)] = float(match.group(2))
         return samples
