@@ -50,20 +50,20 @@ def stream_and_abandon(url: str, text: str, after_chunks: int, how: str = "cance
     return seen
 
 
-def stub_anon_rss_mb(server: TritonServer, model: str) -> float:
-    """Anonymous resident memory (RssAnon) of a model's Python stub process, found by its model.py
-    path: the heap that a leak grows. File-backed pages (mapped libraries and weights) are left out:
-    under memory pressure the kernel drops them and pages them back in later, which once read as
-    growth of 290 MB in a clean-clone CI run beside another test run."""
+def stub_anon_and_shm_mb(server: TritonServer, model: str) -> float:
+    """Anonymous and shared-memory resident memory (RssAnon + RssShmem) of a model's Python stub
+    process, found by its model.py path: what a leak grows, on the heap or in the Python backend's
+    shared-memory tensors. File-backed pages (mapped libraries and weights) are left out: under
+    memory pressure the kernel drops them and pages them back in later, which once read as growth of
+    290 MB in a clean-clone CI run beside another test run."""
     marker = str(server.repository / model / "1" / "model.py")
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                for line in (entry / "status").read_text().splitlines():
-                    if line.startswith("RssAnon:"):
-                        return int(line.split()[1]) / 1024
+                fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
+                return (int(fields["RssAnon"].split()[0]) + int(fields["RssShmem"].split()[0])) / 1024
         except OSError:
             continue
     raise AssertionError(f"no stub process for {model}")

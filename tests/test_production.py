@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_helpers import start_server, stream_and_abandon, stub_anon_rss_mb, wait_for_metric
+from server_helpers import start_server, stream_and_abandon, stub_anon_and_shm_mb, wait_for_metric
 from test_server import raw_request, string_input, typed
 from voxtriton_client import TTSClient
 
@@ -61,7 +61,7 @@ def test_hundreds_of_cancellations_return_rows_and_memory_to_baseline(server):
     client = TTSClient(server.grpc_url)
     speak(client, seed=1, frames=20)  # warm every path before the baseline
     wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda v: v == 0)
-    baseline = stub_anon_rss_mb(server, "tts")
+    baseline = stub_anon_and_shm_mb(server, "tts")
     rng = random.Random(5)
     plans = [(rng.choice(["cancel", "disconnect"]), rng.randint(1, 4)) for _ in range(200)]
 
@@ -80,14 +80,14 @@ def test_hundreds_of_cancellations_return_rows_and_memory_to_baseline(server):
         assert all(pool.map(abandon, plans))
     wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0, timeout=60)
     wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda v: v == 0, timeout=60)
-    assert stub_anon_rss_mb(server, "tts") - baseline < 150
+    assert stub_anon_and_shm_mb(server, "tts") - baseline < 150
     assert speak(client, seed=2, frames=12).completed
 
 
 def test_soak_of_mixed_traffic_leaves_nothing_behind(server):
     client = TTSClient(server.grpc_url)
     wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda v: v == 0)
-    baseline = stub_anon_rss_mb(server, "tts")
+    baseline = stub_anon_and_shm_mb(server, "tts")
     rng = random.Random(11)
     kinds = [rng.choice(["speak", "speak", "cancel", "bad", "sequential"]) for _ in range(300)]
 
@@ -119,7 +119,7 @@ def test_soak_of_mixed_traffic_leaves_nothing_behind(server):
     assert outcomes == ["ok"] * len(kinds), [o for o in outcomes if o != "ok"][:5]
     wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0, timeout=60)
     wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda v: v == 0, timeout=60)
-    assert stub_anon_rss_mb(server, "tts") - baseline < 150
+    assert stub_anon_and_shm_mb(server, "tts") - baseline < 150
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -26,7 +26,8 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
     ("background_sms", "1.5", "'background_sms' must be an SM count or a fraction"),
     ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),
     ("lane_workers", "0", "'lane_workers' must be at least 1, got 0"),
-    ("switch_interval_ms", "0", "'switch_interval_ms' must be positive, got 0.0"),
+    ("switch_interval_ms", "0", "'switch_interval_ms' must be between 0.001 and 1000, got 0.0"),
+    ("switch_interval_ms", "inf", "'switch_interval_ms' must be between 0.001 and 1000, got inf"),
     ("scheduler_idle_urgent_takes_frames", "-1", "scheduler_idle_urgent_takes_frames must be >= 0, got -1"),
 ])
 def test_a_bad_parameter_is_refused_by_name(name, value, message):
@@ -42,7 +43,7 @@ def test_the_background_lane_is_three_quarters_of_the_gpu_by_default_in_groups_o
     assert lane_sms("40", 132) == 40 and lane_sms("0", 132) == 0
     assert CodecSettings.from_model_config(config(sm_count="0.5")).sm_count == "0.5"
     assert lane_sms(CodecSettings.from_model_config(config()).sm_count, 132) == 0  # the whole GPU
-    for bad in ("-8", "1.0", "nan", "half"):
+    for bad in ("-8", "1.0", "nan", "half", "²"):
         with pytest.raises(ValueError, match=f"'sm_count' must be an SM count or a fraction .*, got '{bad}'"):
             CodecSettings.from_model_config(config(sm_count=bad))
 

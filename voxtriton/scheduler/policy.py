@@ -42,9 +42,10 @@ class SchedulerConfig:
     # call behind, the urgent lane takes background chunks (earliest deadline first, one size) of up
     # to this many frames in all; 0: never. Kept small, so a first chunk that arrives meanwhile waits
     # for one short call per urgent lane worker at most. On the H200 (1.7B) 16 stalled 0 and 14
-    # streams at 66 and 68 req/s where off stalled 12 and 42 with one lane worker (session 10); with
-    # two workers and the defaults below, 50 and 100 stalled as many as off at 80 and 84 req/s and
-    # raised p90 TTFA at 76 from 185 to 197-198 ms (session 11), so it stays off.
+    # streams at 66 and 68 req/s where off stalled 12 and 42 with one lane worker (session 10). With
+    # two workers, the fullest size below and a background lane of 64 SMs (session 11), 50 and 100
+    # stalled 29 and 43 at 80 req/s (off: 44) and 95 and 152 at 84 (off: 65), and raised p90 TTFA
+    # at 76 from 185 to 197-198 ms, so it stays off.
     idle_urgent_takes_frames: int = 0
     # voxserve: the background lane decodes the size with the most chunks waiting (earliest deadline
     # first within it) instead of the size of its earliest-deadline chunk. Every chunk it holds has

@@ -75,9 +75,10 @@ class TTSSettings:
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
     # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (see
     # `lane_sms`). On the H200 (1.7B, benchmarks/results/goodput_h200.md): 64 SMs stalled fewer
-    # streams than 32 or 48 (session 7), and 96 no clearly fewer than 64 at 54-58 req/s (session 8).
-    # With two calls in flight per lane (session 11, one machine, one run each) 0.75 (96 SMs) stalled
-    # none at 78 and 80 req/s (two probes), where 64 stalled 44 at 80, and 112 stalled 9 at 76.
+    # streams than 32 or 48 (session 7), and 96 stalled no clearly fewer streams than 64 at 54-58
+    # req/s (session 8). With two calls in flight per lane (session 11, one machine) 0.75 (96 SMs)
+    # stalled none at 78 req/s (one probe) and 80 (two probes, both failing on p90 TTFA at 201-208
+    # ms), where 64 stalled 44 at 80; 112 stalled 9 already at 76.
     background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
     # kernels filling in around it; "exclusive" gives it only the SMs the background lane does not
@@ -92,13 +93,13 @@ class TTSSettings:
     # waiting from 13.3 s to 1.0 s of a run: voxserve stalled no stream at 64-68 req/s where one
     # worker stalled 0, 12 and 42, and concurrent's goodput rose from 54 to 58 req/s.
     lane_workers: int = 2
-    # The interpreter's switch interval in the tts process, in ms (Python's default is 5). A lane
-    # worker whose codec call or chunk send returns (round trips that drop the GIL) waits up to this
-    # long for the GIL while another thread runs Python, as the engine thread does in every frame
-    # step: on CPU, 6 sends beside a thread running Python took 32 ms at 5 ms and 4.8 ms at 0.5
-    # (`benchmarks/response_sends.py`, session 11). A shorter interval also lets those threads cut
-    # into the engine's Python work. On the H200 0.5 made no difference at 18 req/s (session 4); not
-    # measured at today's load, so Python's default stays.
+    # The interpreter's switch interval in the tts process, in ms (Python's default is 5). A thread
+    # back from a round trip that drops the GIL (a chunk send, a codec call) can wait up to this long
+    # to get it back while another thread runs Python, as the engine thread does in every frame
+    # step: on CPU, 6 sends beside a thread that runs Python non-stop took 32 ms at 5 ms and 4.7 ms
+    # at 0.5 (`benchmarks/response_sends.py`, session 11). A shorter interval also lets those threads
+    # cut into the engine's Python work. On the H200 0.5 made no difference at 18 req/s (session 4);
+    # not measured at today's load, so Python's default stays.
     switch_interval_ms: float = 5.0
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
@@ -128,8 +129,9 @@ class TTSSettings:
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")
         check_lane_sms("background_sms", self.background_sms)
-        if not self.switch_interval_ms > 0:
-            raise ValueError(f"config.pbtxt parameter 'switch_interval_ms' must be positive, got {self.switch_interval_ms}")
+        if not 0.001 <= self.switch_interval_ms <= 1000:  # below 1 us Python rounds it to 0
+            raise ValueError(f"config.pbtxt parameter 'switch_interval_ms' must be between 0.001 and 1000, "
+                             f"got {self.switch_interval_ms}")
         if self.lane_workers < 1:
             raise ValueError(f"config.pbtxt parameter 'lane_workers' must be at least 1, got {self.lane_workers}")
         if self.text_layout not in ("full", "interleaved"):
@@ -173,19 +175,23 @@ def check_lane_sms(name: str, value: str) -> None:
     """An SM count (0: the whole GPU; where a partition is required, the model refuses 0 on the GPU)
     or a fraction of the GPU's SMs between 0 and 1, such as 0.75."""
     try:
-        count_or_fraction = float(value)
+        fraction = float(value)
     except ValueError:
-        count_or_fraction = -1.0
-    if not (value.isdigit() or 0 < count_or_fraction < 1):
+        fraction = -1.0
+    if not (is_count(value) or 0 < fraction < 1):
         raise ValueError(f"config.pbtxt parameter {name!r} must be an SM count or a fraction of the GPU's SMs "
                          f"between 0 and 1 (such as 0.75), got {value!r}")
+
+
+def is_count(value: str) -> bool:
+    return value.isascii() and value.isdigit()
 
 
 def lane_sms(value: str, total_sms: int) -> int:
     """SMs of a lane's partition on a GPU of `total_sms` SMs: a count as given, or a fraction of them
     rounded down to a multiple of 8 (green contexts come in groups of SMs), at least 8. On the H200's
     132 SMs 0.75 is 96 and 0.5 is 64."""
-    if value.isdigit():
+    if is_count(value):
         return int(value)
     return max(8, int(float(value) * total_sms) // 8 * 8)
 

@@ -160,8 +160,8 @@ class TTSTritonModel:
         dtype = resolve_dtype(settings.dtype, device)
         checkpoint = ensure_checkpoint(settings.checkpoint_dir)
         config = load_config(checkpoint)
-        log.info("tts: checkpoint %s (%s, %s), device %s %s, policy %s", checkpoint, config.model_type,
-                 config.model_size, device, dtype, scheduler_config.policy)
+        log.info("tts: checkpoint %s (%s, %s), device %s %s, policy %s, GIL switch interval %g ms", checkpoint,
+                 config.model_type, config.model_size, device, dtype, scheduler_config.policy, settings.switch_interval_ms)
         if device.type == "cuda" and not mps_active():
             log.warning("CUDA MPS is not active: the codec lanes and the backbone will time-slice the GPU "
                         "instead of running side by side (start it with `voxtriton serve`)")
