@@ -10,12 +10,15 @@
 # Results go to $OUT/NAME.tgz (results.json, results.md, plots, server logs: one file, as $OUT returns
 # only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590);
 # D: seconds of arrivals per open-loop probe (30); P: more serving_bench arguments, e.g.
-# P='--param tts:background_sms=48'.
+# P='--param tts:background_sms=48'. TRACE=1: the server writes a chunk trace, and the tgz gets its
+# report (trace_report.json, chunk_trace_report.py with 5 s windows) instead of the trace itself.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 MODE=$1 PRESET=${2:-1.7b}
 CK=/tmp/ck-$PRESET
 checkpoint $PRESET
+TRACE_FILE=/tmp/trace_$$.jsonl
+[ -n "${TRACE:-}" ] && P="${P:-} --param tts:chunk_trace_path=$TRACE_FILE"
 COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --keep-logs
   --param tts:max_positions=512 --max-streams 512 --max-queued 256
   --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 ${P:-}"
@@ -37,4 +40,8 @@ case "$MODE" in
     run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --rates $4 \
       --duration ${D:-30} --out $OUT/$NAME ;;
 esac
+if [ -n "${TRACE:-}" ] && [ -f $TRACE_FILE ] && [ -d $OUT/$NAME ]; then
+  $PY benchmarks/chunk_trace_report.py $TRACE_FILE --window 5 > $OUT/$NAME/trace_report.json
+  rm -f $TRACE_FILE
+fi
 [ -d $OUT/$NAME ] && tar czf $OUT/$NAME.tgz -C $OUT $NAME && rm -rf $OUT/$NAME
