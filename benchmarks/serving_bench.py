@@ -34,6 +34,7 @@ import re
 import shutil
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,6 +334,42 @@ class Fleet:
             server.cleanup()
 
 
+class GaugeSampler:
+    """Reads the servers' gauges every `interval_s` while a probe runs, on a thread of its own (off
+    the client's event loop): the streams generating (holding a KV-cache row) and the requests
+    waiting for a row. A probe's means hide its steady state: in session 11 the batch averaged 263
+    over a probe at 82 req/s while its busiest 5 s windows held 464-477 streams (`max_streams` 512)."""
+
+    def __init__(self, fleet: Fleet, interval_s: float = 0.5):
+        self.fleet, self.interval_s = fleet, interval_s
+        self.rows: list[float] = []
+        self.waiting: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> "GaugeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                metrics = self.fleet.metrics()
+            except OSError:  # a server too busy to answer in time: skip the sample
+                continue
+            self.rows.append(metrics.get("voxtriton_kv_rows_in_use", 0.0))
+            self.waiting.append(metrics.get("voxtriton_waiting_requests", 0.0))
+
+    def summary(self) -> dict:
+        return {"samples": len(self.rows), "rows_in_use_max": max(self.rows, default=None),
+                "rows_in_use_p90": percentile(self.rows, 90),
+                "waiting_for_row_max": max(self.waiting, default=None)}
+
+
 def measure(args, fleet: Fleet, label: str, run) -> dict:
     before = settled_metrics(fleet)  # the last probe's (or the warm-up's) updates applied, as `after`'s are
     # No garbage collection while a probe runs (cyclic garbage waits for the end of the probe). The
@@ -344,11 +381,13 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     gc.disable()
     started = time.monotonic()
     try:
-        results, lag = asyncio.run(run())
+        with GaugeSampler(fleet) as gauges:
+            results, lag = asyncio.run(run())
     finally:
         gc.enable()
     summary = summarize(results, lag)
     summary["server"] = server_side(before, settled_metrics(fleet), time.monotonic() - started, len(fleet.servers))
+    summary["server"]["gauges"] = gauges.summary()
     # Another busy process on the host slows the server's Python threads: session 5 lost three runs to
     # a neighbouring server computing on the CPUs. The 1-minute load average (which includes this
     # server and client, and overlaps the previous probe) makes that visible.
@@ -444,14 +483,16 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
              "audio is noise).", ""]
     if any(r["rates"] for r in results):
         lines += ["| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | frame step ms | "
-                  "urgent share | lanes busy (chunks/call) | host load (CPUs) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "urgent share | lanes busy (chunks/call) | rows max (waiting max) | host load (CPUs) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             for row in r["rates"]:
                 s = row["server"]
                 lines.append(f"| {r['policy']} | {row['rate']:g} | {row['completed']} | {row['failed']} | {row['ttfa_p50_ms']} | "
                              f"{row['ttfa_p90_ms']} | {row['ttfa_p99_ms']} | {row['stalled_requests']} | "
                              f"{row['stall_total_s']:.2f} | {_fmt(row['rtf_median'])} | {s['frame_step_ms_mean']} | "
-                             f"{_fmt(s['urgent_share'])} | {lane_occupancy(s)} | {row['host_load_1min']} ({row['host_cpus']}) |")
+                             f"{_fmt(s['urgent_share'])} | {lane_occupancy(s)} | {row_peaks(s)} | "
+                             f"{row['host_load_1min']} ({row['host_cpus']}) |")
         lines.append("")
     if any(r["concurrency"] for r in results):
         lines += ["| policy | streams | done | TTFA p90 ms | stalled | frame step ms (mean batch) | urgent codec ms | "
@@ -479,6 +520,15 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plot(results, out)
     print("\n".join(lines))
+
+
+def row_peaks(server: dict) -> str:
+    """"471 (12)": the most streams generating at once in the probe's samples, and the most waiting
+    for a row; "-" for results from before the sampler."""
+    gauges = server.get("gauges") or {}
+    if gauges.get("rows_in_use_max") is None:
+        return "-"
+    return f"{gauges['rows_in_use_max']:g} ({gauges['waiting_for_row_max']:g})"
 
 
 def lane_occupancy(server: dict) -> str:

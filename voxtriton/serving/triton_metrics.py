@@ -66,6 +66,8 @@ class TritonMetrics:
         self.depth = {lane: depth.Metric(labels={"lane": lane}) for lane in LANES}
         self.active = _family("voxtriton_active_streams", "Streams admitted and not yet finished", gauge).Metric(labels={})
         self.rows = _family("voxtriton_kv_rows_in_use", "Requests holding a KV-cache row (generating)", gauge).Metric(labels={})
+        self.waiting = _family("voxtriton_waiting_requests", "Requests admitted and waiting for a KV-cache row",
+                               gauge).Metric(labels={})
         self.rejected_total = _family("voxtriton_rejected_requests_total", "Requests refused by admission control (server busy)",
                                       counter).Metric(labels={})
         self.misses = _family("voxtriton_deadline_misses_total",
@@ -109,9 +111,9 @@ class TritonMetrics:
     def rejected(self):
         self._updates.append((self.rejected_total, "increment", 1))
 
-    def gauges(self, active, rows, queues, deadline_misses):
+    def gauges(self, active, rows, waiting, queues, deadline_misses):
         values = self._gauge_values
-        values[self.active], values[self.rows] = active, rows
+        values[self.active], values[self.rows], values[self.waiting] = active, rows, waiting
         for lane, depth in queues.items():
             values[self.depth[lane]] = depth
         if deadline_misses > self._misses_seen:

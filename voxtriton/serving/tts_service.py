@@ -80,7 +80,8 @@ class ServiceMetrics(Protocol):
     def frame_step(self, seconds: float, batch: int, timing: StepTiming) -> None:
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
         pass's whole wall time (the frame period while busy), `timing` splits out admission and decode."""
-    def gauges(self, active: int, rows: int, queues: dict[str, int], deadline_misses: int) -> None: ...
+    def gauges(self, active: int, rows: int, waiting: int, queues: dict[str, int], deadline_misses: int) -> None:
+        """Streams held, rows generating, requests waiting for a row, chunks waiting per lane."""
 
 
 def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1) -> int:
@@ -304,8 +305,8 @@ class TTSService:
 
     def _publish_gauges(self) -> None:
         if self.metrics:
-            self.metrics.gauges(len(self.streams), len(self.engine.running), self.scheduler.queue_depths(),
-                                self.scheduler.deadline_misses)
+            self.metrics.gauges(len(self.streams), len(self.engine.running), len(self.incoming) + len(self.engine.waiting),
+                                self.scheduler.queue_depths(), self.scheduler.deadline_misses)
 
     # -- codec lanes -----------------------------------------------------------------------------
 
