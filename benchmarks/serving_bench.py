@@ -270,9 +270,10 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
 def triton_codec_models(delta: dict) -> dict:
     """Per codec model, Triton's own count of its calls and their mean ms: waiting in its queue (a
     lane's second call in flight waits there for the first), in the model's execution (the codec
-    process's work and its round trip), and end to end. A lane's mean call time (`codec_ms_mean`)
-    less the end-to-end time is what a call cost the tts process beyond Triton: the BLS round trip
-    and getting the GIL back."""
+    process's work and its round trip), and end to end. A lane times a call from when the codec was
+    free (`_call_span`), so its mean call time (`codec_ms_mean`) less the execution time
+    approximates what a call cost the tts process beyond Triton: the BLS round trip and getting the
+    GIL back."""
     models = {}
     for key, calls in delta.items():
         match = re.match(r'nv_inference_exec_count(\{model="codec[^"]*",version="[^"]*"\})$', key)
@@ -340,12 +341,14 @@ class GaugeSampler:
     waiting for a row. A probe's means hide its steady state: in session 11 the batch averaged 263
     over a probe at 82 req/s while its busiest 5 s windows held 464-477 streams (`max_streams` 512).
     A read parses the metrics page in Python, about a millisecond that the client's event loop may
-    wait for the GIL; `client_loop_lag_*` would show it."""
+    wait for the GIL; `client_loop_lag_*` would show it. With several servers the figures are sums
+    over them, not per server."""
 
     def __init__(self, fleet: Fleet, interval_s: float = 0.5):
         self.fleet, self.interval_s = fleet, interval_s
         self.rows: list[float] = []
         self.waiting: list[float] = []
+        self.failed_reads = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -361,13 +364,14 @@ class GaugeSampler:
         while not self._stop.wait(self.interval_s):
             try:
                 metrics = self.fleet.metrics()
-            except OSError:  # a server too busy to answer in time: skip the sample
+            except Exception:  # a server too busy to answer in time, a cut-off page: count it, go on
+                self.failed_reads += 1
                 continue
             self.rows.append(metrics.get("voxtriton_kv_rows_in_use", 0.0))
             self.waiting.append(metrics.get("voxtriton_waiting_requests", 0.0))
 
     def summary(self) -> dict:
-        return {"samples": len(self.rows), "rows_in_use_max": max(self.rows, default=None),
+        return {"samples": len(self.rows), "failed_reads": self.failed_reads, "rows_in_use_max": max(self.rows, default=None),
                 "rows_in_use_p90": percentile(self.rows, 90),
                 "waiting_for_row_max": max(self.waiting, default=None)}
 

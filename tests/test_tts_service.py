@@ -386,3 +386,41 @@ def test_a_failing_chunk_trace_turns_itself_off_and_the_stream_completes(tiny_ch
         assert service.chunk_trace is None
     finally:
         service.shutdown()
+
+
+class GaugeRecorder:
+    """Service metrics that keep the gauges' history (the rest is dropped)."""
+
+    def __init__(self):
+        self.gauge_calls = []
+
+    def gauges(self, active, rows, waiting, queues, deadline_misses):
+        self.gauge_calls.append((active, rows, waiting))
+
+    def chunk_sent(self, *args): ...
+    def codec_call(self, *args): ...
+    def rejected(self): ...
+    def frame_step(self, *args): ...
+
+
+def test_the_waiting_gauge_counts_requests_no_row_was_free_for(tiny_checkpoint):
+    """Two rows, three requests: the third waits for a row while the first two generate, and the
+    gauges say so (and that no row is in use once all three are done)."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    metrics = GaugeRecorder()
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, metrics=metrics)
+    try:
+        sinks = [CollectingSink() for _ in range(3)]
+        inputs = {"text": np.array([b"Wait for a row."], dtype=object), "max_frames": np.array([12]),
+                  "ignore_eos": np.array([True]), "seed": np.array([4])}
+        for index, sink in enumerate(sinks):
+            service.submit(parser.parse(f"r{index}", inputs), sink)
+        assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
+        wait_for(lambda: metrics.gauge_calls[-1] == (0, 0, 0))
+    finally:
+        service.shutdown()
+    assert max(waiting for _, _, waiting in metrics.gauge_calls) == 1
+    assert max(rows for _, rows, _ in metrics.gauge_calls) == 2
+    assert all(rows + waiting <= active for active, rows, waiting in metrics.gauge_calls)

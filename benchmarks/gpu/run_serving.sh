@@ -10,15 +10,21 @@
 # Results go to $OUT/NAME.tgz (results.json, results.md, plots, server logs: one file, as $OUT returns
 # only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590);
 # D: seconds of arrivals per open-loop probe (30); P: more serving_bench arguments, e.g.
-# P='--param tts:background_sms=48'. TRACE=1: the server writes a chunk trace, and the tgz gets its
-# report (trace_report.json, chunk_trace_report.py with 5 s windows) instead of the trace itself.
+# P='--param tts:background_sms=48'. TRACE=1 (one policy, one server): the server writes a chunk
+# trace, and the tgz gets its report (trace_report.json, chunk_trace_report.py with 5 s windows)
+# instead of the trace itself. The report covers the warm-up and every rate of the run, in time order.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 MODE=$1 PRESET=${2:-1.7b}
 CK=/tmp/ck-$PRESET
-checkpoint $PRESET
 TRACE_FILE=/tmp/trace_$$.jsonl
-[ -n "${TRACE:-}" ] && P="${P:-} --param tts:chunk_trace_path=$TRACE_FILE"
+if [ -n "${TRACE:-}" ]; then
+  # One server's trace: servers of several policies or GPUs would append to one file.
+  case "$MODE ${3:-}" in rates\ *,*|rates\ *\**|goodput\ *,*|goodput\ *\**|lanes*|single*)
+    echo "TRACE=1 takes one policy on one server (rates or goodput), not '$MODE ${3:-}'" >&2; exit 2 ;; esac
+  P="${P:-} --param tts:chunk_trace_path=$TRACE_FILE"
+fi
+checkpoint $PRESET
 COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --keep-logs
   --param tts:max_positions=512 --max-streams 512 --max-queued 256
   --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 ${P:-}"
@@ -41,7 +47,6 @@ case "$MODE" in
       --duration ${D:-30} --out $OUT/$NAME ;;
 esac
 if [ -n "${TRACE:-}" ] && [ -f $TRACE_FILE ] && [ -d $OUT/$NAME ]; then
-  $PY benchmarks/chunk_trace_report.py $TRACE_FILE --window 5 > $OUT/$NAME/trace_report.json
-  rm -f $TRACE_FILE
+  $PY benchmarks/chunk_trace_report.py $TRACE_FILE --window 5 > $OUT/$NAME/trace_report.json && rm -f $TRACE_FILE
 fi
 [ -d $OUT/$NAME ] && tar czf $OUT/$NAME.tgz -C $OUT $NAME && rm -rf $OUT/$NAME

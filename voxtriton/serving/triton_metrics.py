@@ -66,7 +66,7 @@ class TritonMetrics:
         self.depth = {lane: depth.Metric(labels={"lane": lane}) for lane in LANES}
         self.active = _family("voxtriton_active_streams", "Streams admitted and not yet finished", gauge).Metric(labels={})
         self.rows = _family("voxtriton_kv_rows_in_use", "Requests holding a KV-cache row (generating)", gauge).Metric(labels={})
-        self.waiting = _family("voxtriton_waiting_requests", "Requests admitted and waiting for a KV-cache row",
+        self.waiting = _family("voxtriton_waiting_requests", "Requests waiting for a free KV-cache row (max_streams reached)",
                                gauge).Metric(labels={})
         self.rejected_total = _family("voxtriton_rejected_requests_total", "Requests refused by admission control (server busy)",
                                       counter).Metric(labels={})

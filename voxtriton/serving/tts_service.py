@@ -81,7 +81,7 @@ class ServiceMetrics(Protocol):
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
         pass's whole wall time (the frame period while busy), `timing` splits out admission and decode."""
     def gauges(self, active: int, rows: int, waiting: int, queues: dict[str, int], deadline_misses: int) -> None:
-        """Streams held, rows generating, requests waiting for a row, chunks waiting per lane."""
+        """Streams held, rows generating, requests waiting for a free row, chunks waiting per lane."""
 
 
 def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1) -> int:
@@ -305,7 +305,9 @@ class TTSService:
 
     def _publish_gauges(self) -> None:
         if self.metrics:
-            self.metrics.gauges(len(self.streams), len(self.engine.running), len(self.incoming) + len(self.engine.waiting),
+            # After a step's admissions, the engine's waiting requests are those no row was free for
+            # (the service's `incoming`, submitted during the step, join the batch at the next one).
+            self.metrics.gauges(len(self.streams), len(self.engine.running), len(self.engine.waiting),
                                 self.scheduler.queue_depths(), self.scheduler.deadline_misses)
 
     # -- codec lanes -----------------------------------------------------------------------------
