@@ -34,8 +34,8 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert 1 <= urgent["calls"] <= row["server"]["chunks"]["urgent"] and urgent["frames_per_call"] >= 1
     assert 0 < urgent["busy_fraction"] <= 1
     gauges = row["server"]["gauges"]  # sampled every 0.5 s during the probe
-    assert gauges["samples"] >= 2 and 1 <= gauges["rows_in_use_max"] <= row["requests"]
-    assert gauges["rows_in_use_p90"] <= gauges["rows_in_use_max"] and gauges["waiting_for_row_max"] >= 0
+    assert gauges["samples"] >= 2 and gauges["failed_reads"] == 0
+    assert 1 <= gauges["rows_in_use_max"] <= row["requests"]
     # Triton's own count of the urgent codec model's calls: one per lane call
     codec = row["server"]["codec_models"]["codec_urgent"]
     assert codec["calls"] == urgent["calls"] and 0 < codec["execute_ms"] <= codec["request_ms"]
