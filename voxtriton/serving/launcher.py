@@ -165,6 +165,9 @@ class MPSDaemon:
             self.started = False
 
 
+CODEC_MODELS = ("codec_urgent", "codec_background")
+
+
 class TritonServer:
     """tritonserver over a rendered model repository; a context manager that leaves nothing behind."""
 
@@ -177,6 +180,7 @@ class TritonServer:
         among the GPUs CUDA_VISIBLE_DEVICES allows when it is set."""
         if policy != "disaggregated":  # there the codec lanes get a GPU of their own, no partition
             parameters = align_background_partition(parameters or {})
+        parameters = codec_graphs_for_the_scheduler(parameters or {})
         self.install = find_tritonserver(tritonserver)
         self.pinned = {"CUDA_VISIBLE_DEVICES": pinned_device(gpu)} if gpu is not None else {}
         self.host = host
@@ -192,7 +196,7 @@ class TritonServer:
             overrides["tts"]["scheduler_policy"] = policy
         if policy == "disaggregated":
             if gpus >= 2:  # the codec lanes get the second GPU to themselves
-                for model in ("codec_urgent", "codec_background"):
+                for model in CODEC_MODELS:
                     overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
             else:
                 print("voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device")
@@ -353,6 +357,33 @@ def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[st
     aligned = {model: dict(values) for model, values in parameters.items()}
     aligned.setdefault("codec_background", {})["sm_count"] = size
     aligned.setdefault("tts", {})["background_sms"] = size
+    return aligned
+
+
+def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """A codec call whose shape has no CUDA graph runs eagerly, several times slower. The shapes come
+    from the tts scheduler: a call holds chunks of one schedule size (`scheduler_chunk_schedule`),
+    up to `scheduler_max_batch` of them. When either is set and a codec model's
+    `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes it implies: every size of
+    the schedule; powers of two up to the batch limit, and the limit."""
+    tts = parameters.get("tts", {})
+    implied = {}
+    try:
+        if "scheduler_chunk_schedule" in tts:
+            implied["graph_frame_sizes"] = sorted({int(size) for size in tts["scheduler_chunk_schedule"].split(",")})
+        if "scheduler_max_batch" in tts:
+            limit = int(tts["scheduler_max_batch"])
+            implied["graph_batch_sizes"] = sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit})
+    except ValueError:  # the tts model refuses the setting itself, naming it
+        return parameters
+    if not implied or min(min(sizes) for sizes in implied.values()) < 1:
+        return parameters
+    aligned = {model: dict(values) for model, values in parameters.items()}
+    for model in CODEC_MODELS:
+        given = {**parameters.get("*", {}), **parameters.get(model, {})}
+        for key, sizes in implied.items():
+            if key not in given:
+                aligned.setdefault(model, {})[key] = ",".join(map(str, sizes))
     return aligned
 
 
