@@ -37,6 +37,11 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
+def quantile_ms(seconds: list[float], q: float) -> float | None:
+    """The q-quantile of durations in seconds, in ms to 0.1 (None for none)."""
+    return round(quantile(seconds, q) * 1e3, 1) if seconds else None
+
+
 def step_windows(steps: list[dict], origin: float, window_s: float) -> dict:
     """Per time window, the frame steps that returned frames: the median period and batch, and the
     mean of each part (ms): host admission, launch + wait for the frames, the rest of the pass (the
@@ -91,7 +96,6 @@ def lane_gaps(records: list[dict]) -> dict:
     by_lane = collections.defaultdict(list)
     for (lane, start, end), chunks in codec_calls(records).items():
         by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks), len(chunks)))
-    ms = lambda values, q: round(quantile(values, q) * 1e3, 1) if values else None
     table = {}
     for lane, calls in sorted(by_lane.items()):
         calls.sort()
@@ -103,11 +107,11 @@ def lane_gaps(records: list[dict]) -> dict:
         sending = [sent - end for _, end, _, sent, _ in calls]
         backlog, sizes = lane_backlog([r for r in records if r["lane"] == lane and not r["promoted"]],
                                       [start for start, *_ in calls])
-        table[lane] = {"calls": len(calls), "call_ms_p50": ms([end - start for start, end, *_ in calls], 0.5),
-                       "gaps_with_work_waiting": len(working), "work_gap_ms_p50": ms(working, 0.5),
-                       "work_gap_ms_p90": ms(working, 0.9), "work_gaps_s": round(sum(working), 2),
+        table[lane] = {"calls": len(calls), "call_ms_p50": quantile_ms([end - start for start, end, *_ in calls], 0.5),
+                       "gaps_with_work_waiting": len(working), "work_gap_ms_p50": quantile_ms(working, 0.5),
+                       "work_gap_ms_p90": quantile_ms(working, 0.9), "work_gaps_s": round(sum(working), 2),
                        "idle_gaps": len(idle), "idle_gaps_s": round(sum(idle), 2),
-                       "send_after_call_ms_p50": ms(sending, 0.5), "send_after_call_ms_p90": ms(sending, 0.9),
+                       "send_after_call_ms_p50": quantile_ms(sending, 0.5), "send_after_call_ms_p90": quantile_ms(sending, 0.9),
                        "chunks_per_call_p50": quantile([count for *_, count in calls], 0.5),
                        "waiting_at_call_start_p50": quantile(backlog, 0.5), "waiting_at_call_start_p90": quantile(backlog, 0.9),
                        "waiting_frames_mix": dict(sizes.most_common(5))}
@@ -145,8 +149,7 @@ def first_chunks(records: list[dict], origin: float, window_s: float) -> dict | 
     firsts = [r for r in records if r["index"] == 0]
     if not firsts:
         return None
-    ms = lambda values, q: round(quantile(values, q) * 1e3, 1)
-    parts = lambda group, q: {name: ms([part(r) for r in group], q) for name, part in FIRST_CHUNK_PARTS.items()}
+    parts = lambda group, q: {name: quantile_ms([part(r) for r in group], q) for name, part in FIRST_CHUNK_PARTS.items()}
     slowest = sorted(firsts, key=FIRST_CHUNK_PARTS["total"])[-max(1, len(firsts) // 10):]
     windows = collections.defaultdict(list)
     for record in firsts:
