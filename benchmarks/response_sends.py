@@ -49,8 +49,11 @@ class Spinner:  # a thread that runs Python, counting its loops
         self.thread = threading.Thread(target=self.spin)
         self.thread.start()
         time.sleep(0.05)
-        self.started, self.first = time.perf_counter(), self.loops
+        self.restart()
         return self
+
+    def restart(self):  # count from now on
+        self.started, self.first = time.perf_counter(), self.loops
 
     def spin(self):
         while not self.stop.is_set():
@@ -77,7 +80,7 @@ def timed(send_batch, batches, beside_python, switch_interval_s):
         with Spinner() as spinner:
             time.sleep(0.3)
             alone = spinner.rate()
-            spinner.started, spinner.first = time.perf_counter(), spinner.loops
+            spinner.restart()
             for _ in range(batches):
                 send_batch()
             ms = (time.perf_counter() - spinner.started) / batches * 1e3
