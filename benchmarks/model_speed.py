@@ -94,7 +94,7 @@ def fill_rows(runner: ModelRunner, config, prompts: PromptBuilder, batch: int, c
                 for i in range(batch)]
     runner.prefill(requests, 0)
     length = len(requests[0].prompt.text_ids)
-    runner.rows.position[:batch] = row_positions(batch, context, spread, runner.device)
+    runner.position[:batch] = row_positions(batch, context, spread, runner.device)
     return max(context, length)
 
 
@@ -131,11 +131,10 @@ def main() -> None:
     rows = []
     for batch in batches:
         span = fill_rows(runner, config, prompts, batch, args.context, args.spread)
-        rows_state = runner.rows
-        positions = rows_state.position[:batch].clone()
-        hidden = rows_state.past_hidden[:batch]
-        first = talker.model.codec_embedding(rows_state.last_code[:batch])
-        keys, values = rows_state.predictor_keys, rows_state.predictor_values
+        positions = runner.position[:batch].clone()
+        hidden = runner.past_hidden[:batch]
+        first = talker.model.codec_embedding(runner.last_code[:batch])
+        keys, values = runner.predictor_keys, runner.predictor_values
 
         def predictor():
             with torch.inference_mode():
@@ -144,10 +143,10 @@ def main() -> None:
         def talker_step():
             with torch.inference_mode():
                 embeds = hidden[:, None]
-                talker(embeds, rows_state.position[:batch, None], rows_state.cache, span)
+                talker(embeds, runner.position[:batch, None], runner.cache, span)
 
         def frame_step():
-            rows_state.position[:batch] = positions
+            runner.position[:batch] = positions
             runner.decode(batch, span)
 
         codes = torch.randint(0, config.codec.codebook_size, (batch, args.chunk_frames, config.codec.num_quantizers),
@@ -170,7 +169,7 @@ def main() -> None:
         print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "batch"), flush=True)
         if args.profile:
             eager_codec = CodecRunner(codec, None, None)
-            for name, fn in (("frame step", lambda: runner._decode_into_output(runner.rows, batch, span)),
+            for name, fn in (("frame step", lambda: runner._decode_into_output(batch, span)),
                              (f"codec call ({args.chunk_frames} frames)", lambda: eager_codec.decode(codes, start, state))):
                 print(f"\nbatch {batch}, {name}, eager: top {args.profile} kernels\n" + top_kernels(fn, device, args.profile))
 

@@ -84,10 +84,8 @@ def test_cancelled_request_leaves_at_the_next_step(setup, overlap):
     engine = new_engine(setup, overlap=overlap)
     victim, survivor = make_request(setup, 0, 50), make_request(setup, 1, 8)
     result = run(engine, {0: [victim, survivor]}, cancel_at={3: victim})
-    # Cancelled before the fourth step: the first step returned the admission's frame and, in-step,
-    # the step's own (4 frames in all); with overlap the step's frame came a step later, and the
-    # fourth frame, still on its way, was dropped.
-    assert victim.finish_reason == "cancelled" and len(result["r0"]) == 4 - overlap
+    # Cancelled before the fourth launch; with overlap the third frame was still on its way, and dropped.
+    assert victim.finish_reason == "cancelled" and len(result["r0"]) == 3 - overlap
     np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 8)]})["r1"])
 
 
@@ -104,42 +102,9 @@ def test_a_cancellation_with_the_last_frame_in_flight_drops_it(setup, overlap):
     """Cancelled after its last frame was launched: with overlap that frame is still on its way and is
     dropped; in-step it was already returned, and the request finished normally."""
     request = make_request(setup, 0, frames=3)
-    # The third step: the admission gave the first frame, the first step's the second, the second
-    # step's (launched by the second call) the last.
-    result = run(new_engine(setup, overlap=overlap), {0: [request]}, cancel_at={2: request})
+    result = run(new_engine(setup, overlap=overlap), {0: [request]}, cancel_at={3: request})
     expected = ("cancelled", 2) if overlap else ("max_frames", 3)
     assert (request.finish_reason, len(result["r0"])) == expected
-
-
-def test_the_step_that_admits_a_request_returns_its_first_frame(setup, overlap):
-    """The admission takes the first frame beside the step in flight, so a request joining a running
-    batch gets it from the step that admits it, not from the next one; in-step the step's own frame
-    (the second) follows."""
-    engine = new_engine(setup, overlap=overlap)
-    engine.add(make_request(setup, 0, 20))
-    for _ in range(3):
-        engine.step()
-    joining = make_request(setup, 1, 20)
-    engine.add(joining)
-    got = [output.codes for output in engine.step() if output.request is joining]
-    assert len(got) == 2 - overlap and joining.emitted == len(got)
-    alone = run(new_engine(setup), {0: [make_request(setup, 1, 20)]})["r1"]
-    np.testing.assert_array_equal(np.stack(got), alone[: len(got)])
-
-
-def test_a_one_frame_request_ends_at_its_admission(setup, overlap):
-    """Its only frame comes from the admission: it never takes a place in a frame step."""
-    engine = new_engine(setup, rows=2, overlap=overlap)
-    single, other = make_request(setup, 0, 1), make_request(setup, 1, 5)
-    engine.add(single)
-    engine.add(other)
-    outputs = engine.step()
-    assert [o.finish_reason for o in outputs if o.request is single] == ["max_frames"]
-    assert single.frames == single.emitted == 1
-    assert engine.running == [other] and other.row == 0  # it moved into the row the single one left
-    first = [o.codes for o in outputs if o.request is other]
-    codes = np.concatenate([np.stack(first), run(engine, {})["r1"]])
-    np.testing.assert_array_equal(codes, run(new_engine(setup), {0: [make_request(setup, 1, 5)]})["r1"])
 
 
 def test_seed_controls_sampling(setup):
@@ -180,15 +145,13 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
         np.testing.assert_array_equal(result[name], alone[name])
 
 
-@pytest.mark.parametrize("lengths", [[16, 32], [8]], ids=["padded", "longer-than-the-buckets"])
-def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup, overlap, lengths):
-    """The padded admission (static buffers and rows, groups of the largest batch bucket: what the
-    GPU replays as graphs) must not change a request's codes, also when it joins a running batch;
-    nor must prompts too long for every bucket, which take rows made for them."""
+def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup, overlap):
+    """The padded prefill (static buffers, scratch cache, groups of the largest batch bucket: what
+    the GPU replays as graphs) must not change a request's codes, also when it joins a running batch."""
     arrivals = lambda: {0: [make_request(setup, 0, 10)], 1: [make_request(setup, i, 10) for i in (1, 2, 3, 4)]}
     exact = run(new_engine(setup), arrivals())
     engine = new_engine(setup, overlap=overlap)
-    engine.runner.set_buckets([], [], prefill_batch_sizes=[1, 2], prefill_lengths=lengths)
+    engine.runner.set_buckets([], [], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
     padded = run(engine, arrivals())
     assert exact.keys() == padded.keys() and len(exact) == 5
     for request_id, codes in exact.items():

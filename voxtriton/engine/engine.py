@@ -1,9 +1,7 @@
 """The generation loop: admit requests, run one frame step for every running request, retire.
 
-Continuous batching: a request that arrives joins the running batch at the next step and leaves it
-the step it finishes, so no request waits for another. Its admission (the prompt's prefill and its
-first frame, beside the step in flight: `ModelRunner.prefill`) gives its first frame in the step that
-admits it.
+Continuous batching: a request that arrives joins the running batch at the next step (its prompt
+is prefilled in that step) and leaves it the step it finishes, so no request waits for another.
 
 Overlap: with `overlap` on, a step launches the next frame step on the GPU before it waits for the
 frames of the step launched before it, so the GPU works through the host's bookkeeping and
@@ -105,25 +103,21 @@ class Engine:
     def _finish(request: Request, reason: str) -> None:
         request.status, request.finish_reason = Status.FINISHED, reason
 
-    def _admit(self) -> _Launched | None:
-        """Prefill waiting requests into free rows, with their first frames (returned on their way)."""
+    def _admit(self) -> int:
+        """Prefill waiting requests into free rows; returns how many were admitted."""
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             self._finish(request, "cancelled")
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             admitted.append(self.waiting.popleft())
-        if not admitted:
-            return None
-        first_row = len(self.running)
-        codes, ready = self.runner.prefill(admitted, first_row)
-        for offset, request in enumerate(admitted):
-            request.status, request.row, request.frames = Status.RUNNING, first_row + offset, 1
-        self.running.extend(admitted)
-        for request in admitted:
-            if request.frames >= request.params.max_frames:  # one frame long: done with the prefill
-                self._leave_batch(request)
-        return _Launched(admitted, codes, ready, None)
+        if admitted:
+            first_row = len(self.running)
+            self.runner.prefill(admitted, first_row)
+            for offset, request in enumerate(admitted):
+                request.status, request.row = Status.RUNNING, first_row + offset
+            self.running.extend(admitted)
+        return len(admitted)
 
     def step(self) -> list[FrameOutput]:
         """Launch the next frame of every running request (admitting waiting ones first) and return
@@ -133,26 +127,25 @@ class Engine:
             self._finish(request, "cancelled")
         started = time.perf_counter()
         prefill_event = self._event() if self.waiting else None
-        first_frames = self._admit() if self.waiting else None
-        admitted = len(first_frames.requests) if first_frames else 0
+        admitted = self._admit() if self.waiting else 0
         timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=len(self.running))
         started = time.perf_counter()
         launched = self._launch(prefill_event if admitted else None) if self.running else None
         if self.overlap:
             launched, self.in_flight = self.in_flight, launched
-        codes = self.runner.read_codes(launched.codes, launched.ready) if launched else None
-        # The admissions' first frames come before anything else of theirs (in-step, `launched` holds
-        # their second frames); with overlap they were ready by the end of the step in flight.
-        outputs = self._frames(first_frames, self.runner.read_codes(first_frames.codes, first_frames.ready)) \
-            if first_frames else []
+        if launched is None:
+            timing.decode_s = time.perf_counter() - started
+            self.last_timing = timing
+            return []
+        codes = self.runner.read_codes(launched.codes, launched.ready)
         timing.decode_s = time.perf_counter() - started
-        if launched and launched.events:
+        if launched.events:
             before_prefill, before_decode, after = launched.events
             timing.decode_device_s = before_decode.elapsed_time(after) / 1e3
             if before_prefill is not None:
                 timing.prefill_device_s = before_prefill.elapsed_time(before_decode) / 1e3
         self.last_timing = timing
-        return outputs + self._frames(launched, codes) if launched else outputs
+        return self._frames(launched, codes)
 
     def _event(self) -> torch.cuda.Event | None:
         if not self._cuda:

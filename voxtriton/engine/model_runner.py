@@ -7,11 +7,6 @@ talker step, codebook-0 sampling) is captured as one CUDA graph per (batch bucke
 bucket); a step pads the batch and the span up to the next bucket, in eager mode too, so graph and
 eager runs compute the same shapes and draw the same codes. Nothing here branches on a request in
 Python; the host learns one [B, 17] array per frame step.
-
-Admissions take their first frame in the prefill: the prompt, its codebook-0 token and a whole frame
-step run on a small set of rows of their own, beside the step in flight, and the new rows join the
-batch one frame in. Otherwise a request admitted while step k runs would get its first frame from
-step k+1, a whole step later.
 """
 
 from __future__ import annotations
@@ -32,51 +27,6 @@ from .sampling import RowParams, apply_repetition_penalty, fold_seed, gumbel_noi
 NO_CODEC = -1
 
 
-class Rows:
-    """Everything a frame step reads or writes, one row per request: the caches it attends to, the
-    codes and hidden state it continues from, the sampling parameters and the step's output.
-
-    The runner keeps two sets: the running batch's (`ModelRunner.rows`), and a small one where
-    admitted prompts prefill and take their first frame beside the step in flight
-    (`ModelRunner.admission`), copied into the batch's rows afterwards."""
-
-    def __init__(self, config: Qwen3TTSConfig, count: int, positions: int, predictor_length: int,
-                 max_text_tokens: int, device: torch.device, dtype: torch.dtype):
-        t, p = config.talker.transformer, config.talker.predictor
-        zeros = lambda *shape, dtype=dtype: torch.zeros(*shape, device=device, dtype=dtype)
-        long = torch.long
-        self.cache = StaticKV(zeros(t.num_layers, count, t.num_kv_heads, positions, t.head_dim),
-                              zeros(t.num_layers, count, t.num_kv_heads, positions, t.head_dim))
-        # Scratch of the code predictor, rewritten every frame: nothing in it outlives a step.
-        self.predictor_keys = zeros(p.num_layers, count, p.num_kv_heads, predictor_length, p.head_dim)
-        self.predictor_values = torch.zeros_like(self.predictor_keys)
-        self.last_code = zeros(count, dtype=long)  # codebook-0 token of the frame to complete next
-        self.past_hidden = zeros(count, t.hidden_size)  # talker output that produced it
-        self.frame_index = zeros(count, dtype=long)
-        self.position = zeros(count, dtype=long)
-        # Trailing text ids, padded with tts_pad: row r feeds trailing[r, min(frame, last column)].
-        self.trailing = torch.full((count, max_text_tokens + 1), config.tts_pad_token_id, device=device, dtype=long)
-        self.seen = zeros(count, config.talker.vocab_size, dtype=torch.bool)
-        self.penalty = torch.ones(count, device=device, dtype=torch.float32)
-        self.ignore_eos = zeros(count, dtype=torch.bool)
-        self.main = RowParams(zeros(count, dtype=torch.float32), zeros(count, dtype=long),
-                              zeros(count, dtype=torch.float32), zeros(count, dtype=long))
-        self.sub = RowParams(zeros(count, dtype=torch.float32), zeros(count, dtype=long),
-                             zeros(count, dtype=torch.float32), self.main.seeds)
-        self.step_output = zeros(count, config.talker.num_code_groups + 1, dtype=long)
-        # What a row carries from one frame to the next (the caches apart).
-        self.tensors = [self.last_code, self.past_hidden, self.frame_index, self.position, self.trailing,
-                        self.seen, self.penalty, self.ignore_eos, self.main.temperature, self.main.top_k,
-                        self.main.top_p, self.main.seeds, self.sub.temperature, self.sub.top_k, self.sub.top_p]
-
-    def copy_rows(self, target: slice, source: "Rows", source_rows: slice, positions: int) -> None:
-        """Rows of `source` (their first `positions` cache entries) into rows `target` of this set."""
-        for mine, theirs in zip(self.tensors, source.tensors):
-            mine[target] = theirs[source_rows]
-        self.cache.keys[:, target, :, :positions] = source.cache.keys[:, source_rows, :, :positions]
-        self.cache.values[:, target, :, :positions] = source.cache.values[:, source_rows, :, :positions]
-
-
 class ModelRunner:
     def __init__(self, model: Qwen3TTSBackbone, max_rows: int, max_positions: int, max_text_tokens: int,
                  prefill_stream: torch.cuda.Stream | None = None):
@@ -89,10 +39,33 @@ class ModelRunner:
         param = talker.codec_head.weight
         self.device, self.dtype = param.device, param.dtype
         triton_usable(self.device)  # decided now, before any graph capture
+        t, p = config.talker.transformer, config.talker.predictor
         self.max_rows, self.max_positions = max_rows, max_positions
-        self.max_text_tokens = max_text_tokens
-        self.rows = self._new_rows(max_rows, max_positions)
+        zeros = lambda *shape, dtype=None: torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)
+        long = torch.long
+        self.cache = StaticKV(zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
+                              zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim))
+        predictor_length = talker.code_predictor.cache_length
+        self.predictor_keys = zeros(p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim)
+        self.predictor_values = torch.zeros_like(self.predictor_keys)
         vocab = config.talker.vocab_size
+        # Row state: everything a frame step reads or writes, one row per running request.
+        self.last_code = zeros(max_rows, dtype=long)  # codebook-0 token of the frame to complete next
+        self.past_hidden = zeros(max_rows, t.hidden_size)  # talker output that produced it
+        self.frame_index = zeros(max_rows, dtype=long)
+        self.position = zeros(max_rows, dtype=long)
+        # Trailing text ids, padded with tts_pad: row r feeds trailing[r, min(frame, last column)].
+        self.trailing = torch.full((max_rows, max_text_tokens + 1), config.tts_pad_token_id, device=self.device, dtype=long)
+        self.seen = zeros(max_rows, vocab, dtype=torch.bool)
+        self.penalty = torch.ones(max_rows, device=self.device, dtype=torch.float32)
+        self.ignore_eos = zeros(max_rows, dtype=torch.bool)
+        self.main = RowParams(zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long),
+                              zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long))
+        self.sub = RowParams(zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long),
+                             zeros(max_rows, dtype=torch.float32), self.main.seeds)
+        self.row_tensors = [self.last_code, self.past_hidden, self.frame_index, self.position, self.trailing,
+                            self.seen, self.penalty, self.ignore_eos, self.main.temperature, self.main.top_k,
+                            self.main.top_p, self.main.seeds, self.sub.temperature, self.sub.top_k, self.sub.top_p]
         # Codebook-0 tokens the official generation never samples: the control ids above the
         # codec codebook, except end-of-speech.
         eos = config.talker.codec_eos_id
@@ -101,24 +74,21 @@ class ModelRunner:
         self.is_eos = torch.arange(vocab, device=self.device) == eos
         self.vocab = vocab
         self.code_groups = torch.arange(config.talker.num_code_groups, device=self.device)
+        self.max_text_tokens = max_text_tokens
+        self.step_output = zeros(max_rows, config.talker.num_code_groups + 1, dtype=long)
         # Host transfers go through a stream of their own: a copy to or from pageable memory waits for
         # the work queued before it on its stream, which on the compute stream is a frame step in
         # flight. (Pinned memory would avoid that, but allocating it under a green context aborts.)
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # Two for the frame steps (see `stash_codes`), one for the admissions' first frames.
-        self.stashed_codes = [torch.zeros_like(self.rows.step_output) for _ in range(3)]
+        self.stashed_codes = [torch.zeros_like(self.step_output) for _ in range(2)]  # see `stash_codes`
         self.stashes = 0
         self.prefill_stream = prefill_stream
-        # Recorded on the compute stream once it has read an admission's rows (`admission`), which
-        # the next admission overwrites.
+        # Recorded on the compute stream once it has read a prefill's outputs (KV scratch and last
+        # hidden states), which the next prefill overwrites.
         self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.set_buckets([], [])
-
-    def _new_rows(self, count: int, positions: int) -> Rows:
-        return Rows(self.config, count, positions, self.talker.code_predictor.cache_length, self.max_text_tokens,
-                    self.device, self.dtype)
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device, for use on the current stream, without waiting for its work."""
@@ -156,78 +126,67 @@ class ModelRunner:
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Move a running request from row `source` to row `target` (its first `length` positions)."""
-        self.rows.copy_rows(slice(target, target + 1), self.rows, slice(source, source + 1), length)
+        for tensor in self.row_tensors:
+            tensor[target] = tensor[source]
+        self.cache.keys[:, target, :, :length] = self.cache.keys[:, source, :, :length]
+        self.cache.values[:, target, :, :length] = self.cache.values[:, source, :, :length]
 
-    def _set_params(self, rows: Rows, requests: list[Request]) -> None:
-        """Write new requests' row state into the first rows of `rows`: one upload for the scalars, one
-        for the trailing text."""
-        count = len(requests)
-        columns = [(rows.penalty, "repetition_penalty"), (rows.ignore_eos, "ignore_eos"),
-                   (rows.main.temperature, "temperature"), (rows.main.top_k, "top_k"), (rows.main.top_p, "top_p"),
-                   (rows.sub.temperature, "sub_temperature"), (rows.sub.top_k, "sub_top_k"),
-                   (rows.sub.top_p, "sub_top_p")]
+    def _set_params(self, rows: slice, requests: list[Request]) -> None:
+        """Write new requests' row state: one upload for the scalars, one for the trailing text."""
+        columns = [(self.penalty, "repetition_penalty"), (self.ignore_eos, "ignore_eos"),
+                   (self.main.temperature, "temperature"), (self.main.top_k, "top_k"), (self.main.top_p, "top_p"),
+                   (self.sub.temperature, "sub_temperature"), (self.sub.top_k, "sub_top_k"),
+                   (self.sub.top_p, "sub_top_p")]
         # float64 holds every value exactly (seeds have 31 bits, top-k and positions are small).
         scalars = torch.tensor([[float(getattr(r.params, name)) for _, name in columns]
                                 + [float(fold_seed(r.params.seed)), float(len(r.prompt.text_ids))] for r in requests],
                                dtype=torch.float64)
         scalars = self._upload(scalars)
         for index, (tensor, _) in enumerate(columns):
-            tensor[:count] = scalars[:, index].to(tensor.dtype)
-        rows.main.seeds[:count] = scalars[:, -2].long()
-        rows.position[:count] = scalars[:, -1].long()
-        trailing = torch.full((count, rows.trailing.shape[1]), self.config.tts_pad_token_id, dtype=torch.long)
+            tensor[rows] = scalars[:, index].to(tensor.dtype)
+        self.main.seeds[rows] = scalars[:, -2].long()
+        self.position[rows] = scalars[:, -1].long()
+        trailing = torch.full((len(requests), self.trailing.shape[1]), self.config.tts_pad_token_id, dtype=torch.long)
         for i, request in enumerate(requests):
             ids = request.prompt.trailing_text_ids
             trailing[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        rows.trailing[:count] = self._upload(trailing)
-        rows.seen[:count] = False
-        rows.frame_index[:count] = 0
+        self.trailing[rows] = self._upload(trailing)
+        self.seen[rows] = False
+        self.frame_index[rows] = 0
 
     # -- codebook 0 --------------------------------------------------------------------------------
 
-    def _sample_first_codebook(self, rows: Rows, batch: int, logits: torch.Tensor, gumbel: torch.Tensor) -> torch.Tensor:
-        """Penalties, suppression and the official minimum of two frames, then sampling, for rows
-        0..batch-1 of `rows` (their frame_index: frames already completed)."""
-        part = slice(0, batch)
-        logits = apply_repetition_penalty(logits.float(), rows.seen[part], rows.penalty[part])
-        block_eos = (rows.frame_index[part] < 2) | rows.ignore_eos[part]
+    def _sample_first_codebook(self, logits: torch.Tensor, rows: slice, frames: torch.Tensor,
+                               gumbel: torch.Tensor) -> torch.Tensor:
+        """Penalties, suppression and the official minimum of two frames, then sampling."""
+        logits = apply_repetition_penalty(logits.float(), self.seen[rows], self.penalty[rows])
+        block_eos = (frames < 2) | self.ignore_eos[rows]
         logits = logits.masked_fill(self.suppressed | (block_eos[:, None] & self.is_eos), float("-inf"))
-        params = RowParams(rows.main.temperature[part], rows.main.top_k[part], rows.main.top_p[part],
-                           rows.main.seeds[part])
+        params = RowParams(self.main.temperature[rows], self.main.top_k[rows], self.main.top_p[rows], self.main.seeds[rows])
         code = sample(logits, params, gumbel)
-        rows.seen[part].scatter_(1, code[:, None], True)
+        self.seen[rows].scatter_(1, code[:, None], True)
         return code
 
     # -- steps ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, requests: list[Request], first_row: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Run the prompts of new requests and their first frame step into rows first_row.. .
+    def prefill(self, requests: list[Request], first_row: int) -> None:
+        """Run the prompts of new requests into rows first_row.. and draw their first codebook-0 token.
 
-        Returns the first frames' codes (as `decode` returns a step's, [len(requests), 17]) and, on a
-        GPU, the event after which they can be read. The rows are then one frame in: the next step
-        gives them their second frame. Admissions larger than the largest prefill batch bucket go in
-        groups of that size.
+        Admissions larger than the largest prefill batch bucket go in groups of that size.
         """
         group = max(self.prefill_batch_buckets, default=len(requests))
-        codes = self.stashed_codes[2][: len(requests)]
         for start in range(0, len(requests), group):
-            part = requests[start: start + group]
-            self._prefill_group(part, first_row + start, codes[start: start + len(part)])
-        if self.transfer_stream is None:
-            return codes.clone(), None
-        ready = torch.cuda.Event()
-        ready.record()
-        return codes, ready
+            self._prefill_group(requests[start: start + group], first_row + start)
 
-    def _prefill_group(self, requests: list[Request], first_row: int, first_frames: torch.Tensor) -> None:
-        """One group of `prefill`, its first frames into `first_frames`."""
+    def _prefill_group(self, requests: list[Request], first_row: int) -> None:
         count = len(requests)
+        rows = slice(first_row, first_row + count)
         lengths = [len(r.prompt.text_ids) for r in requests]
         batch = self._bucket(count, self.prefill_batch_buckets)
         length = self._bucket(max(lengths), self.prefill_length_buckets)
         padded = batch in self.prefill_batch_buckets and length in self.prefill_length_buckets
-        if not padded:  # no bucket fits: eager, exact shapes, on rows made for it
+        if not padded:  # no bucket fits: eager, exact shapes, straight into the rows
             batch, length = count, max(lengths)
         text = torch.zeros(batch, length, dtype=torch.long)
         codec = torch.full((batch, length), NO_CODEC, dtype=torch.long)
@@ -235,62 +194,63 @@ class ModelRunner:
             text[i, : lengths[i]] = torch.tensor(request.prompt.text_ids)
             codec[i, : lengths[i]] = torch.tensor(request.prompt.codec_ids)
         last_index = torch.tensor(lengths + [1] * (batch - count)) - 1
+        self._set_params(rows, requests)
+        text, codec, last_index = (self._upload(t) for t in (text, codec, last_index))
         if padded:
-            rows = self.admission
             with self._beside_the_step():
-                self._set_params(rows, requests)
-                self._reset_rows(rows, slice(count, batch))
-                self.prefill_text[:batch, :length].copy_(self._upload(text))
-                self.prefill_codec[:batch, :length].copy_(self._upload(codec))
-                self.prefill_last[:batch].copy_(self._upload(last_index))
-                graph = self.prefill_graphs.get((batch, length))
-                if graph is not None:
-                    graph.replay()
+                self.prefill_text[:batch, :length].copy_(text)
+                self.prefill_codec[:batch, :length].copy_(codec)
+                self.prefill_last[:batch].copy_(last_index)
+                entry = self.prefill_graphs.get((batch, length))
+                if entry is not None:
+                    entry[0].replay()
+                    last = entry[1]
                 else:
-                    self._first_frame_padded(batch, length)
+                    last = self._prefill_padded(batch, length)
+            # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
+            self.cache.keys[:, rows, :, :length] = self.prefill_kv.keys[:, :count, :, :length]
+            self.cache.values[:, rows, :, :length] = self.prefill_kv.values[:, :count, :, :length]
         else:
-            rows = self._new_rows(count, length + 1)
-            self._set_params(rows, requests)
-            self._first_frame(rows, self._upload(text), self._upload(codec), self._upload(last_index))
-        # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
-        self.rows.copy_rows(slice(first_row, first_row + count), rows, slice(0, count), length + 1)
-        first_frames.copy_(rows.step_output[:count])
+            cache = StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows])
+            last = self._prompt_last_hidden(text, codec, last_index, cache)
+        last = last[:count]
+        self.past_hidden[rows] = last
+        frames = self.frame_index[rows]
+        gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None], self.code_groups[:1], self.vocab)[:, 0]
+        self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, frames, gumbel)
         if padded and self.prefill_read is not None:
             self.prefill_read.record()
 
     @contextlib.contextmanager
     def _beside_the_step(self):
-        """Run the block on the prefill stream, so an admission overlaps the frame step in flight
-        instead of queueing behind it; the caller's stream then waits for it. The block must touch
-        only the admission's own buffers (`admission`, the static inputs, graph outputs): rows beyond
-        the batch are padding rows of the step in flight. It starts once the caller's stream has read
-        the previous admission's rows; memory it allocates (eager runs) is reused only after that too."""
+        """Run the block on the prefill stream, so a prefill overlaps the frame step in flight instead of
+        queueing behind it; the caller's stream then waits for it. The block must touch only the
+        prefill's own buffers (uploads, static inputs, KV scratch, graph outputs): rows beyond the
+        batch are padding rows of the step in flight. It starts once the caller's stream has read the
+        previous prefill's outputs; memory it allocates (eager runs) is reused only after that too."""
         if self.prefill_stream is None:
             yield
             return
         caller = torch.cuda.current_stream(self.device)
         self.prefill_stream.wait_event(self.prefill_read)
+        self.prefill_stream.wait_stream(self.transfer_stream)  # the prompts' uploads
         with torch.cuda.stream(self.prefill_stream):
             yield
         caller.wait_stream(self.prefill_stream)
 
-    def _first_frame(self, rows: Rows, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor) -> None:
-        """Prompts [B, L] into the first B of `rows` (parameters set, positions at the prompts' ends),
-        their codebook-0 tokens, then one frame step: rows.step_output[:B] is the first frame."""
+    def _prompt_last_hidden(self, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor,
+                            cache: StaticKV) -> torch.Tensor:
+        """Prompts [B, L] into `cache`; returns each prompt's final hidden state [B, D]."""
         batch, length = text.shape
-        cache = StaticKV(rows.cache.keys[:, :batch], rows.cache.values[:, :batch])
         positions = torch.arange(length, device=self.device).expand(batch, length)
         hidden = self.talker(self.talker.prompt_embeds(text, codec), positions, cache, length)
-        last = hidden[torch.arange(batch, device=self.device), last_index]
-        rows.past_hidden[:batch] = last
-        gumbel = gumbel_noise(rows.main.seeds[:batch], rows.frame_index[:batch, None], self.code_groups[:1], self.vocab)
-        rows.last_code[:batch] = self._sample_first_codebook(rows, batch, self.talker.codec_head(last), gumbel[:, 0])
-        self._decode_into_output(rows, batch, length + 1)
+        return hidden[torch.arange(batch, device=self.device), last_index]
 
-    def _first_frame_padded(self, batch: int, length: int) -> None:
-        """`_first_frame` of one (batch, length) bucket on the static buffers (what its graph replays)."""
-        self._first_frame(self.admission, self.prefill_text[:batch, :length], self.prefill_codec[:batch, :length],
-                          self.prefill_last[:batch])
+    def _prefill_padded(self, batch: int, length: int) -> torch.Tensor:
+        """The prefill of one (batch, length) bucket, on the static buffers (what its graph replays)."""
+        cache = StaticKV(self.prefill_kv.keys[:, :batch], self.prefill_kv.values[:, :batch])
+        return self._prompt_last_hidden(self.prefill_text[:batch, :length], self.prefill_codec[:batch, :length],
+                                        self.prefill_last[:batch], cache)
 
     def set_buckets(self, batch_sizes: list[int], spans: list[int], prefill_batch_sizes: list[int] = (),
                     prefill_lengths: list[int] = ()) -> None:
@@ -299,11 +259,13 @@ class ModelRunner:
         self.batch_buckets = sorted(b for b in set(batch_sizes) if b <= self.max_rows)
         self.span_buckets = sorted(s for s in set(spans) if s <= self.max_positions)
         self.prefill_batch_buckets = sorted(b for b in set(prefill_batch_sizes) if b <= self.max_rows)
-        # A first frame writes one position past its prompt.
-        self.prefill_length_buckets = sorted(n for n in set(prefill_lengths) if n < self.max_positions)
+        self.prefill_length_buckets = sorted(n for n in set(prefill_lengths) if n <= self.max_positions)
         if self.prefill_batch_buckets and self.prefill_length_buckets:
             batch, length = self.prefill_batch_buckets[-1], self.prefill_length_buckets[-1]
-            self.admission = self._new_rows(batch, length + 1)
+            t = self.config.talker.transformer
+            scratch = lambda: torch.zeros(t.num_layers, batch, t.num_kv_heads, length, t.head_dim,
+                                          device=self.device, dtype=self.dtype)
+            self.prefill_kv = StaticKV(scratch(), scratch())
             self.prefill_text = torch.zeros(batch, length, device=self.device, dtype=torch.long)
             self.prefill_codec = torch.full((batch, length), NO_CODEC, device=self.device, dtype=torch.long)
             self.prefill_last = torch.zeros(batch, device=self.device, dtype=torch.long)
@@ -317,44 +279,40 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self, batch_sizes: list[int], spans: list[int], prefill_batch_sizes: list[int] = (),
                        prefill_lengths: list[int] = ()) -> None:
-        """Capture the frame step for every (batch, span) bucket and the admission (prefill and first
-        frame) for every (batch, length) bucket. Run before any request is admitted."""
+        """Capture the frame step for every (batch, span) bucket and the prefill for every (batch,
+        length) bucket. Run before any request is admitted."""
         self.set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
         pool = None
         for span in reversed(self.span_buckets):  # largest first: later graphs reuse its memory pool
             for batch in reversed(self.batch_buckets):
-                self._reset_rows(self.rows, slice(0, batch))
-                graph, pool = self._capture(lambda: self._decode_into_output(self.rows, batch, span), pool)
+                self._reset_rows(slice(0, batch))
+                graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
                 self.graphs[(batch, span)] = graph
-        # An admission may run beside a frame step (`_beside_the_step`), so its graphs get a memory
-        # pool of their own (graphs sharing a pool share their intermediate buffers) and are captured
-        # on the prefill stream (a graph keeps the cuBLAS workspace of the stream it was captured on).
+        # A prefill may run beside a frame step (`_beside_the_step`), so its graphs get a memory pool
+        # of their own (graphs sharing a pool share their intermediate buffers) and are captured on the
+        # prefill stream (a graph keeps the cuBLAS workspace of the stream it was captured on).
         prefill_pool, stream = None, self.prefill_stream or capture_stream(self.device)
         for length in reversed(self.prefill_length_buckets):
             for batch in reversed(self.prefill_batch_buckets):
                 self.prefill_last[:batch] = length - 1
-                # Each warm-up's frame step advances the rows: back to the prompts' ends before the next.
-                graph, prefill_pool = self._capture(
-                    lambda: self._first_frame_padded(batch, length), prefill_pool, stream=stream,
-                    prepare=lambda: self._reset_rows(self.admission, slice(0, batch), position=length))
+                graph, prefill_pool = self._capture(lambda: self._prefill_padded(batch, length), prefill_pool,
+                                                    keep_output=True, stream=stream)
                 self.prefill_graphs[(batch, length)] = graph
-        self._reset_rows(self.rows, slice(0, self.max_rows))
+        self._reset_rows(slice(0, self.max_rows))
         torch.cuda.synchronize(self.device)
 
-    def _capture(self, work, pool, stream: torch.cuda.Stream | None = None, prepare=lambda: None):
+    def _capture(self, work, pool, keep_output: bool = False, stream: torch.cuda.Stream | None = None):
         for _ in range(2):  # warm up kernels and autotuning outside the capture
-            prepare()
             work()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream or capture_stream(self.device)):
-            work()
-        return graph, graph.pool()
+            output = work()
+        return ((graph, output) if keep_output else graph), graph.pool()
 
-    @staticmethod
-    def _reset_rows(rows: Rows, part: slice, position: int = 0) -> None:
-        """Put rows that no request uses in a harmless state (positions inside the cache)."""
-        rows.position[part] = position
-        rows.frame_index[part] = 0
+    def _reset_rows(self, rows: slice) -> None:
+        """Put rows that no request uses back in a harmless state (positions inside the cache)."""
+        self.position[rows] = 0
+        self.frame_index[rows] = 0
 
     @torch.inference_mode()
     def decode(self, batch: int, span: int) -> torch.Tensor:
@@ -365,33 +323,33 @@ class ModelRunner:
         """
         padded, span = self._bucket(batch, self.batch_buckets), self._bucket(span, self.span_buckets)
         if padded > batch:
-            self._reset_rows(self.rows, slice(batch, padded))
+            self._reset_rows(slice(batch, padded))
         graph = self.graphs.get((padded, span))
         if graph is not None:
             graph.replay()
         else:
-            self._decode_into_output(self.rows, padded, span)
-        return self.rows.step_output[:batch]
+            self._decode_into_output(padded, span)
+        return self.step_output[:batch]
 
-    def _decode_into_output(self, rows: Rows, batch: int, span: int) -> None:
-        """One frame step for rows 0..batch-1 of `rows`, into rows.step_output."""
-        part = slice(0, batch)
-        frames = rows.frame_index[part].clone()
+    def _decode_into_output(self, batch: int, span: int) -> None:
+        rows = slice(0, batch)
+        frames = self.frame_index[rows].clone()
         talker = self.talker
         # Noise for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
         groups = self.code_groups
-        gumbel = gumbel_noise(rows.main.seeds[part], frames[:, None] + (groups == 0), groups, self.vocab)
-        sub = RowParams(rows.sub.temperature[part], rows.sub.top_k[part], rows.sub.top_p[part], rows.sub.seeds[part])
+        gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None] + (groups == 0), groups, self.vocab)
+        sub = RowParams(self.sub.temperature[rows], self.sub.top_k[rows], self.sub.top_p[rows], self.sub.seeds[rows])
         residual = talker.code_predictor.predict_frame(
-            rows.past_hidden[part], talker.model.codec_embedding(rows.last_code[part]),
-            rows.predictor_keys, rows.predictor_values, lambda logits, group: sample(logits, sub, gumbel[:, group]))
-        frame = torch.cat((rows.last_code[part, None], residual), dim=1)
-        text = rows.trailing[part].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
+            self.past_hidden[rows], talker.model.codec_embedding(self.last_code[rows]),
+            self.predictor_keys, self.predictor_values, lambda logits, group: sample(logits, sub, gumbel[:, group]))
+        frame = torch.cat((self.last_code[rows, None], residual), dim=1)
+        text = self.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
         embeds = (talker.frame_embeds(frame) + talker.text_embeds(text))[:, None]
-        hidden = talker(embeds, rows.position[part, None], rows.cache, span)[:, 0]
-        rows.frame_index[part] += 1
-        rows.position[part] += 1
-        rows.past_hidden[part] = hidden
-        rows.last_code[part] = self._sample_first_codebook(rows, batch, talker.codec_head(hidden), gumbel[:, 0])
-        rows.step_output[part, :-1] = frame
-        rows.step_output[part, -1] = rows.last_code[part]
+        hidden = talker(embeds, self.position[rows, None], self.cache, span)[:, 0]
+        self.frame_index[rows] += 1
+        self.position[rows] += 1
+        self.past_hidden[rows] = hidden
+        self.last_code[rows] = self._sample_first_codebook(talker.codec_head(hidden), rows, self.frame_index[rows],
+                                                           gumbel[:, 0])
+        self.step_output[rows, :-1] = frame
+        self.step_output[rows, -1] = self.last_code[rows]
