@@ -48,6 +48,17 @@ def test_the_background_lane_is_three_quarters_of_the_gpu_by_default_in_groups_o
             CodecSettings.from_model_config(config(sm_count=bad))
 
 
+def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
+    """A codec call without a CUDA graph runs eagerly, several times slower: by default the codecs
+    capture every chunk size of the scheduler's default schedule and batch sizes up to its limit."""
+    _, scheduler = TTSSettings.from_model_config(config())
+    batch_sizes, frame_sizes = CodecSettings.from_model_config(config()).graph_shapes()
+    assert set(frame_sizes) == set(int(size) for size in scheduler.chunk_schedule.split(","))
+    assert max(batch_sizes) == scheduler.max_batch and 1 in batch_sizes
+    given = CodecSettings.from_model_config(config(graph_batch_sizes="4,24", graph_frame_sizes="3")).graph_shapes()
+    assert given == ([4, 24], [3])
+
+
 def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, tmp_path):
     """A GPU host whose CUDA build of torch cannot use CUDA (CUDA_VISIBLE_DEVICES, MPS) must not
     quietly serve on the CPU; an explicit device=cpu still may, and so may CUDA_VISIBLE_DEVICES naming

@@ -10,7 +10,7 @@ import torch
 from ..engine.codec_runner import CodecRunner
 from ..models.loader import load_codec
 from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
-from .settings import CodecSettings, cache_dir, int_list, lane_sms
+from .settings import CodecSettings, cache_dir, lane_sms
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ class CodecService:
         # first call. Without graphs every shape would pay it while serving: no autotuning then.
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
-            self.runner = CodecRunner(self.model, int_list(settings.graph_batch_sizes) if graphs else None,
-                                      int_list(settings.graph_frame_sizes) if graphs else None)
+            batch_sizes, frame_sizes = settings.graph_shapes() if graphs else (None, None)
+            self.runner = CodecRunner(self.model, batch_sizes, frame_sizes)
         self.state_size = self.model.state_size
         self.calls = 0
 

@@ -22,7 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .settings import cache_dir, visible_devices
+from ..scheduler.policy import SchedulerConfig
+from .settings import cache_dir, codec_graph_shapes, visible_devices
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -361,22 +362,20 @@ def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[st
 
 
 def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-    """A codec call whose shape has no CUDA graph runs eagerly, several times slower. The shapes come
-    from the tts scheduler: a call holds chunks of one schedule size (`scheduler_chunk_schedule`),
-    up to `scheduler_max_batch` of them. When either is set and a codec model's
-    `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes it implies: every size of
-    the schedule; powers of two up to the batch limit, and the limit."""
+    """The codecs' graph shapes follow the tts scheduler's chunk schedule and batch limit
+    (`codec_graph_shapes`); their defaults follow the scheduler's defaults. When either is set for
+    tts and a codec model's `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes the
+    setting implies."""
     tts = parameters.get("tts", {})
-    implied = {}
+    defaults = SchedulerConfig()
     try:
-        if "scheduler_chunk_schedule" in tts:
-            implied["graph_frame_sizes"] = sorted({int(size) for size in tts["scheduler_chunk_schedule"].split(",")})
-        if "scheduler_max_batch" in tts:
-            limit = int(tts["scheduler_max_batch"])
-            implied["graph_batch_sizes"] = sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit})
+        shapes = codec_graph_shapes(tts.get("scheduler_chunk_schedule", defaults.chunk_schedule),
+                                    int(tts.get("scheduler_max_batch", defaults.max_batch)))
     except ValueError:  # the tts model refuses the setting itself, naming it
         return parameters
-    if not implied or min(min(sizes) for sizes in implied.values()) < 1:
+    keys = {"scheduler_chunk_schedule": "graph_frame_sizes", "scheduler_max_batch": "graph_batch_sizes"}
+    implied = {key: shapes[key] for setting, key in keys.items() if setting in tts}
+    if not implied or min(min(sizes, default=0) for sizes in implied.values()) < 1:
         return parameters
     aligned = {model: dict(values) for model, values in parameters.items()}
     for model in CODEC_MODELS:

@@ -157,12 +157,21 @@ class CodecSettings:
     # cuda_graphs only) instead of taking its heuristic's choice, which for some dilated layers is a
     # fallback kernel 10x slower (benchmarks/results/codec_speed_h200.md, session 9).
     cudnn_autotune: bool = True
-    graph_batch_sizes: str = "1,2,4,8,16"  # up to the tts scheduler_max_batch
-    graph_frame_sizes: str = "2,4,8,16,25"  # the scheduler's chunk sizes
+    # CUDA-graph shapes (chunks per call, frames per chunk); empty: those the tts scheduler's default
+    # chunk schedule and batch limit make (`codec_graph_shapes`).
+    graph_batch_sizes: str = ""
+    graph_frame_sizes: str = ""
     test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (see README)
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)
+
+    def graph_shapes(self) -> tuple[list[int], list[int]]:
+        """(batch sizes, frame sizes) to capture."""
+        defaults = SchedulerConfig()
+        implied = codec_graph_shapes(defaults.chunk_schedule, defaults.max_batch)
+        return (int_list(self.graph_batch_sizes) or implied["graph_batch_sizes"],
+                int_list(self.graph_frame_sizes) or implied["graph_frame_sizes"])
 
     @staticmethod
     def from_model_config(model_config: dict | str) -> "CodecSettings":
@@ -194,6 +203,15 @@ def lane_sms(value: str, total_sms: int) -> int:
     if is_count(value):
         return int(value)
     return max(8, int(float(value) * total_sms) // 8 * 8)
+
+
+def codec_graph_shapes(chunk_schedule: str, max_batch: int) -> dict[str, list[int]]:
+    """The shapes of the codec calls a tts scheduler makes: a call holds chunks of one size of its
+    schedule, up to `max_batch` of them. Every size of the schedule; powers of two up to the batch
+    limit, and the limit. (A call whose shape has no CUDA graph runs eagerly, several times slower.)"""
+    return {"graph_frame_sizes": sorted(set(int_list(chunk_schedule))),
+            "graph_batch_sizes": sorted({1 << bit for bit in range(max_batch.bit_length()) if 1 << bit <= max_batch}
+                                        | {max_batch})}
 
 
 def int_list(text: str) -> list[int]:
