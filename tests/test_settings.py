@@ -55,6 +55,7 @@ def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
     batch_sizes, frame_sizes = CodecSettings.from_model_config(config()).graph_shapes()
     assert set(frame_sizes) == set(int(size) for size in scheduler.chunk_schedule.split(","))
     assert max(batch_sizes) == scheduler.max_batch and 1 in batch_sizes
+    assert (batch_sizes, frame_sizes) == ([1, 2, 4, 8, 16], [2, 4, 8, 16, 25])  # as the README says
     given = CodecSettings.from_model_config(config(graph_batch_sizes="4,24", graph_frame_sizes="3")).graph_shapes()
     assert given == ([4, 24], [3])
 

@@ -168,8 +168,7 @@ class CodecSettings:
 
     def graph_shapes(self) -> tuple[list[int], list[int]]:
         """(batch sizes, frame sizes) to capture."""
-        defaults = SchedulerConfig()
-        implied = codec_graph_shapes(defaults.chunk_schedule, defaults.max_batch)
+        implied = codec_graph_shapes()
         return (int_list(self.graph_batch_sizes) or implied["graph_batch_sizes"],
                 int_list(self.graph_frame_sizes) or implied["graph_frame_sizes"])
 
@@ -205,11 +204,15 @@ def lane_sms(value: str, total_sms: int) -> int:
     return max(8, int(float(value) * total_sms) // 8 * 8)
 
 
-def codec_graph_shapes(chunk_schedule: str, max_batch: int) -> dict[str, list[int]]:
-    """The shapes of the codec calls a tts scheduler makes: a call holds chunks of one size of its
-    schedule, up to `max_batch` of them. Every size of the schedule; powers of two up to the batch
-    limit, and the limit. (A call whose shape has no CUDA graph runs eagerly, several times slower.)"""
-    return {"graph_frame_sizes": sorted(set(int_list(chunk_schedule))),
+def codec_graph_shapes(chunk_schedule: str | None = None, max_batch: int | None = None) -> dict[str, list[int]]:
+    """The shapes of the codec calls a tts scheduler makes (None: the scheduler's default): a call
+    holds chunks of one size of its schedule, up to `max_batch` of them. Every size of the schedule;
+    powers of two up to the batch limit, and the limit. (A call whose shape has no CUDA graph runs
+    eagerly, several times slower.) A malformed schedule raises ValueError."""
+    defaults = SchedulerConfig()
+    chunk_schedule = defaults.chunk_schedule if chunk_schedule is None else chunk_schedule
+    max_batch = defaults.max_batch if max_batch is None else max_batch
+    return {"graph_frame_sizes": sorted({int(size) for size in chunk_schedule.split(",")}),
             "graph_batch_sizes": sorted({1 << bit for bit in range(max_batch.bit_length()) if 1 << bit <= max_batch}
                                         | {max_batch})}
 
