@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..scheduler.policy import SchedulerConfig
 from .settings import cache_dir, codec_graph_shapes, visible_devices
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -366,15 +367,17 @@ def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dic
     tts and a codec model's `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes the
     setting implies."""
     tts = parameters.get("tts", {})
+    keys = {"scheduler_chunk_schedule": "graph_frame_sizes", "scheduler_max_batch": "graph_batch_sizes"}
+    given = {setting.removeprefix("scheduler_"): tts[setting] for setting in keys if setting in tts}
+    if not given:
+        return parameters
     try:
-        max_batch = tts.get("scheduler_max_batch")
-        shapes = codec_graph_shapes(tts.get("scheduler_chunk_schedule"), None if max_batch is None else int(max_batch))
+        if "max_batch" in given:
+            given["max_batch"] = int(given["max_batch"])
+        shapes = codec_graph_shapes(SchedulerConfig(**given))
     except ValueError:  # the tts model refuses the setting itself, naming it
         return parameters
-    keys = {"scheduler_chunk_schedule": "graph_frame_sizes", "scheduler_max_batch": "graph_batch_sizes"}
     implied = {key: shapes[key] for setting, key in keys.items() if setting in tts}
-    if not implied or min(min(sizes) for sizes in implied.values()) < 1:
-        return parameters
     aligned = {model: dict(values) for model, values in parameters.items()}
     for model in CODEC_MODELS:
         given = {**parameters.get("*", {}), **parameters.get(model, {})}

@@ -204,17 +204,15 @@ def lane_sms(value: str, total_sms: int) -> int:
     return max(8, int(float(value) * total_sms) // 8 * 8)
 
 
-def codec_graph_shapes(chunk_schedule: str | None = None, max_batch: int | None = None) -> dict[str, list[int]]:
-    """The shapes of the codec calls a tts scheduler makes (None: the scheduler's default): a call
+def codec_graph_shapes(scheduler: SchedulerConfig | None = None) -> dict[str, list[int]]:
+    """The shapes of the codec calls a tts scheduler makes (None: the default scheduler's): a call
     holds chunks of one size of its schedule, up to `max_batch` of them. Every size of the schedule;
     powers of two up to the batch limit, and the limit. (A call whose shape has no CUDA graph runs
-    eagerly, several times slower.) A malformed schedule raises ValueError."""
-    defaults = SchedulerConfig()
-    chunk_schedule = defaults.chunk_schedule if chunk_schedule is None else chunk_schedule
-    max_batch = defaults.max_batch if max_batch is None else max_batch
-    return {"graph_frame_sizes": sorted({int(size) for size in chunk_schedule.split(",")}),
-            "graph_batch_sizes": sorted({1 << bit for bit in range(max_batch.bit_length()) if 1 << bit <= max_batch}
-                                        | {max_batch})}
+    eagerly, several times slower.)"""
+    scheduler = scheduler or SchedulerConfig()
+    limit = scheduler.max_batch
+    return {"graph_frame_sizes": sorted(set(scheduler.sizes)),
+            "graph_batch_sizes": sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit})}
 
 
 def int_list(text: str) -> list[int]:
