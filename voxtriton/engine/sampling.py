@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import triton_usable
+from ..kernels.sampling import sample_triton
+
 _MASK31 = 0x7FFFFFFF
 _MIX = 0x045D9F3B  # < 2**27: products of 31-bit values stay inside int64
 
@@ -96,7 +99,11 @@ def sample(logits: torch.Tensor, params: RowParams, gumbel: torch.Tensor) -> tor
 
     gumbel: [B, >= V] noise from `gumbel_noise` for this row's (seed, frame, group); only the
     first V columns are used, so one noise tensor serves heads of different vocabulary sizes.
+    On a GPU this is one Triton kernel (`voxtriton.kernels.sampling`); the formulas below are its
+    reference.
     """
+    if logits.is_cuda and triton_usable(logits.device):
+        return sample_triton(logits, params.temperature, params.top_k, params.top_p, gumbel)
     logits = logits.float()
     greedy = params.temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
