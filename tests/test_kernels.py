@@ -112,3 +112,40 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     unfiltered = sample(logits, RowParams(params.temperature, torch.zeros_like(top_k), torch.ones(batch), params.seeds),
                         noise[:, 1])
     assert not torch.equal(unfiltered, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens, with_norm", [(1, True), (2, True), (3, False)])
+def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm):
+    """q/k norms, the rotary embedding and the cache writes of one layer call: rows at different
+    positions, positions as the predictor passes them (an expanded view), and a cache that is a view
+    of a larger one (its other rows and positions must stay as they were)."""
+    from voxtriton.kernels import rotary
+    from voxtriton.models.layers import Rotary
+
+    generator = torch.Generator().manual_seed(new_tokens + 10 * with_norm)
+    batch, heads, kv_heads, dim, length = 3, 4, 2, 16, 20
+    qkv = random(batch, new_tokens, heads + 2 * kv_heads, dim, scale=2, dtype=dtype, generator=generator)
+    positions = torch.tensor([0, 7, length - new_tokens])[:, None] + torch.arange(new_tokens)[None, :]
+    if new_tokens == 3:
+        positions = torch.arange(new_tokens).expand(batch, new_tokens)
+    cos, sin = Rotary(dim, 10000.0)(positions, dtype)
+    norms = [(random(dim, generator=generator) + 1).to(dtype) for _ in range(2)] if with_norm else [None, None]
+    cache = random(2, batch + 1, kv_heads, length + 3, dim, dtype=dtype, generator=generator)
+    expected_cache, fused_cache = cache.clone(), cache.clone().to(DEVICE)
+    expected = rotary.rotate_into_cache(qkv, heads, kv_heads, *norms, 1e-6, cos, sin, expected_cache[0, :batch],
+                                        expected_cache[1, :batch], positions)
+    to = lambda t: None if t is None else t.to(DEVICE)
+    fused = rotary.rotate_into_cache_triton(to(qkv), heads, kv_heads, *map(to, norms), 1e-6, to(cos), to(sin),
+                                            fused_cache[0, :batch], fused_cache[1, :batch], to(positions))
+    assert fused.shape == (batch, heads, new_tokens, dim) and fused.dtype == dtype
+    # fp32 to within the sums' order; bf16 to one rounding step (Triton's interpreter truncates
+    # where the GPU rounds to nearest).
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(fused_cache.float().cpu(), expected_cache.float(), rtol=tolerance, atol=tolerance)
+    written = torch.zeros(cache.shape[:4], dtype=torch.bool)
+    for row in range(batch):
+        written[:, row, :, positions[row]] = True
+    assert torch.equal(fused_cache.cpu()[~written], cache[~written])  # nothing else touched
+    assert not torch.equal(fused_cache.cpu()[written], cache[written])

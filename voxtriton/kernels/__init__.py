@@ -68,6 +68,19 @@ def _check_kernels(device: torch.device) -> None:
         out = decode_attention(q.to(device), keys.to(device), values.to(device), positions.to(device), 0.1)
         cases.append((f"decode attention ({dtype})", out, decode_attention_reference(q, keys, values, positions, 0.1),
                       tolerance))
+    from .rotary import rotate_into_cache, rotate_into_cache_triton
+
+    qkv = torch.randn(2, 1, 4, 8, generator=generator)  # 2 query heads, 1 KV head, head size 8
+    rotary = [torch.randn(2, 1, 1, 8, generator=generator) for _ in range(2)]
+    norms = [torch.rand(8, generator=generator) + 0.5 for _ in range(2)]
+    positions = torch.tensor([[1], [4]])
+    caches = torch.zeros(2, 2, 1, 6, 8)
+    inputs = [qkv, *norms, *rotary, caches, positions]
+    qkv_, q_norm, k_norm, cos, sin, caches_, positions_ = (t.to(device) for t in inputs)
+    q = rotate_into_cache_triton(qkv_, 2, 1, q_norm, k_norm, 1e-6, cos, sin, caches_[0], caches_[1], positions_)
+    q_reference = rotate_into_cache(qkv, 2, 1, *norms, 1e-6, *rotary, caches[0], caches[1], positions)
+    cases.append(("rotary and cache write", torch.cat((q.flatten(), caches_.flatten())),
+                  torch.cat((q_reference.flatten(), caches.flatten())), 1e-5))
     from ..engine.sampling import RowParams, sample
     from .sampling import sample_triton
 

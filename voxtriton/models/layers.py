@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import decode_attention, decode_attention_supported
+from ..kernels.rotary import rotate_into_cache, split_heads
 from .config import TransformerConfig
 
 # attend(q [B, H, T, D], keys, values [B, KVH, L, D], scale) -> [B, H, T, D]
@@ -58,13 +59,8 @@ class Rotary(nn.Module):
         return cos.to(dtype)[:, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D] with RoPE's rotate-half layout; cos/signed_sin from `Rotary`."""
-    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
-
-
 class KVStore(Protocol):
-    """Where a layer's keys and values live between steps."""
+    """Where a layer's keys and values live between steps, when not in a `StaticKV`."""
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's keys/values [B, kv_heads, T, D]; return everything to attend to."""
@@ -105,17 +101,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv: KVStore, attend: Attend):
+    def forward(self, x, cos, sin, kv: "StaticKV | KVStore", attend: Attend):
         batch, length, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(batch, length, self.num_heads, self.head_dim)
-        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
-        keys, values = kv.update(self.layer, k, v)
+        qkv = self.qkv_proj(x).view(batch, length, -1, self.head_dim)
+        q_norm, k_norm = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        if isinstance(kv, StaticKV):
+            key_cache, value_cache = kv.layer_rows(self.layer, batch)
+            q = rotate_into_cache(qkv, self.num_heads, self.num_kv_heads, q_norm, k_norm, eps, cos, sin,
+                                  key_cache, value_cache, kv.positions)
+            keys, values = key_cache[:, :, : kv.span], value_cache[:, :, : kv.span]
+        else:
+            q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, q_norm, k_norm, eps, cos, sin)
+            keys, values = kv.update(self.layer, k, v)
         out = attend(q, keys, values, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -197,22 +195,17 @@ class StaticKV:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values
-        self.write_index: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
         self.span = keys.shape[3]
 
     def bind(self, positions: torch.Tensor, span: int) -> "StaticKV":
-        batch, length = positions.shape
-        heads, dim = self.keys.shape[2], self.keys.shape[4]
-        self.write_index = positions[:, None, :, None].expand(batch, heads, length, dim)
-        self.span = span
+        """The positions [B, T] this call's new entries go to, and how far attention reads."""
+        self.positions, self.span = positions, span
         return self
 
-    def update(self, layer, keys, values):
-        batch = keys.shape[0]
-        cached_keys, cached_values = self.keys[layer, :batch], self.values[layer, :batch]
-        cached_keys.scatter_(2, self.write_index, keys)
-        cached_values.scatter_(2, self.write_index, values)
-        return cached_keys[:, :, : self.span], cached_values[:, :, : self.span]
+    def layer_rows(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [batch, kv_heads, length, head_dim] of one layer: the batch's rows."""
+        return self.keys[layer, :batch], self.values[layer, :batch]
 
 
 def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
