@@ -91,7 +91,7 @@ SAMPLING_CASES = {"small vocabulary, every mix": (300, [(t, k, p) for t in (0.0,
 def test_sampling_kernel_draws_the_reference_tokens(case):
     """Every mix of parameters a batch can hold, rows with masked (-inf) tokens and with ties at the
     top-k threshold: the kernel picks the tokens the reference formulas pick."""
-    from voxtriton.engine.sampling import RowParams, gumbel_noise, sample
+    from voxtriton.engine.sampling import RowParams, noise_keys, sample
     from voxtriton.kernels.sampling import sample_triton
 
     vocab, settings = SAMPLING_CASES[case]
@@ -101,17 +101,20 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     logits[::3, vocab // 2:] = float("-inf")  # as codebook 0's suppressed control tokens are
     temperature, top_k, top_p = (torch.tensor(column) for column in zip(*settings))
     params = RowParams(temperature.float(), top_k.long(), top_p.float(), torch.arange(batch))
-    # One noise tensor for several groups, as a frame step makes: a strided view per group.
-    noise = gumbel_noise(params.seeds, torch.zeros(batch, 2, dtype=torch.long), torch.arange(2), vocab + 7)
-    expected = sample(logits, params, noise[:, 1])
+    # Keys for several groups, as a frame step makes them: a strided view per group.
+    keys = noise_keys(params.seeds, torch.zeros(batch, 2, dtype=torch.long), torch.arange(2))
+    expected = sample(logits, params, keys[:, 1])
     to = lambda t: t.to(DEVICE)
-    drawn = sample_triton(to(logits), to(params.temperature), to(params.top_k), to(params.top_p), to(noise)[:, 1])
+    drawn = sample_triton(to(logits), to(params.temperature), to(params.top_k), to(params.top_p), to(keys)[:, 1])
     assert drawn.dtype == torch.int64
     assert torch.equal(drawn.cpu(), expected)
     # The filters matter here: without them the draws would differ.
     unfiltered = sample(logits, RowParams(params.temperature, torch.zeros_like(top_k), torch.ones(batch), params.seeds),
-                        noise[:, 1])
+                        keys[:, 1])
     assert not torch.equal(unfiltered, expected)
+    # And the noise matters: another group's keys draw other tokens.
+    assert not torch.equal(sample_triton(to(logits), to(params.temperature), to(params.top_k), to(params.top_p),
+                                         to(keys)[:, 0]).cpu(), drawn.cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

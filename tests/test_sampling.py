@@ -8,13 +8,12 @@ from transformers.generation.logits_process import (RepetitionPenaltyLogitsProce
                                                     TopPLogitsWarper)
 
 from voxtriton.engine.sampling import (RowParams, apply_repetition_penalty, bits_to_uniform, filter_top_k_top_p,
-                                       fold_seed, gumbel_noise, sample, uniform_noise)
+                                       fold_seed, noise_keys, sample, uniform_noise)
 
 
 def draw(logits, p, frames, group):
     """One codebook group's draw, with the noise the engine would give it."""
-    noise = gumbel_noise(p.seeds, frames[:, None], torch.tensor([group]), logits.shape[-1])
-    return sample(logits, p, noise[:, 0])
+    return sample(logits, p, noise_keys(p.seeds, frames[:, None], torch.tensor([group]))[:, 0])
 
 
 def params(batch, temperature=0.9, top_k=50, top_p=1.0, seed=7):
@@ -46,7 +45,7 @@ def test_repetition_penalty_matches_transformers():
 def test_noise_is_uniform_and_keyed():
     seeds = torch.tensor([fold_seed(1), fold_seed(2)])
     frames = torch.tensor([[0], [0]])
-    noise = lambda frames, group: uniform_noise(seeds, frames, torch.tensor([group]), 50000)[:, 0]
+    noise = lambda frames, group: uniform_noise(noise_keys(seeds, frames, torch.tensor([group]))[:, 0], 50000)
     u = noise(frames, 0)
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     assert not torch.equal(u[0], u[1])
@@ -55,15 +54,18 @@ def test_noise_is_uniform_and_keyed():
     assert not torch.equal(u, noise(frames, 1))
 
 
-def test_noise_of_all_groups_at_once_equals_each_group_alone():
-    """The engine draws one step's noise for 16 groups (each with its own frame) in one pass."""
+def test_keys_of_all_groups_at_once_equal_each_group_alone():
+    """The engine makes one step's draw keys for 16 groups (each with its own frame) in one pass."""
     seeds = torch.tensor([fold_seed(5), fold_seed(6), fold_seed(7)])
     groups = torch.arange(16)
     frames = torch.tensor([[0], [3], [9]]) + (groups == 0)
-    together = uniform_noise(seeds, frames, groups, 3072)
+    together = noise_keys(seeds, frames, groups)
+    assert together.unique().numel() == together.numel()
     for group in range(16):
-        alone = uniform_noise(seeds, frames[:, group: group + 1], groups[group: group + 1], 2048)[:, 0]
-        assert torch.equal(together[:, group, :2048], alone)
+        alone = noise_keys(seeds, frames[:, group: group + 1], groups[group: group + 1])[:, 0]
+        assert torch.equal(together[:, group], alone)
+    # A shorter vocabulary's noise is the start of a longer one's.
+    assert torch.equal(uniform_noise(together, 3072)[..., :2048], uniform_noise(together, 2048))
 
 
 def test_noise_stays_strictly_inside_zero_one():

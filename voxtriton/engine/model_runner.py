@@ -22,7 +22,7 @@ from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
 from .codec_runner import capture_stream
 from .request import Request
-from .sampling import RowParams, apply_repetition_penalty, fold_seed, gumbel_noise, sample
+from .sampling import RowParams, apply_repetition_penalty, fold_seed, noise_keys, sample
 
 NO_CODEC = -1
 
@@ -72,7 +72,6 @@ class ModelRunner:
         self.suppressed = torch.arange(vocab, device=self.device) >= vocab - 1024
         self.suppressed[eos] = False
         self.is_eos = torch.arange(vocab, device=self.device) == eos
-        self.vocab = vocab
         self.code_groups = torch.arange(config.talker.num_code_groups, device=self.device)
         self.max_text_tokens = max_text_tokens
         self.step_output = zeros(max_rows, config.talker.num_code_groups + 1, dtype=long)
@@ -157,13 +156,13 @@ class ModelRunner:
     # -- codebook 0 --------------------------------------------------------------------------------
 
     def _sample_first_codebook(self, logits: torch.Tensor, rows: slice, frames: torch.Tensor,
-                               gumbel: torch.Tensor) -> torch.Tensor:
+                               keys: torch.Tensor) -> torch.Tensor:
         """Penalties, suppression and the official minimum of two frames, then sampling."""
         logits = apply_repetition_penalty(logits.float(), self.seen[rows], self.penalty[rows])
         block_eos = (frames < 2) | self.ignore_eos[rows]
         logits = logits.masked_fill(self.suppressed | (block_eos[:, None] & self.is_eos), float("-inf"))
         params = RowParams(self.main.temperature[rows], self.main.top_k[rows], self.main.top_p[rows], self.main.seeds[rows])
-        code = sample(logits, params, gumbel)
+        code = sample(logits, params, keys)
         self.seen[rows].scatter_(1, code[:, None], True)
         return code
 
@@ -216,8 +215,8 @@ class ModelRunner:
         last = last[:count]
         self.past_hidden[rows] = last
         frames = self.frame_index[rows]
-        gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None], self.code_groups[:1], self.vocab)[:, 0]
-        self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, frames, gumbel)
+        keys = noise_keys(self.main.seeds[rows], frames[:, None], self.code_groups[:1])[:, 0]
+        self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, frames, keys)
         if padded and self.prefill_read is not None:
             self.prefill_read.record()
 
@@ -335,13 +334,13 @@ class ModelRunner:
         rows = slice(0, batch)
         frames = self.frame_index[rows].clone()
         talker = self.talker
-        # Noise for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
+        # Draw keys for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
         groups = self.code_groups
-        gumbel = gumbel_noise(self.main.seeds[rows], frames[:, None] + (groups == 0), groups, self.vocab)
+        keys = noise_keys(self.main.seeds[rows], frames[:, None] + (groups == 0), groups)
         sub = RowParams(self.sub.temperature[rows], self.sub.top_k[rows], self.sub.top_p[rows], self.sub.seeds[rows])
         residual = talker.code_predictor.predict_frame(
             self.past_hidden[rows], talker.model.codec_embedding(self.last_code[rows]),
-            self.predictor_keys, self.predictor_values, lambda logits, group: sample(logits, sub, gumbel[:, group]))
+            self.predictor_keys, self.predictor_values, lambda logits, group: sample(logits, sub, keys[:, group]))
         frame = torch.cat((self.last_code[rows, None], residual), dim=1)
         text = self.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
         embeds = (talker.frame_embeds(frame) + talker.text_embeds(text))[:, None]
@@ -350,6 +349,6 @@ class ModelRunner:
         self.position[rows] += 1
         self.past_hidden[rows] = hidden
         self.last_code[rows] = self._sample_first_codebook(talker.codec_head(hidden), rows, self.frame_index[rows],
-                                                           gumbel[:, 0])
+                                                           keys[:, 0])
         self.step_output[rows, :-1] = frame
         self.step_output[rows, -1] = self.last_code[rows]

@@ -17,16 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import triton_usable
-from ..kernels.sampling import sample_triton
-
-_MASK31 = 0x7FFFFFFF
-_MIX = 0x045D9F3B  # < 2**27: products of 31-bit values stay inside int64
+from ..kernels.sampling import MASK31, MIX, TOKEN_MULTIPLIER, sample_triton
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """31-bit integer hash (xorshift-multiply), exact in int64 on every device."""
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK31
-    x = ((x ^ (x >> 16)) * _MIX) & _MASK31
+    """31-bit integer hash (xorshift-multiply), exact in int64 on every device (and in the sampling
+    kernel, which repeats it)."""
+    x = ((x ^ (x >> 16)) * MIX) & MASK31
+    x = ((x ^ (x >> 16)) * MIX) & MASK31
     return x ^ (x >> 16)
 
 
@@ -34,26 +32,28 @@ def fold_seed(seed: int) -> int:
     """Any 64-bit seed -> 31 bits for the hash (on the host, once per request)."""
     seed &= (1 << 64) - 1
     folded = torch.tensor(0)
-    for part in (seed & _MASK31, (seed >> 31) & _MASK31, seed >> 62):
-        folded = _mix((folded + part + 0x3C6EF372) & _MASK31)
+    for part in (seed & MASK31, (seed >> 31) & MASK31, seed >> 62):
+        folded = _mix((folded + part + 0x3C6EF372) & MASK31)
     return int(folded)
 
 
-def uniform_noise(seeds: torch.Tensor, frames: torch.Tensor, groups: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0, 1) noise [B, G, vocab] keyed by (seed [B], frame [B, G], codebook group [G], token index).
-
-    All the codebook groups a step samples come from one pass: per-group calls cost ~40 small kernels
-    each, which was a third of a frame step at batch 1.
-    """
-    row = _mix((_mix(seeds)[:, None] + frames * 0x27D4EB2F % (1 << 27)) & _MASK31)
-    row = _mix((row + (groups + 1) * 0x165667B1 % (1 << 27)) & _MASK31)
-    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x61C8864F % (1 << 27)
-    return bits_to_uniform(_mix((row[:, :, None] + tokens) & _MASK31))
+def noise_keys(seeds: torch.Tensor, frames: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """One key per draw [B, G], from (seed [B], frame [B, G], codebook group [G]); a token's noise is
+    a hash of its draw's key and its index (`uniform_noise`). A step makes the keys of all the
+    groups it samples at once: a few small tensors, where the noise itself is [B, G, vocabulary]."""
+    row = _mix((_mix(seeds)[:, None] + frames * 0x27D4EB2F % (1 << 27)) & MASK31)
+    return _mix((row + (groups + 1) * 0x165667B1 % (1 << 27)) & MASK31)
 
 
-def gumbel_noise(seeds: torch.Tensor, frames: torch.Tensor, groups: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [B, G, vocab] for `sample` (see `uniform_noise`)."""
-    return -torch.log(-torch.log(uniform_noise(seeds, frames, groups, vocab)))
+def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) noise [..., vocab] for the draws of `keys` [...]."""
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64) * TOKEN_MULTIPLIER % (1 << 27)
+    return bits_to_uniform(_mix((keys[..., None] + tokens) & MASK31))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [..., vocab] for `sample` (see `uniform_noise`)."""
+    return -torch.log(-torch.log(uniform_noise(keys, vocab)))
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -94,22 +94,22 @@ def filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return scores.masked_fill(scores < kept, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: RowParams, gumbel: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row from processed logits [B, V] (penalties already applied).
+def sample(logits: torch.Tensor, params: RowParams, keys: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from processed logits [B, V] (penalties already applied), with the
+    noise of each row's draw key (keys [B], from `noise_keys`).
 
-    gumbel: [B, >= V] noise from `gumbel_noise` for this row's (seed, frame, group); only the
-    first V columns are used, so one noise tensor serves heads of different vocabulary sizes.
-    On a GPU this is one Triton kernel (`voxtriton.kernels.sampling`); the formulas below are its
-    reference.
+    On a GPU this is one Triton kernel (`voxtriton.kernels.sampling`), which makes the noise itself;
+    the formulas below are its reference.
     """
     if logits.is_cuda and triton_usable(logits.device):
-        return sample_triton(logits, params.temperature, params.top_k, params.top_p, gumbel)
+        return sample_triton(logits, params.temperature, params.top_k, params.top_p, keys)
     logits = logits.float()
     greedy = params.temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
     filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
     # Masked tokens stay out whatever the noise (and whatever NaN the model might produce).
-    drawn = torch.where(torch.isfinite(filtered), filtered + gumbel[:, : logits.shape[-1]], float("-inf")).argmax(dim=-1)
+    noise = gumbel_noise(keys, logits.shape[-1])
+    drawn = torch.where(torch.isfinite(filtered), filtered + noise, float("-inf")).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 

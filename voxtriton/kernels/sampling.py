@@ -4,9 +4,10 @@
 among them a sort of the whole vocabulary, and a frame step makes 16 calls (codebook 0 and the
 predictor's 15 groups). Here one program per row loads the row's logits once (the vocabulary fits
 in registers: 2048 or 3072 tokens), sorts them in place, and finds the top-k and nucleus thresholds,
-then draws with the caller's Gumbel noise. Same semantics as the reference (transformers' order:
-temperature, top-k, top-p; ties at a threshold are kept; masked tokens never win, whatever the
-noise). It computes in fp32 with correctly rounded division, so it picks the same tokens except
+then draws with Gumbel noise it makes from the row's draw key, with the reference's hash: no
+[rows, vocabulary] noise tensor is made or read. Same semantics as the reference (transformers'
+order: temperature, top-k, top-p; ties at a threshold are kept; masked tokens never win, whatever
+the noise). It computes in fp32 with correctly rounded division, so it picks the same tokens except
 where a nucleus boundary falls within rounding of the probability mass, which the two compute in
 different orders.
 """
@@ -20,27 +21,38 @@ from . import launch_device, triton
 if triton is not None:
     import triton.language as tl
 
+# The noise hash's constants (`voxtriton.engine.sampling` makes the same noise in PyTorch).
+MASK31 = 0x7FFFFFFF
+MIX = 0x045D9F3B  # < 2**27: products of 31-bit values stay inside int64
+TOKEN_MULTIPLIER = 0x61C8864F
+
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  gumbel: torch.Tensor) -> torch.Tensor:
-    """logits [B, V]; temperature, top_k, top_p [B] (0 = greedy / no limit); gumbel [B, >= V] with unit
-    stride along the vocabulary. Returns [B] int64 token ids."""
+                  keys: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with unit stride along the vocabulary; temperature, top_k, top_p [B] (0 = greedy /
+    no limit); keys [B] int64 draw keys. Returns [B] int64 token ids."""
     batch, vocab = logits.shape
-    if logits.stride(-1) != 1 or gumbel.stride(-1) != 1:
+    if logits.stride(-1) != 1:
         raise ValueError("sample_triton needs unit stride along the vocabulary")
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     with launch_device(logits):
-        _sample_kernel[(batch,)](logits, logits.stride(0), gumbel, gumbel.stride(0), temperature.contiguous(),
-                                 top_k.contiguous(), top_p.contiguous(), out, vocab,
-                                 BLOCK=triton.next_power_of_2(vocab), num_warps=8)
+        _sample_kernel[(batch,)](logits, logits.stride(0), keys, keys.stride(0), temperature.contiguous(),
+                                 top_k.contiguous(), top_p.contiguous(), out, vocab, MASK31=MASK31, MIX=MIX,
+                                 TOKEN_MULTIPLIER=TOKEN_MULTIPLIER, BLOCK=triton.next_power_of_2(vocab), num_warps=8)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _sample_kernel(logits, logits_row_stride, gumbel, gumbel_row_stride, temperature, top_k, top_p, out, vocab,
-                       BLOCK: tl.constexpr):
+    def _mix(x, MASK31: tl.constexpr, MIX: tl.constexpr):
+        x = ((x ^ (x >> 16)) * MIX) & MASK31
+        x = ((x ^ (x >> 16)) * MIX) & MASK31
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _sample_kernel(logits, logits_row_stride, keys, keys_stride, temperature, top_k, top_p, out, vocab,
+                       MASK31: tl.constexpr, MIX: tl.constexpr, TOKEN_MULTIPLIER: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         index = tl.arange(0, BLOCK)
         valid = index < vocab
@@ -65,7 +77,10 @@ if triton is not None:
         kept = tl.min(tl.where(drop, float("inf"), ranked), axis=0)
         finite = (scaled == scaled) & (tl.abs(scaled) != float("inf"))
         keep = finite & (scaled >= kth) & (scaled >= kept)
-        noise = tl.load(gumbel + row * gumbel_row_stride + index, mask=valid, other=0.0)
+        key = tl.load(keys + row * keys_stride)
+        bits = _mix((key + index.to(tl.int64) * TOKEN_MULTIPLIER % (1 << 27)) & MASK31, MASK31, MIX)
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 23))
+        noise = -tl.log(-tl.log(uniform))
         drawn = tl.argmax(tl.where(keep, scaled + noise, float("-inf")), axis=0)
         best = tl.argmax(x, axis=0)
         tl.store(out + row, tl.where(greedy, best, drawn).to(tl.int64))
