@@ -5,7 +5,9 @@ frames), the wait for a codec lane, the codec call and the send, at p50 and p90,
 tenth, and per time window.
 Per chunk index: how long after the stream's first chunk was sent the chunk was cut (its frames
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
-after they were due) by index and lane. The frame period over the course of the run, measured from
+after they were due) by index and lane. All chunks and late ones by route: the lane they were routed
+to, or for urgent-lane chunks queued for the background lane first, how they moved (promoted as
+their deadline neared, or taken by an idle urgent lane). The frame period over the course of the run, measured from
 streams whose fifth chunk waited for its frames, per time window, and, where the trace has the
 engine's step lines, each window's frame steps split into their parts. Per window and lane, the
 codec calls (chunks sent with the same lane, start and end are one call) and the share of the
@@ -169,6 +171,8 @@ def report(lines: list[dict], window_s: float = 4.0) -> dict:
     for record in records:
         streams[record["stream"]][record["index"]] = record
     late = [r for r in records if r["index"] > 0 and r["sent"] > r["due"]]
+    # Traces from before the `taken` field lack it.
+    route = lambda r: r["lane"] + ("/promoted" if r["promoted"] else "/taken" if r.get("taken") else "")
     by_index = {}
     for index in range(1, 5):
         chunks = [(s[0], s[index]) for s in streams.values() if 0 in s and index in s]
@@ -189,6 +193,8 @@ def report(lines: list[dict], window_s: float = 4.0) -> dict:
     return {"chunks": len(records), "late": len(late),
             "late_by_index": dict(sorted(collections.Counter(r["index"] for r in late).items())),
             "late_by_lane": dict(collections.Counter(r["lane"] for r in late)),
+            "chunks_by_route": dict(collections.Counter(map(route, records))),
+            "late_by_route": dict(collections.Counter(map(route, late))),
             "late_arrived_s": [round(min(r["arrived"] for r in late) - origin, 1),
                                round(max(r["arrived"] for r in late) - origin, 1)] if late else None,
             "first_chunks": first_chunks(records, origin, window_s),

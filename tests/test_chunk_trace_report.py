@@ -33,12 +33,18 @@ def stream(name, arrived, period, late_index=None):
 def test_the_report_finds_late_chunks_cut_times_and_the_frame_period(tmp_path):
     records = [r for i in range(9) for r in stream(f"a{i}", 0.1 * i, 0.02)]  # the median stream
     records += [r for i in range(7) for r in stream(f"b{i}", 5.0 + 0.1 * i, 0.05, late_index=2 if i == 0 else None)]
+    records[47]["promoted"] = True  # b0's late chunk 2 waited for the background lane first
+    records[48]["taken"] = True  # and its chunk 3 was taken from there by the idle urgent lane
+    for record in records[:5]:
+        record["lane"] = "background"
     path = tmp_path / "trace.jsonl.gz"
     with gzip.open(path, "wt") as out:
         out.writelines(json.dumps(r) + "\n" for r in records)
     result = report(read_trace(path), window_s=4.0)
     assert result["chunks"] == 80 and result["late"] == 1
     assert result["late_by_index"] == {2: 1} and result["late_by_lane"] == {"urgent": 1}
+    assert result["chunks_by_route"] == {"background": 5, "urgent": 73, "urgent/promoted": 1, "urgent/taken": 1}
+    assert result["late_by_route"] == {"urgent/promoted": 1}
     assert result["late_arrived_s"] == [5.0, 5.0]
     # Chunk 2 ends at frame 8, cut 6 frame steps after the first chunk (sent 6 ms after its cut).
     assert result["by_index"][2]["cut_after_first_sent_ms_p50"] == round((6 * 0.02 - 0.006) * 1e3)
