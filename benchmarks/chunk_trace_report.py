@@ -5,9 +5,9 @@ frames), the wait for a codec lane, the codec call and the send, at p50 and p90,
 tenth, and per time window.
 Per chunk index: how long after the stream's first chunk was sent the chunk was cut (its frames
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
-after they were due) by index and lane. All chunks and late ones by route: the lane they were routed
-to, or for urgent-lane chunks queued for the background lane first, how they moved (promoted as
-their deadline neared, or taken by an idle urgent lane). The frame period over the course of the run, measured from
+after they were due) by index and lane. All chunks and late ones by route: the lane they were
+routed to, or for urgent-lane chunks queued for the background lane first, how they moved
+(promoted as their deadline neared, or taken by an idle urgent lane). The frame period over the course of the run, measured from
 streams whose fifth chunk waited for its frames, per time window, and, where the trace has the
 engine's step lines, each window's frame steps split into their parts. Per window and lane, the
 codec calls (chunks sent with the same lane, start and end are one call) and the share of the
@@ -32,6 +32,14 @@ def read_trace(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as lines:
         return [json.loads(line) for line in lines if line.strip()]
+
+
+def route(record: dict) -> str:
+    """How a chunk reached its lane: the lane it was routed to, or "urgent/promoted" (queued for the
+    background lane until its deadline neared) or "urgent/taken" (by an idle urgent lane). Traces
+    from before the `taken` field lack it."""
+    moved = "/promoted" if record["promoted"] else "/taken" if record.get("taken") else ""
+    return record["lane"] + moved
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -94,7 +102,7 @@ def lane_gaps(records: list[dict]) -> dict:
     to the last of its chunks sent. Calls that overlap an earlier one (traces from before the
     server counted a queued call from the end of the call ahead of it) make no gap. And the lane's
     backlog: at each call's start, the chunks the same lane decoded later that had been cut by then
-    (promoted chunks left out: they waited on the other lane first), with their sizes."""
+    (promoted and taken chunks left out: they waited on the other lane first), with their sizes."""
     by_lane = collections.defaultdict(list)
     for (lane, start, end), chunks in codec_calls(records).items():
         by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks), len(chunks)))
@@ -107,7 +115,7 @@ def lane_gaps(records: list[dict]) -> dict:
                 (working if first_cut <= free_at else idle).append(start - free_at)
             free_at = max(free_at, end)
         sending = [sent - end for _, end, _, sent, _ in calls]
-        backlog, sizes = lane_backlog([r for r in records if r["lane"] == lane and not r["promoted"]],
+        backlog, sizes = lane_backlog([r for r in records if r["lane"] == lane and route(r) == lane],
                                       [start for start, *_ in calls])
         table[lane] = {"calls": len(calls), "call_ms_p50": quantile_ms([end - start for start, end, *_ in calls], 0.5),
                        "gaps_with_work_waiting": len(working), "work_gap_ms_p50": quantile_ms(working, 0.5),
@@ -171,8 +179,6 @@ def report(lines: list[dict], window_s: float = 4.0) -> dict:
     for record in records:
         streams[record["stream"]][record["index"]] = record
     late = [r for r in records if r["index"] > 0 and r["sent"] > r["due"]]
-    # Traces from before the `taken` field lack it.
-    route = lambda r: r["lane"] + ("/promoted" if r["promoted"] else "/taken" if r.get("taken") else "")
     by_index = {}
     for index in range(1, 5):
         chunks = [(s[0], s[index]) for s in streams.values() if 0 in s and index in s]

@@ -101,8 +101,10 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     logits[::3, vocab // 2:] = float("-inf")  # as codebook 0's suppressed control tokens are
     temperature, top_k, top_p = (torch.tensor(column) for column in zip(*settings))
     params = RowParams(temperature.float(), top_k.long(), top_p.float(), torch.arange(batch))
-    # Keys for several groups, as a frame step makes them: a strided view per group.
+    # Keys for several groups, as a frame step makes them: a strided view per group; one row with
+    # the largest key the hash makes (its token terms must not overflow).
     keys = noise_keys(params.seeds, torch.zeros(batch, 2, dtype=torch.long), torch.arange(2))
+    keys[-1] = 2**31 - 1
     expected = sample(logits, params, keys[:, 1])
     to = lambda t: t.to(DEVICE)
     drawn = sample_triton(to(logits), to(params.temperature), to(params.top_k), to(params.top_p), to(keys)[:, 1])
@@ -118,16 +120,17 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("new_tokens, with_norm", [(1, True), (2, True), (3, False)])
-def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm):
+@pytest.mark.parametrize("new_tokens, with_norm, heads, kv_heads", [(1, True, 4, 2), (2, True, 6, 2), (3, False, 3, 3)])
+def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm, heads, kv_heads):
     """q/k norms, the rotary embedding and the cache writes of one layer call: rows at different
-    positions, positions as the predictor passes them (an expanded view), and a cache that is a view
-    of a larger one (its other rows and positions must stay as they were)."""
+    positions, positions as the predictor passes them (an expanded view), a cache that is a view of
+    a larger one (its other rows and positions must stay as they were), and head counts whose total
+    is not a power of two (the kernel pads its block of heads)."""
     from voxtriton.kernels import rotary
     from voxtriton.models.layers import Rotary
 
     generator = torch.Generator().manual_seed(new_tokens + 10 * with_norm)
-    batch, heads, kv_heads, dim, length = 3, 4, 2, 16, 20
+    batch, dim, length = 3, 16, 20
     qkv = random(batch, new_tokens, heads + 2 * kv_heads, dim, scale=2, dtype=dtype, generator=generator)
     positions = torch.tensor([0, 7, length - new_tokens])[:, None] + torch.arange(new_tokens)[None, :]
     if new_tokens == 3:

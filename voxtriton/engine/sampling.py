@@ -2,8 +2,10 @@
 
 Each row of a batch carries its own temperature, top-k, top-p and seed. Randomness is counter
 based: the noise for (seed, frame, codebook, token) is a fixed integer hash of those four numbers,
-turned into Gumbel noise, so a request draws the same codes whatever batch it shares, on any device,
-with no generator state to carry and no host synchronisation (the whole step can live in a CUDA graph).
+turned into Gumbel noise, so a request draws the same codes whatever batch it shares, with no
+generator state to carry and no host synchronisation (the whole step can live in a CUDA graph).
+Across devices the hash is exact; the logarithms that turn it into Gumbel noise may differ in the
+last bit, which changes a draw only where two tokens' noisy scores tie to within it.
 
 Processing order follows the official generation (transformers' logits processors): repetition
 penalty, minimum length / suppressed tokens, then temperature, top-k, top-p. Temperature 0 means
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import triton_usable
-from ..kernels.sampling import MASK31, MIX, TOKEN_MULTIPLIER, sample_triton
+from ..kernels.sampling import MASK31, MAX_KERNEL_VOCAB, MIX, TOKEN_MULTIPLIER, sample_triton
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +103,7 @@ def sample(logits: torch.Tensor, params: RowParams, keys: torch.Tensor) -> torch
     On a GPU this is one Triton kernel (`voxtriton.kernels.sampling`), which makes the noise itself;
     the formulas below are its reference.
     """
-    if logits.is_cuda and triton_usable(logits.device):
+    if logits.is_cuda and logits.shape[-1] <= MAX_KERNEL_VOCAB and triton_usable(logits.device):
         return sample_triton(logits, params.temperature, params.top_k, params.top_p, keys)
     logits = logits.float()
     greedy = params.temperature <= 0

@@ -43,7 +43,8 @@ def rotate_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torc
                       k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`split_heads`, then k and v written into key_cache / value_cache [B, kv_heads, L, D] at
-    positions [B, T]. Returns q [B, heads, T, D]. One Triton kernel on GPUs that run it."""
+    positions [B, T] (each below L). Returns q [B, heads, T, D]. One Triton kernel on GPUs that run
+    it. One `eps` serves both norms: the models' q and k norms share `rms_norm_eps`."""
     dim = qkv.shape[-1]
     if qkv.is_cuda and dim >= 4 and dim & (dim - 1) == 0 and triton_usable(qkv.device):
         return rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache,
@@ -58,18 +59,22 @@ def rotate_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torc
 def rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache,
                              positions):
     batch, length, total_heads, dim = qkv.shape
+    if dim < 4 or dim & (dim - 1):
+        raise ValueError(f"rotate_into_cache needs a power-of-two head size of at least 4, got {dim}")
     if qkv.stride(-1) != 1 or qkv.stride(-2) != dim or cos.stride(-1) != 1 or signed_sin.stride() != cos.stride():
         raise ValueError("rotate_into_cache needs packed heads and cos/sin of one layout")
+    if cos.shape[0] != batch or cos.shape[2] != length:
+        raise ValueError("rotate_into_cache needs cos/sin for every row and new token (no broadcasting)")
     if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
         raise ValueError("rotate_into_cache needs key and value caches of one layout, unit stride along D")
     q = torch.empty(batch, heads, length, dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
     with launch_device(qkv):
-        _rotate_into_cache_kernel[(batch * length,)](
+        _rotate_into_cache_kernel[(batch, length)](
             qkv, qkv.stride(0), qkv.stride(1), cos, signed_sin, cos.stride(0), cos.stride(2),
             q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps, q,
             key_cache, value_cache, *key_cache.stride()[:3], positions, *positions.stride(),
-            HEADS=heads, KV_HEADS=kv_heads, LENGTH=length, HALF=dim // 2,
+            length, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
             BLOCK_HEADS=triton.next_power_of_2(total_heads), HAS_NORM=has_norm)
     return q
 
@@ -80,11 +85,12 @@ if triton is not None:
     def _rotate_into_cache_kernel(qkv, qkv_row_stride, qkv_token_stride, cos, sin, rotary_row_stride,
                                   rotary_token_stride, q_norm, k_norm, eps, q_out,
                                   key_cache, value_cache, cache_row_stride, cache_head_stride, cache_position_stride,
-                                  positions, positions_row_stride, positions_token_stride,
-                                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, LENGTH: tl.constexpr,
-                                  HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, HAS_NORM: tl.constexpr):
-        program = tl.program_id(0).to(tl.int64)
-        row, token = program // LENGTH, program % LENGTH
+                                  positions, positions_row_stride, positions_token_stride, length,
+                                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                                  BLOCK_HEADS: tl.constexpr, HAS_NORM: tl.constexpr):
+        # The new-token count is a runtime value: an eager prefill of any prompt length reuses the
+        # compiled kernel.
+        row, token = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         dtype = qkv.dtype.element_ty
         # Heads in projection order: q (HEADS), k (KV_HEADS), v (KV_HEADS); each split into halves for
         # the rotate-half layout.
@@ -115,7 +121,7 @@ if triton is not None:
         # x * cos + roll(x, HALF) * signed sin: the first half pairs with the second and back.
         rotated_first = ((first * cos_first).to(dtype).to(tl.float32) + second * sin_first).to(dtype)
         rotated_second = ((second * cos_second).to(dtype).to(tl.float32) + first * sin_second).to(dtype)
-        q_target = q_out + ((row * HEADS + head[:, None]) * LENGTH + token) * (2 * HALF) + lane[None, :]
+        q_target = q_out + ((row * HEADS + head[:, None]) * length + token) * (2 * HALF) + lane[None, :]
         tl.store(q_target, rotated_first, mask=is_q[:, None])
         tl.store(q_target + HALF, rotated_second, mask=is_q[:, None])
         position = tl.load(positions + row * positions_row_stride + token * positions_token_stride)

@@ -9,7 +9,8 @@ then draws with Gumbel noise it makes from the row's draw key, with the referenc
 order: temperature, top-k, top-p; ties at a threshold are kept; masked tokens never win, whatever
 the noise). It computes in fp32 with correctly rounded division, so it picks the same tokens except
 where a nucleus boundary falls within rounding of the probability mass, which the two compute in
-different orders.
+different orders, or where two tokens' noisy scores tie to within the last bit of the logarithms
+(the GPU's and PyTorch's need not agree to the bit).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ if triton is not None:
 MASK31 = 0x7FFFFFFF
 MIX = 0x045D9F3B  # < 2**27: products of 31-bit values stay inside int64
 TOKEN_MULTIPLIER = 0x61C8864F
+# A program holds its row's whole vocabulary in registers; larger vocabularies take the reference.
+MAX_KERNEL_VOCAB = 8192
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   keys: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] with unit stride along the vocabulary; temperature, top_k, top_p [B] (0 = greedy /
-    no limit); keys [B] int64 draw keys. Returns [B] int64 token ids."""
+    """logits [B, V] with unit stride along the vocabulary; temperature [B] (0: greedy), top_k [B] (0: no
+    limit), top_p [B] (1: no limit); keys [B] int64 draw keys. Returns [B] int64 token ids."""
     batch, vocab = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("sample_triton needs unit stride along the vocabulary")

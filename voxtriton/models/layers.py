@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn_layer_scale = self.mlp_layer_scale = nn.Identity()
 
-    def forward(self, x, cos, sin, kv: KVStore, attend: Attend):
+    def forward(self, x, cos, sin, kv: "StaticKV | KVStore", attend: Attend):
         x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kv, attend))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
@@ -169,7 +169,8 @@ class DecoderStack(nn.Module):
         self.group = cfg.num_heads // cfg.num_kv_heads
         self.head_dim = cfg.head_dim
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVStore, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: "StaticKV | KVStore",
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
         attend = self._attention(x, positions, kv, mask)
         for layer in self.layers:
