@@ -45,8 +45,7 @@ def rotate_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torc
     """`split_heads`, then k and v written into key_cache / value_cache [B, kv_heads, L, D] at
     positions [B, T] (each below L). Returns q [B, heads, T, D]. One Triton kernel on GPUs that run
     it. One `eps` serves both norms: the models' q and k norms share `rms_norm_eps`."""
-    dim = qkv.shape[-1]
-    if qkv.is_cuda and dim >= 4 and dim & (dim - 1) == 0 and triton_usable(qkv.device):
+    if qkv.is_cuda and serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device):
         return rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache,
                                         value_cache, positions)
     q, k, v = split_heads(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin)
@@ -56,10 +55,15 @@ def rotate_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torc
     return q
 
 
+def serves_head_size(dim: int) -> bool:
+    """Whether the kernel serves heads of `dim`: a power of two, split into two halves of at least 2."""
+    return dim >= 4 and dim & (dim - 1) == 0
+
+
 def rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache,
                              positions):
     batch, length, total_heads, dim = qkv.shape
-    if dim < 4 or dim & (dim - 1):
+    if not serves_head_size(dim):
         raise ValueError(f"rotate_into_cache needs a power-of-two head size of at least 4, got {dim}")
     if qkv.stride(-1) != 1 or qkv.stride(-2) != dim or cos.stride(-1) != 1 or signed_sin.stride() != cos.stride():
         raise ValueError("rotate_into_cache needs packed heads and cos/sin of one layout")
