@@ -86,13 +86,13 @@ def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():
 
 
 def test_background_slack_counts_the_call_in_progress_and_the_batches_queued():
-    sched, clock = scheduler(slack_margin_s=0.0, chunk_schedule="25", max_batch=2)
+    """Batches of the background lane's own size (`background_max_batch`, not the urgent lane's)."""
+    sched, clock = scheduler(slack_margin_s=0.0, chunk_schedule="25", max_batch=4, background_max_batch=2)
     estimate = sched.estimates[BACKGROUND].seconds
     assert sched.expected_background_s() == pytest.approx(2 * estimate)
     for name in ("a", "b", "c", "d"):  # first chunks are urgent: send them so the next ones have a deadline
         sched.open(name)
         sched.frames_generated(name, 25)
-    serve(sched, URGENT)
     serve(sched, URGENT)
     for name in ("a", "b", "c", "d"):
         assert sched.frames_generated(name, 25)[0].lane == BACKGROUND
@@ -128,7 +128,7 @@ def background_chunks(sched, clock, names, frames=8):
 
 
 def test_an_idle_urgent_lane_takes_the_most_urgent_of_a_background_backlog_up_to_its_frame_budget():
-    options = {"chunk_schedule": "8", "slack_margin_s": 0.0, "max_batch": 2}
+    options = {"chunk_schedule": "8", "slack_margin_s": 0.0, "max_batch": 2, "background_max_batch": 2}
     sched, clock = scheduler(idle_urgent_takes_frames=16, **options)
     first, second, third = background_chunks(sched, clock, ["a", "b", "c"])  # more than one call's worth
     assert sched.next_batch(URGENT) == [first, second]  # 16 frames, earliest deadlines first
@@ -148,6 +148,23 @@ def test_an_idle_urgent_lane_takes_the_most_urgent_of_a_background_backlog_up_to
         sched, clock = scheduler(idle_urgent_takes_frames=budget, **options)
         background_chunks(sched, clock, ["a", "b", "c"])
         assert sched.next_batch(URGENT) == []
+
+
+def test_the_background_lane_takes_larger_calls_than_the_urgent_lane():
+    """voxserve's background chunks all have slack, so its lane batches up to `background_max_batch`
+    (more audio per GPU second); urgent calls stay at `max_batch`."""
+    sched, clock = scheduler(chunk_schedule="8", slack_margin_s=0.0, max_batch=2, background_max_batch=3)
+    names = [f"s{i}" for i in range(7)]
+    for name in names:
+        sched.open(name)
+        sched.frames_generated(name, 8)
+    assert [len(serve(sched, URGENT)) for _ in range(4)] == [2, 2, 2, 1]  # first chunks
+    for name in names:
+        sched.frames_generated(name, 8)
+    assert sched.queue_depths()[BACKGROUND] == 7
+    assert [len(sched.next_batch(BACKGROUND)) for _ in range(4)] == [3, 3, 1, 0]
+    with pytest.raises(ValueError, match="background_max_batch >= 1"):
+        SchedulerConfig(background_max_batch=0)
 
 
 @pytest.mark.parametrize("fullest", [False, True])
@@ -196,7 +213,7 @@ def test_batches_respect_size_limit_and_equal_chunk_sizes():
 
 
 def test_background_is_earliest_deadline_first():
-    sched, clock = scheduler(max_batch=1, chunk_schedule="4", slack_margin_s=0.0)
+    sched, clock = scheduler(max_batch=1, background_max_batch=1, chunk_schedule="4", slack_margin_s=0.0)
     for name, sent_at in (("late", 0.5), ("early", 0.0), ("middle", 0.2)):
         sched.open(name)
         sched.frames_generated(name, 4)

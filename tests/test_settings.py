@@ -50,12 +50,13 @@ def test_the_background_lane_is_three_quarters_of_the_gpu_by_default_in_groups_o
 
 def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
     """A codec call without a CUDA graph runs eagerly, several times slower: by default the codecs
-    capture every chunk size of the scheduler's default schedule and batch sizes up to its limit."""
+    capture every chunk size of the scheduler's default schedule and batch sizes up to both lanes' limits."""
     _, scheduler = TTSSettings.from_model_config(config())
     batch_sizes, frame_sizes = CodecSettings.from_model_config(config()).graph_shapes()
     assert set(frame_sizes) == set(int(size) for size in scheduler.chunk_schedule.split(","))
-    assert max(batch_sizes) == scheduler.max_batch and 1 in batch_sizes
-    assert (batch_sizes, frame_sizes) == ([1, 2, 4, 8, 16], [2, 4, 8, 16, 25])  # as the README says
+    assert {scheduler.max_batch, scheduler.background_max_batch, 1} <= set(batch_sizes)
+    assert max(batch_sizes) == max(scheduler.max_batch, scheduler.background_max_batch)
+    assert (batch_sizes, frame_sizes) == ([1, 2, 4, 8, 16, 32, 64], [2, 4, 8, 16, 25])  # as the README says
     given = CodecSettings.from_model_config(config(graph_batch_sizes="4,24", graph_frame_sizes="3")).graph_shapes()
     assert given == ([4, 24], [3])
 

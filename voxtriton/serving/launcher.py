@@ -367,13 +367,15 @@ def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dic
     tts and a codec model's `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes the
     setting implies."""
     tts = parameters.get("tts", {})
-    keys = {"scheduler_chunk_schedule": "graph_frame_sizes", "scheduler_max_batch": "graph_batch_sizes"}
+    keys = {"scheduler_chunk_schedule": "graph_frame_sizes", "scheduler_max_batch": "graph_batch_sizes",
+            "scheduler_background_max_batch": "graph_batch_sizes"}
     given = {setting.removeprefix("scheduler_"): tts[setting] for setting in keys if setting in tts}
     if not given:
         return parameters
     try:
-        if "max_batch" in given:
-            given["max_batch"] = int(given["max_batch"])
+        for limit in ("max_batch", "background_max_batch"):
+            if limit in given:
+                given[limit] = int(given[limit])
         shapes = codec_graph_shapes(SchedulerConfig(**given))
     except ValueError:  # the tts model refuses the setting itself, naming it
         return parameters

@@ -206,13 +206,15 @@ def lane_sms(value: str, total_sms: int) -> int:
 
 def codec_graph_shapes(scheduler: SchedulerConfig | None = None) -> dict[str, list[int]]:
     """The shapes of the codec calls a tts scheduler makes (None: the default scheduler's): a call
-    holds chunks of one size of its schedule, up to `max_batch` of them. Every size of the schedule;
-    powers of two up to the batch limit, and the limit. (A call whose shape has no CUDA graph runs
-    eagerly, several times slower.)"""
+    holds chunks of one size of its schedule, up to its lane's batch limit. Every size of the schedule;
+    powers of two up to the larger limit, and both limits. Both codec models capture them all: the
+    policy decides which lane a model serves, and an unused shape costs only its capture at start.
+    (A call whose shape has no CUDA graph runs eagerly, several times slower.)"""
     scheduler = scheduler or SchedulerConfig()
-    limit = scheduler.max_batch
+    limits = {scheduler.max_batch, scheduler.background_max_batch}
+    limit = max(limits)
     return {"graph_frame_sizes": sorted(set(scheduler.sizes)),
-            "graph_batch_sizes": sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit})}
+            "graph_batch_sizes": sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | limits)}
 
 
 def int_list(text: str) -> list[int]:

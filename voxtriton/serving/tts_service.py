@@ -88,7 +88,8 @@ def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConf
     """Rows the codec state pool needs: one per stream the service holds, plus the rows of streams
     that ended while a lane was decoding their chunk (up to one batch per lane worker, two lanes;
     freed on return)."""
-    return engine.max_running + max_queued + 2 * lane_workers * scheduler_config.max_batch
+    lanes_batches = scheduler_config.batch_limit(URGENT) + scheduler_config.batch_limit(BACKGROUND)
+    return engine.max_running + max_queued + lane_workers * lanes_batches
 
 
 def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
