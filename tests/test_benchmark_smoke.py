@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     out = tmp_path / "bench"
     completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke",
-                                "--checkpoint", str(tiny_checkpoint), "--out", str(out)],
+                                "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "2", "--out", str(out)],
                                capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -40,6 +40,9 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     codec = row["server"]["codec_models"]["codec_urgent"]
     assert codec["calls"] == urgent["calls"] and 0 < codec["execute_ms"] <= codec["request_ms"]
     assert "| voxserve | 1 |" in (out / "results.md").read_text()
+    warm_up = policy["warm_up"]  # at the lowest rate, kept apart from the probes
+    assert warm_up["rate"] == 1 and warm_up["seconds"] == 2 and warm_up["requests"] >= 1
+    assert warm_up["completed"] == warm_up["requests"]
 
 
 def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_probe():
