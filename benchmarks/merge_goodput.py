@@ -95,8 +95,11 @@ def _rate(rate: float | None) -> str:
 
 
 def plot(groups: dict, path: Path) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # an optional dependency (the `bench` extra): the tables are written without it
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
