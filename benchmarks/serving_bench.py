@@ -444,11 +444,14 @@ def run_policy(args, spec: str) -> dict:
             out["warm_up"] = warm_up_load(args, fleet, policy)
         seconds = (args.min_seconds, args.max_seconds)
         for rate in args.rates:
-            progress = Progress(f"{policy} {rate:g}/s", args.duration)
-            summary = measure(args, fleet, f"{policy} rate {rate:g}/s", lambda: open_loop(
-                fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker, progress))
-            progress.close()
-            out["rates"].append({"rate": rate, **summary})
+            for repeat in range(args.repeats):
+                label = f"{policy} {rate:g}/s" + (f" #{repeat + 1}" if args.repeats > 1 else "")
+                progress = Progress(label, args.duration)
+                summary = measure(args, fleet, f"{policy} rate {rate:g}/s", lambda: open_loop(
+                    fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed + repeat, args.speaker,
+                    progress))
+                progress.close()
+                out["rates"].append({"rate": rate, "repeat": repeat, **summary})
         for streams in args.concurrency:
             summary = measure(args, fleet, f"{policy} {streams} streams", lambda: closed_loop(
                 fleet.urls, streams, args.duration, seconds, args.seed, args.speaker))
@@ -484,11 +487,14 @@ def find_goodput(args, fleet: Fleet, policy: str) -> dict:
     seconds = (args.min_seconds, args.max_seconds)
     trials = []
 
-    def trial(rate):
+    def probe(rate, repeat):
         summary = measure(args, fleet, f"{policy} goodput probe {rate:.2f}/s", lambda: open_loop(
-            fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed, args.speaker))
-        trials.append({"rate": rate, "meets": meets_target(summary), **summary})
+            fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed + repeat, args.speaker))
+        trials.append({"rate": rate, "repeat": repeat, "meets": meets_target(summary), **summary})
         return trials[-1]["meets"]
+
+    def trial(rate):  # passes when every repeat does (`all` stops at the first that fails)
+        return all(probe(rate, repeat) for repeat in range(args.repeats))
 
     rate, note = search_goodput(trial, args.rate_low, args.rate_high, args.bisection_steps)
     return {"goodput": rate, "trials": trials, **({"note": note} if note else {})}
@@ -621,6 +627,9 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=20.0)
     parser.add_argument("--warm-up-load", type=float, default=0.0, help="seconds of arrivals at the lowest rate before "
                         "the first probe, not counted (0: only a light 2 s warm-up)")
+    parser.add_argument("--repeats", type=int, default=1, help="probes per rate, each with its own arrivals (seed, "
+                        "seed + 1, ...); in a goodput search a rate passes only if every probe does. Near a "
+                        "policy's limit one probe can pass and the next fail")
     parser.add_argument("--goodput", action="store_true")
     parser.add_argument("--rate-low", type=float, default=1.0)
     parser.add_argument("--rate-high", type=float, default=64.0)
@@ -645,6 +654,8 @@ def main() -> None:
         args.checkpoint = args.checkpoint or str(make_checkpoint("tiny", Path(tempfile.mkdtemp()) / "tiny"))
         args.policies, args.rates = args.policies if args.policies != "voxserve,concurrent,serial" else "voxserve", "1"
         args.duration, args.min_seconds, args.max_seconds, args.max_streams = 6.0, 1.0, 2.0, 16
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     if not args.checkpoint:

@@ -19,12 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     out = tmp_path / "bench"
     completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke",
-                                "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "2", "--out", str(out)],
+                                "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "2", "--repeats", "2", "--out", str(out)],
                                capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     [policy] = results["policies"]
-    [row] = policy["rates"]
+    row, second = policy["rates"]  # the one rate, probed twice with different arrivals
+    assert (row["rate"], row["repeat"]) == (1, 0) and (second["rate"], second["repeat"]) == (1, 1)
+    assert second["failed"] == 0 and second["completed"] == second["requests"]
     assert row["requests"] >= 2 and row["failed"] == 0 and row["completed"] == row["requests"]
     assert 0 < row["ttfa_p50_ms"] < 5000 and row["rtf_median"] > 0
     assert row["client_loop_lag_p99_ms"] is not None and 1 <= row["listeners_peak"] <= row["completed"]
