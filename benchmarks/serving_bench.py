@@ -256,6 +256,7 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
         "codec_ms_mean": {lane: mean("voxtriton_codec_seconds", f'{{lane="{lane}"}}') for lane in chunks},
         "first_chunk_codec_ms_mean": mean("voxtriton_first_chunk_codec_seconds"),
         "chunks": chunks, "urgent_share": (chunks["urgent"] / total) if total else None,
+        "promoted_chunks": delta.get("voxtriton_chunks_promoted_total", 0.0),  # background -> urgent (voxserve)
         # Per lane: calls, chunks and frames per call (batch occupancy), and the share of the
         # measurement the lane spent decoding (near 1: the lane is saturated).
         "codec_lanes": {lane: codec_lane(delta, lane, chunks[lane], wall_s * servers) for lane in LANES
@@ -509,7 +510,7 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
              "audio is noise).", ""]
     if any(r["rates"] for r in results):
         lines += ["| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | frame step ms | "
-                  "urgent share | lanes busy (chunks/call) | rows max (waiting max) | host load (CPUs) |",
+                  "urgent share (promoted) | lanes busy (chunks/call) | rows max (waiting max) | host load (CPUs) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             for row in r["rates"]:
@@ -517,7 +518,8 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
                 lines.append(f"| {r['policy']} | {row['rate']:g} | {row['completed']} | {row['failed']} | {row['ttfa_p50_ms']} | "
                              f"{row['ttfa_p90_ms']} | {row['ttfa_p99_ms']} | {row['stalled_requests']} | "
                              f"{row['stall_total_s']:.2f} | {_fmt(row['rtf_median'])} | {s['frame_step_ms_mean']} | "
-                             f"{_fmt(s['urgent_share'])} | {lane_occupancy(s)} | {row_peaks(s)} | "
+                             f"{_fmt(s['urgent_share'])} ({_count(s.get('promoted_chunks'))}) | {lane_occupancy(s)} | "
+                             f"{row_peaks(s)} | "
                              f"{row['host_load_1min']} ({row['host_cpus']}) |")
         lines.append("")
     if any(r["concurrency"] for r in results):
@@ -565,6 +567,10 @@ def lane_occupancy(server: dict) -> str:
 
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _count(value) -> str:  # "-": results from before the metric
+    return "-" if value is None else f"{value:g}"
 
 
 def plot(results: list[dict], out: Path) -> None:

@@ -172,6 +172,7 @@ def test_metrics_are_exported(server, client):
     speak(client, TEXTS[2], seed=3, frames=30)
     samples = wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0) is not None and server.metrics()
     assert samples['voxtriton_chunks_total{lane="urgent"}'] >= 1
+    assert "voxtriton_chunks_promoted_total" in samples
     calls = samples['voxtriton_codec_calls_total{lane="urgent"}']
     assert 1 <= calls <= samples['voxtriton_chunks_total{lane="urgent"}']
     assert sum(samples[f'voxtriton_codec_frames_total{{lane="{lane}"}}'] for lane in ("urgent", "background")) >= 30

@@ -57,7 +57,8 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     module, calls = metrics_module
     metrics = module.TritonMetrics(flush_interval_s=60)  # only close() flushes in this test
     metrics.chunk_sent("urgent", 2, 0.004, True, 0.09)
-    metrics.chunk_sent("urgent", 4, 0.006, False, 0.2)
+    metrics.chunk_sent("urgent", 4, 0.006, False, 0.2, promoted=True)
+    metrics.chunk_sent("urgent", 8, 0.007, False, 0.3, promoted=True)
     metrics.codec_call("background", 75, 0.04)
     metrics.codec_call("background", 50, 0.03)
     metrics.frame_step(0.03, 5, StepTiming(admit_s=0.004, decode_s=0.02, decode_device_s=0.019))
@@ -66,8 +67,9 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     assert calls == []  # nothing on the caller's thread
     metrics.close()
     chunks = [c for c in calls if c[0] == "voxtriton_chunks_total"]
-    assert chunks == [("voxtriton_chunks_total", (("lane", "urgent"),), "increment", 2)]  # one round trip
-    assert [c[3] for c in calls if c[0] == "voxtriton_codec_seconds"] == [0.004, 0.006]
+    assert chunks == [("voxtriton_chunks_total", (("lane", "urgent"),), "increment", 3)]  # one round trip
+    assert [c[2:] for c in calls if c[0] == "voxtriton_chunks_promoted_total"] == [("increment", 2)]
+    assert [c[3] for c in calls if c[0] == "voxtriton_codec_seconds"] == [0.004, 0.006, 0.007]
     background = (("lane", "background"),)
     per_call = {c[0]: c[3] for c in calls if c[1] == background and c[0] != "voxtriton_lane_queue_depth"}
     assert per_call == pytest.approx({"voxtriton_codec_calls_total": 2, "voxtriton_codec_busy_seconds_total": 0.07,

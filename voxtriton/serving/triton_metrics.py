@@ -39,6 +39,8 @@ class TritonMetrics:
         self.ttfa = ttfa.Metric(labels={}, buckets=LATENCY_BUCKETS)
         chunks = _family("voxtriton_chunks_total", "Audio chunks sent, by codec lane", counter)
         self.chunks = {lane: chunks.Metric(labels={"lane": lane}) for lane in LANES}
+        self.promoted = _family("voxtriton_chunks_promoted_total", "Chunks queued for the background lane that ran "
+                                "out of slack there and were decoded on the urgent lane (voxserve)", counter).Metric(labels={})
         codec = _family("voxtriton_codec_seconds", "Codec decode call latency (one batch of chunks), by lane, observed once per chunk", histogram)
         self.codec = {lane: codec.Metric(labels={"lane": lane}, buckets=LATENCY_BUCKETS) for lane in LANES}
         calls = _family("voxtriton_codec_calls_total", "Codec decode calls, by lane", counter)
@@ -84,9 +86,11 @@ class TritonMetrics:
                                         daemon=True)
         self._writer.start()
 
-    def chunk_sent(self, lane, frames, decode_s, first, since_submit_s):
+    def chunk_sent(self, lane, frames, decode_s, first, since_submit_s, promoted=False):
         queue = self._updates
         queue.append((self.chunks[lane], "increment", 1))
+        if promoted:
+            queue.append((self.promoted, "increment", 1))
         queue.append((self.codec[lane], "observe", decode_s))
         if first:
             queue.append((self.ttfa, "observe", since_submit_s))

@@ -73,7 +73,10 @@ class Stream:
 
 
 class ServiceMetrics(Protocol):
-    def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float) -> None: ...
+    def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float,
+                   promoted: bool = False) -> None:
+        """A chunk's audio was sent; `promoted`: it waited for the background lane until its slack ran
+        out and was decoded on the urgent lane instead."""
     def codec_call(self, lane: str, frames: int, seconds: float) -> None:
         """One decode call on `lane`, of `frames` frames in all (padding included)."""
     def rejected(self) -> None: ...
@@ -430,7 +433,7 @@ class TTSService:
                     continue
                 if self.metrics:
                     self.metrics.chunk_sent(chunk.lane, chunk.frames, elapsed, chunk.index == 0,
-                                            sent_at - stream.submitted_at)
+                                            sent_at - stream.submitted_at, chunk.promoted)
                 if self.chunk_trace:
                     self._trace(chunk, len(live), started, ended, sent_at)
                 self.scheduler.chunk_done(chunk, elapsed, sent_at)
