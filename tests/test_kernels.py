@@ -155,3 +155,39 @@ def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm, h
         written[:, row, :, positions[row]] = True
     assert torch.equal(fused_cache.cpu()[~written], cache[~written])  # nothing else touched
     assert not torch.equal(fused_cache.cpu()[written], cache[written])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 1, 1000), (3, 2, 64)])
+def test_add_rms_norm_matches_the_reference(dtype, shape):
+    """A hidden size that is not a power of two (the kernel masks its block) and one that is, over
+    several rows; the residual as a strided view (a slice of a wider stream)."""
+    from voxtriton.kernels import norm
+
+    generator = torch.Generator().manual_seed(shape[-1])
+    x = random(*shape, scale=2, dtype=dtype, generator=generator)
+    residual = random(*shape[:-1], shape[-1] + 8, scale=4, dtype=dtype, generator=generator)[..., 8:]
+    weight = (random(shape[-1], generator=generator) + 1).to(dtype)
+    expected_normed, expected_summed = norm.add_rms_norm_reference(x, residual, weight, 1e-6)
+    normed, summed = norm.add_rms_norm_triton(x.to(DEVICE), residual.to(DEVICE), weight.to(DEVICE), 1e-6)
+    assert normed.shape == summed.shape == shape and normed.dtype == summed.dtype == dtype
+    # bf16 to one rounding step (Triton's interpreter truncates where the GPU rounds to nearest).
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(summed.float().cpu(), expected_summed.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(normed.float().cpu(), expected_normed.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 1, 2 * 1000), (3, 2, 2 * 2500)])
+def test_silu_and_mul_matches_the_reference(dtype, shape):
+    """Intermediate sizes that are not a power of two: one column block partly masked, and several
+    blocks with the up half starting inside one."""
+    from voxtriton.kernels import norm
+
+    generator = torch.Generator().manual_seed(shape[-1])
+    gate_up = random(*shape, scale=3, dtype=dtype, generator=generator)
+    expected = norm.silu_and_mul_reference(gate_up)
+    out = norm.silu_and_mul_triton(gate_up.to(DEVICE))
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance)

@@ -90,6 +90,16 @@ def _check_kernels(device: torch.device) -> None:
                        torch.zeros(4, dtype=torch.long))
     on_device = [t.to(device) for t in (logits, params.temperature, params.top_k, params.top_p, keys)]
     cases.append(("sampling", sample_triton(*on_device), sample(logits, params, keys), 0))
+    from .norm import add_rms_norm_reference, add_rms_norm_triton, silu_and_mul_reference, silu_and_mul_triton
+
+    x, residual = torch.randn(2, 3, 40, generator=generator), torch.randn(2, 3, 40, generator=generator)
+    weight = torch.rand(40, generator=generator) + 0.5
+    normed, summed = add_rms_norm_triton(x.to(device), residual.to(device), weight.to(device), 1e-6)
+    normed_reference, summed_reference = add_rms_norm_reference(x, residual, weight, 1e-6)
+    cases.append(("residual add and RMS norm", torch.cat((normed.flatten(), summed.flatten())),
+                  torch.cat((normed_reference.flatten(), summed_reference.flatten())), 1e-5))
+    gate_up = torch.randn(2, 3, 80, generator=generator) * 3
+    cases.append(("SiLU and product", silu_and_mul_triton(gate_up.to(device)), silu_and_mul_reference(gate_up), 1e-5))
     for name, result, expected, tolerance in cases:
         if not torch.allclose(result.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance):
             raise RuntimeError(f"{name} kernel disagrees with its reference formula")

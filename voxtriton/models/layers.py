@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import decode_attention, decode_attention_supported
+from ..kernels.norm import add_rms_norm, silu_and_mul
 from ..kernels.rotary import rotate_into_cache, split_heads
 from .config import TransformerConfig
 
@@ -29,7 +30,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of x; with a residual, the norm of x + residual and that sum: (normed, summed), the
+        residual add fused into the norm (one kernel on GPUs that run it)."""
+        if residual is not None:
+            return add_rms_norm(x, residual, self.weight, self.eps)
         # One fused kernel (it accumulates in fp32, as the official implementation normalises in
         # fp32); fp32 results equal the official ones.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -125,8 +130,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LayerScale(nn.Module):
@@ -152,9 +156,17 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn_layer_scale = self.mlp_layer_scale = nn.Identity()
 
-    def forward(self, x, cos, sin, kv: "StaticKV | KVStore", attend: Attend):
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, kv, attend))
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, residual: torch.Tensor | None, cos, sin, kv: "StaticKV | KVStore", attend: Attend):
+        """x: the previous layer's MLP branch, not yet added to the residual stream `residual` (the
+        first layer gets the stack's input and None). Returns this layer's MLP branch and the stream
+        before it: each residual add happens in the norm that follows it."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(x), x
+        else:
+            hidden, residual = self.input_layernorm(x, residual)
+        branch = self.self_attn_layer_scale(self.self_attn(hidden, cos, sin, kv, attend))
+        hidden, residual = self.post_attention_layernorm(branch, residual)
+        return self.mlp_layer_scale(self.mlp(hidden)), residual
 
 
 class DecoderStack(nn.Module):
@@ -173,9 +185,10 @@ class DecoderStack(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
         attend = self._attention(x, positions, kv, mask)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, attend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, attend)
+        return self.norm(x, residual)[0]
 
     def _attention(self, x, positions, kv, mask) -> Attend:
         """Decode steps on a GPU read each row's own entries (`decode_attention`); everything else goes
