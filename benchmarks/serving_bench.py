@@ -422,15 +422,22 @@ def warm_up(args, fleet: Fleet) -> None:
     asyncio.run(open_loop(fleet.urls, 2.0 * len(fleet.urls), 2.0, 1.0, (1.0, 2.0), 999, args.speaker))
 
 
+def open_loop_probe(args, fleet: Fleet, label: str, rate: float, duration: float, seed: int,
+                    progress: Progress | None = None) -> dict:
+    """One measured open-loop probe: arrivals at `rate` for `duration` seconds, with the run's burstiness,
+    utterance lengths and speaker; `seed` picks the arrivals."""
+    return measure(args, fleet, label, lambda: open_loop(fleet.urls, rate, duration, args.burstiness,
+                                                         (args.min_seconds, args.max_seconds), seed, args.speaker,
+                                                         progress))
+
+
 def warm_up_load(args, fleet: Fleet, policy: str) -> dict:
     """`--warm-up-load` seconds of arrivals at the lowest rate the run measures, not counted as a probe.
     On fresh device machines a server's first probe has collapsed without a cause found (sessions 10
     and 14: p90 TTFA of seconds where later, higher probes passed); this keeps that out of the results
-    and records what the warm-up itself saw."""
+    and records what the warm-up itself saw. Its arrivals (seed - 1) are none of the probes' (seed + repeat)."""
     rate = min(args.rates) if args.rates else args.rate_low
-    summary = measure(args, fleet, f"{policy} warm-up {rate:g}/s", lambda: open_loop(
-        fleet.urls, rate, args.warm_up_load, args.burstiness, (args.min_seconds, args.max_seconds), args.seed + 1,
-        args.speaker))
+    summary = open_loop_probe(args, fleet, f"{policy} warm-up {rate:g}/s", rate, args.warm_up_load, args.seed - 1)
     return {"rate": rate, "seconds": args.warm_up_load, **summary}
 
 
@@ -448,9 +455,8 @@ def run_policy(args, spec: str) -> dict:
             for repeat in range(args.repeats):
                 label = f"{policy} {rate:g}/s" + (f" #{repeat + 1}" if args.repeats > 1 else "")
                 progress = Progress(label, args.duration)
-                summary = measure(args, fleet, f"{policy} rate {rate:g}/s", lambda: open_loop(
-                    fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed + repeat, args.speaker,
-                    progress))
+                summary = open_loop_probe(args, fleet, f"{policy} rate {rate:g}/s", rate, args.duration,
+                                          args.seed + repeat, progress)
                 progress.close()
                 out["rates"].append({"rate": rate, "repeat": repeat, **summary})
         for streams in args.concurrency:
@@ -485,12 +491,11 @@ def search_goodput(passes, low: float, high: float, steps: int) -> tuple[float, 
 
 def find_goodput(args, fleet: Fleet, policy: str) -> dict:
     """The highest rate meeting p90 TTFA <= 200 ms with no stall (`search_goodput`); every probe is kept."""
-    seconds = (args.min_seconds, args.max_seconds)
     trials = []
 
     def probe(rate, repeat):
-        summary = measure(args, fleet, f"{policy} goodput probe {rate:.2f}/s", lambda: open_loop(
-            fleet.urls, rate, args.duration, args.burstiness, seconds, args.seed + repeat, args.speaker))
+        summary = open_loop_probe(args, fleet, f"{policy} goodput probe {rate:.2f}/s", rate, args.duration,
+                                  args.seed + repeat)
         trials.append({"rate": rate, "repeat": repeat, "meets": meets_target(summary), **summary})
         return trials[-1]["meets"]
 

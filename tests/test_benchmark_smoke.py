@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     out = tmp_path / "bench"
     completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke",
-                                "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "2", "--repeats", "2", "--out", str(out)],
+                                "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "2", "--repeats", "2",
+                                "--out", str(out)],
                                capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
