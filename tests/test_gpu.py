@@ -14,7 +14,7 @@ from voxtriton.engine.codec_runner import CodecRunner
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
-from voxtriton.kernels import triton_usable
+from voxtriton.kernels import check_kernels
 from voxtriton.kernels.attention import decode_attention_supported
 from voxtriton.models.config import load_config
 from voxtriton.models.layers import StaticKV, causal_mask
@@ -104,7 +104,8 @@ def test_a_graphed_codec_autotunes_cudnn_as_its_setting_says(tiny_checkpoint, va
 def test_codec_with_triton_kernels_matches_the_cpu_reference(tiny_checkpoint):
     """The whole decoder, chunked with carried state: CUDA (fused Triton kernels, cuDNN) against the
     CPU's reference formulas, both fp32. cuDNN convolutions may use TF32, hence the tolerance."""
-    assert triton_usable(DEVICE), "the Triton kernels must run here, not the fallback formulas"
+    usable = check_kernels(DEVICE)
+    assert all(usable.values()), f"every Triton kernel must run here, not its fallback formula: {usable}"
     gpu = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
     cpu = load_codec(tiny_checkpoint, dtype=torch.float32)
     codes = torch.randint(0, 2048, (3, 31, 16), generator=torch.Generator().manual_seed(3))

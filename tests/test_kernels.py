@@ -191,3 +191,24 @@ def test_silu_and_mul_matches_the_reference(dtype, shape):
     assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
+    """The startup checks: every kernel we ship agrees with its formula here, and a kernel that fails
+    to build or disagrees falls back alone, with a warning naming it and why."""
+    from voxtriton.kernels import run_checks
+    from voxtriton.kernels.checks import KERNEL_CHECKS
+
+    # Triton's interpreter computes bf16 tl.dot wrongly (see above); the GPU runs the attention check.
+    shipped = {name: check for name, check in KERNEL_CHECKS.items() if DEVICE.type == "cuda" or name != "decode_attention"}
+
+    def fails_to_build(device):
+        raise RuntimeError("no C compiler")
+
+    def disagrees(device):
+        return [(torch.zeros(3), torch.ones(3), 1e-5)]
+
+    usable = run_checks(DEVICE, {**shipped, "fails_to_build": fails_to_build, "disagrees": disagrees})
+    assert usable == {**dict.fromkeys(shipped, True), "fails_to_build": False, "disagrees": False}
+    assert "Triton kernel fails_to_build unavailable" in caplog.text and "no C compiler" in caplog.text
+    assert "Triton kernel disagrees unavailable" in caplog.text and "disagrees with its reference" in caplog.text

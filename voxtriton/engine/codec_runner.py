@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import triton_usable
+from ..kernels import check_kernels
 from ..models.codec import CodecModel
 
 
@@ -25,7 +25,7 @@ class CodecRunner:
         self.model = model
         param = model.decoder.pre_conv.conv.weight
         self.device, self.dtype = param.device, param.dtype
-        triton_usable(self.device)  # decided now, before any graph capture
+        check_kernels(self.device)  # decided now, before any graph capture
         self.quantizers = model.config.num_quantizers
         self.batch_buckets = sorted(set(batch_buckets or []))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}

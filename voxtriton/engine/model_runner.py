@@ -16,7 +16,7 @@ import contextlib
 import numpy as np
 import torch
 
-from ..kernels import triton_usable
+from ..kernels import check_kernels
 from ..models.config import Qwen3TTSConfig
 from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
@@ -38,7 +38,7 @@ class ModelRunner:
         self.talker = talker
         param = talker.codec_head.weight
         self.device, self.dtype = param.device, param.dtype
-        triton_usable(self.device)  # decided now, before any graph capture
+        check_kernels(self.device)  # decided now, before any graph capture
         t, p = config.talker.transformer, config.talker.predictor
         self.max_rows, self.max_positions = max_rows, max_positions
         zeros = lambda *shape, dtype=None: torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)

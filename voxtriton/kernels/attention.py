@@ -29,7 +29,8 @@ MAX_QUERY_ROWS = 16
 def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
     """Whether `decode_attention` serves a query of `query_rows` (query heads per KV head x new tokens)
     and head size `dim` on `device`: a GPU, few new tokens, a power-of-two head size."""
-    return query_rows <= MAX_QUERY_ROWS and dim >= 16 and dim & (dim - 1) == 0 and triton_usable(device)
+    return (query_rows <= MAX_QUERY_ROWS and dim >= 16 and dim & (dim - 1) == 0
+            and triton_usable(device, "decode_attention"))
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

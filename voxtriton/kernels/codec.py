@@ -45,14 +45,14 @@ def add_channel_bias_reference(x: torch.Tensor, bias: torch.Tensor, residual: to
 
 def snake(x, log_alpha, log_beta, bias=None, history=None):
     """SnakeBeta [B, C, T] -> [B, C, H + T]; see `snake_reference`."""
-    if triton_usable(x.device):
+    if triton_usable(x.device, "snake"):
         return snake_triton(x, log_alpha, log_beta, bias, history)
     return snake_reference(x, log_alpha, log_beta, bias, history)
 
 
 def add_channel_bias(x, bias, residual=None):
     """x [B, C, T] (any strides with unit time stride) + bias [C] (+ residual [B, C, T])."""
-    if triton_usable(x.device):
+    if triton_usable(x.device, "channel_bias"):
         return add_channel_bias_triton(x, bias, residual)
     return add_channel_bias_reference(x, bias, residual)
 

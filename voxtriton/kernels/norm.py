@@ -46,14 +46,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) over the last dimension, which `weight` [D] scales.
     x and residual: one shape and dtype."""
-    if x.is_cuda and triton_usable(x.device):
+    if triton_usable(x.device, "add_rms_norm"):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
-    if gate_up.is_cuda and triton_usable(gate_up.device):
+    if triton_usable(gate_up.device, "silu_and_mul"):
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_reference(gate_up)
 

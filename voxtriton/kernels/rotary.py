@@ -45,7 +45,7 @@ def rotate_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torc
     """`split_heads`, then k and v written into key_cache / value_cache [B, kv_heads, L, D] at
     positions [B, T] (each below L). Returns q [B, heads, T, D]. One Triton kernel on GPUs that run
     it. One `eps` serves both norms: the models' q and k norms share `rms_norm_eps`."""
-    if qkv.is_cuda and serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device):
+    if serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device, "rotary"):
         return rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache,
                                         value_cache, positions)
     q, k, v = split_heads(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin)
