@@ -30,6 +30,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix_in(key: torch.Tensor, index: torch.Tensor, multiplier: int) -> torch.Tensor:
+    """The hash of `key` extended by `index` (spread by an odd multiplier, kept to 27 bits). The
+    sampling kernel repeats it for token indices."""
+    return _mix((key + index * multiplier % (1 << 27)) & MASK31)
+
+
 def fold_seed(seed: int) -> int:
     """Any 64-bit seed -> 31 bits for the hash (on the host, once per request)."""
     seed &= (1 << 64) - 1
@@ -43,14 +49,13 @@ def noise_keys(seeds: torch.Tensor, frames: torch.Tensor, groups: torch.Tensor) 
     """One key per draw [B, G], from (seed [B], frame [B, G], codebook group [G]); a token's noise is
     a hash of its draw's key and its index (`uniform_noise`). A step makes the keys of all the
     groups it samples at once: a few small tensors, where the noise itself is [B, G, vocabulary]."""
-    row = _mix((_mix(seeds)[:, None] + frames * 0x27D4EB2F % (1 << 27)) & MASK31)
-    return _mix((row + (groups + 1) * 0x165667B1 % (1 << 27)) & MASK31)
+    return _mix_in(_mix_in(_mix(seeds)[:, None], frames, 0x27D4EB2F), groups + 1, 0x165667B1)
 
 
 def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """U(0, 1) noise [..., vocab] for the draws of `keys` [...]."""
-    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64) * TOKEN_MULTIPLIER % (1 << 27)
-    return bits_to_uniform(_mix((keys[..., None] + tokens) & MASK31))
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    return bits_to_uniform(_mix_in(keys[..., None], tokens, TOKEN_MULTIPLIER))
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
