@@ -212,3 +212,84 @@ def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     assert usable == {**dict.fromkeys(shipped, True), "fails_to_build": False, "disagrees": False}
     assert "Triton kernel fails_to_build unavailable" in caplog.text and "no C compiler" in caplog.text
     assert "Triton kernel disagrees unavailable" in caplog.text and "disagrees with its reference" in caplog.text
+
+
+def compiled_variants(kernel, launch) -> set:
+    """The compiled variants of `kernel` that the launches `launch()` makes select. Triton compiles one
+    per distinct specialisation of the arguments (dtypes; pointers aligned to 16 bytes or not; ints
+    equal to 1, divisible by 16 or neither; constexprs), at its first launch, on the launching thread:
+    a variant first met while serving stalls every stream for the compile (a second or more)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction
+    from triton._C.libtriton import native_specialize_impl
+
+    # Triton's interpreter (CPU) keeps the decorator's arguments; the JIT function reads them.
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    constexprs = {p.name for p in jit.params if p.is_constexpr}
+    variants = set()
+
+    def record(*args, **kwargs):
+        arguments = [native_specialize_impl(BaseBackend, arg, False, not p.do_not_specialize,
+                                            not p.do_not_specialize_on_alignment)
+                     for p, arg in zip(jit.params, args)]
+        variants.add((tuple(arguments), tuple(sorted((k, v) for k, v in kwargs.items() if k in constexprs))))
+
+    kernel.add_pre_run_hook(record)
+    try:
+        launch()
+    finally:
+        kernel.pre_run_hooks.remove(record)
+    return variants
+
+
+def test_sampling_outside_graphs_reuses_the_graphs_compiled_kernel():
+    """Admissions sample their first code eagerly, for rows anywhere in the batch (any alignment of
+    the per-row parameters) and keys cut from a wider tensor; the frame step's graph captured the
+    kernel for rows from 0. All of them must select one compiled variant."""
+    from voxtriton.kernels import sampling
+
+    generator = torch.Generator().manual_seed(8)
+    rows, vocab = 8, 300
+    temperature, top_p = torch.rand(rows, generator=generator) + 0.5, torch.rand(rows, generator=generator)
+    top_k = torch.randint(0, 50, (rows,), generator=generator)
+    keys = torch.randint(0, 2**31 - 1, (rows, 4), generator=generator)
+    on = lambda t: t.to(DEVICE)
+    temperature, top_p, top_k, keys = map(on, (temperature, top_p, top_k, keys))
+
+    def launches():
+        for first in range(4):
+            for count in (1, 3):
+                part = slice(first, first + count)
+                logits = on(torch.randn(count, vocab, generator=generator))
+                for draw_keys in (keys[part, 0], keys[part, 1].contiguous()):
+                    sampling.sample_triton(logits, temperature[part], top_k[part], top_p[part], draw_keys)
+
+    assert len(compiled_variants(sampling._sample_kernel, launches)) == 1
+
+
+def test_rotary_kernel_compiles_once_for_every_prompt_length():
+    """Decode steps (one new token) and prefills of any prompt length, graph-captured or eager, share
+    one compiled variant of the rotary kernel (the new-token count is a runtime value)."""
+    from voxtriton.kernels import rotary
+    from voxtriton.models.layers import Rotary
+
+    generator = torch.Generator().manual_seed(9)
+    heads, kv_heads, dim, span = 4, 2, 16, 64
+    norms = [on_device(torch.rand(dim, generator=generator) + 0.5) for _ in range(2)]
+    cache = on_device(torch.zeros(2, 3, kv_heads, span, dim))
+    embedding = Rotary(dim, 10000.0).to(DEVICE)
+
+    def launches():
+        for new_tokens in (1, 2, 16, 17, 33):
+            for batch in (1, 3):
+                qkv = on_device(torch.randn(batch, new_tokens, heads + 2 * kv_heads, dim, generator=generator))
+                positions = on_device(torch.arange(new_tokens)[None, :].repeat(batch, 1))
+                cos, sin = embedding(positions, torch.float32)
+                rotary.rotate_into_cache_triton(qkv, heads, kv_heads, *norms, 1e-6, cos, sin, cache[0, :batch],
+                                                cache[1, :batch], positions)
+
+    assert len(compiled_variants(rotary._rotate_into_cache_kernel, launches)) == 1
+
+
+def on_device(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(DEVICE)

@@ -85,15 +85,16 @@ def rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, sig
 
 if triton is not None:
 
-    @triton.jit
+    # The new-token count and the strides that scale with it are not specialised (equal to 1,
+    # divisible by 16): decode steps and prefills of every prompt length share one compiled kernel,
+    # so no prompt length meets a compile (seconds, stalling every stream) while serving.
+    @triton.jit(do_not_specialize=["qkv_row_stride", "rotary_row_stride", "positions_row_stride", "length"])
     def _rotate_into_cache_kernel(qkv, qkv_row_stride, qkv_token_stride, cos, sin, rotary_row_stride,
                                   rotary_token_stride, q_norm, k_norm, eps, q_out,
                                   key_cache, value_cache, cache_row_stride, cache_head_stride, cache_position_stride,
                                   positions, positions_row_stride, positions_token_stride, length,
                                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                                   BLOCK_HEADS: tl.constexpr, HAS_NORM: tl.constexpr):
-        # The new-token count is a runtime value: an eager prefill of any prompt length reuses the
-        # compiled kernel.
         row, token = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         dtype = qkv.dtype.element_ty
         # Heads in projection order: q (HEADS), k (KV_HEADS), v (KV_HEADS); each split into halves for
