@@ -18,6 +18,19 @@ from voxtriton_client import TTSClient
 
 pytestmark = pytest.mark.server
 TEXT = "Production traffic never stops."
+# Capacity is 4 (below): a request refused as busy is retried, for as long as a slow machine needs
+# to finish the streams ahead of it. A count of tries would fail on a loaded machine instead.
+ADMISSION_PATIENCE_S = 120
+
+
+def until_admitted(attempt) -> str:
+    """Run attempt() (-> "ok" or what went wrong) again while the server answers busy."""
+    deadline = time.monotonic() + ADMISSION_PATIENCE_S
+    while "server busy" in (outcome := attempt()):
+        if time.monotonic() > deadline:
+            return f"never admitted in {ADMISSION_PATIENCE_S} s"
+        time.sleep(0.05)
+    return outcome
 
 
 def speak(client, seed, frames, text=TEXT, **options):
@@ -67,17 +80,19 @@ def test_hundreds_of_cancellations_return_rows_and_memory_to_baseline(server):
 
     def abandon(plan):
         how, chunks = plan
-        for _ in range(50):  # capacity is 4: retry while busy
+
+        def attempt():
             try:
-                return stream_and_abandon(server.grpc_url, TEXT, after_chunks=chunks, how=how)
+                seen = stream_and_abandon(server.grpc_url, TEXT, after_chunks=chunks, how=how)
+                return "ok" if seen else "no chunk before abandoning"
             except AssertionError as error:
-                if "server busy" not in str(error):
-                    raise
-                time.sleep(0.05)
-        raise AssertionError("never admitted")
+                return str(error)
+
+        return until_admitted(attempt)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert all(pool.map(abandon, plans))
+        outcomes = list(pool.map(abandon, plans))
+    assert outcomes == ["ok"] * len(plans), [o for o in outcomes if o != "ok"][:5]
     wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0, timeout=60)
     wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda v: v == 0, timeout=60)
     assert stub_anon_and_shm_mb(server, "tts") - baseline < 150
@@ -93,23 +108,21 @@ def test_soak_of_mixed_traffic_leaves_nothing_behind(server):
 
     def one(index_kind):
         index, kind = index_kind
-        for _ in range(100):
+
+        def attempt():
             if kind in ("speak", "sequential"):
                 result = speak(client, seed=index, frames=rng.randint(3, 15))
-                outcome = "ok" if result.completed else result.error
-            elif kind == "cancel":
+                return "ok" if result.completed else result.error
+            if kind == "cancel":
                 try:
                     stream_and_abandon(server.grpc_url, TEXT, after_chunks=1)
-                    outcome = "ok"
+                    return "ok"
                 except AssertionError as error:
-                    outcome = str(error)
-            else:
-                result = client.synthesize(TEXT, speaker="nobody", timeout=60)
-                outcome = "ok" if result.error and "speaker" in result.error else f"unexpected: {result.error}"
-            if "server busy" not in outcome:
-                return outcome
-            time.sleep(0.05)
-        return "never admitted"
+                    return str(error)
+            result = client.synthesize(TEXT, speaker="nobody", timeout=60)
+            return "ok" if result.error and "speaker" in result.error else f"unexpected: {result.error}"
+
+        return until_admitted(attempt)
 
     sequential = [(i, k) for i, k in enumerate(kinds) if k == "sequential"]
     concurrent_ = [(i, k) for i, k in enumerate(kinds) if k != "sequential"]
@@ -145,13 +158,8 @@ def test_fuzzed_requests_get_audio_or_a_clean_error(server, fields):
             inputs.append(typed(name, np.array([value], dtype=dtype[0]), dtype[1]))
     if "max_frames" not in fields:  # keep successful requests short
         inputs.append(typed("max_frames", np.array([8], np.int32), "INT32"))
-    error = None
-    for _ in range(50):
-        error = raw_request(server.grpc_url, inputs)
-        if error is None or "server busy" not in error:
-            break
-        time.sleep(0.05)
-    if error is not None:
+    error = until_admitted(lambda: raw_request(server.grpc_url, inputs) or "ok")
+    if error != "ok":
         field = error.split(":")[0]
         assert field in ("text", "speaker", "language", "seed", "max_frames", "temperature", "top_p", "top_k",
                          "instruct") or "unexpected" in error or "expected" in error, error
