@@ -85,10 +85,12 @@ def rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, sig
 
 if triton is not None:
 
-    # The new-token count and the strides that scale with it are not specialised (equal to 1,
-    # divisible by 16): decode steps and prefills of every prompt length share one compiled kernel,
-    # so no prompt length meets a compile (seconds, stalling every stream) while serving.
-    @triton.jit(do_not_specialize=["qkv_row_stride", "rotary_row_stride", "positions_row_stride", "length"])
+    # The new-token count and the positions' row stride (equal to it) are not specialised (equal to
+    # 1, divisible by 16): decode steps and prefills of every prompt length share one compiled kernel,
+    # so no prompt length meets a compile (seconds, stalling every stream) while serving. The q/k/v
+    # and cos/sin row strides scale with it too but stay specialised, for vector loads: for head
+    # sizes of 16 and more they are multiples of 16 whatever the length.
+    @triton.jit(do_not_specialize=["positions_row_stride", "length"])
     def _rotate_into_cache_kernel(qkv, qkv_row_stride, qkv_token_stride, cos, sin, rotary_row_stride,
                                   rotary_token_stride, q_norm, k_norm, eps, q_out,
                                   key_cache, value_cache, cache_row_stride, cache_head_stride, cache_position_stride,
