@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +29,10 @@ DEVICE = torch.device("cuda:0")
 TEXTS = ["One.", "Two voices now.", "Three streams share a batch.", "Four is padded to eight.", "Five!"]
 
 
-def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = False) -> dict[str, np.ndarray]:
+def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = False,
+             when_ready=lambda: None) -> dict[str, np.ndarray]:
+    """Five requests through the engine, admitted at two steps (rows 0-2, then 3-4); `when_ready` is
+    called once the graphs are captured, before the first admission."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -41,6 +45,7 @@ def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = Fal
     else:
         runner.set_buckets(**buckets)
     engine = Engine(runner, max_running=8, overlap=overlap)
+    when_ready()
     requests = [Request(f"r{i}", prompts.build(text, "ryan"), GenerationParams.create(
         config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True)) for i, text in enumerate(TEXTS)]
     codes: dict[str, list] = {}
@@ -68,6 +73,34 @@ def test_cuda_graphs_give_the_eager_codes(tiny_checkpoint, overlap):
     assert eager.keys() == graphed.keys() and len(eager) == 5
     for name in eager:
         np.testing.assert_array_equal(graphed[name], eager[name])
+
+
+def test_admissions_after_capture_compile_no_triton_kernel(tiny_checkpoint):
+    """What runs outside the graphs while serving (prefills of prompts longer than the graphs' buckets,
+    each admission's first-code sampling, for rows anywhere in the batch) selects kernel variants
+    the capture compiled: Triton compiles on the launching thread, and a compile while serving holds
+    every stream for a second or more. In a process of its own, whose kernels are not compiled yet
+    (Triton's disk cache may hold them; loading one counts too)."""
+    script = f"""
+import json, sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from triton import knobs
+import test_gpu
+
+compiled = []
+
+def count(*, repr, **_):
+    compiled.append(repr)
+
+def watch():
+    knobs.runtime.jit_post_compile_hook = count
+
+test_gpu.generate({str(tiny_checkpoint)!r}, graphs=True, when_ready=watch)
+print(json.dumps(compiled))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
 
 
 def test_codec_graphs_match_eager(tiny_checkpoint):
