@@ -27,12 +27,15 @@ from voxtriton.serving.state_pool import CodecStatePool
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEVICE = torch.device("cuda:0")
 TEXTS = ["One.", "Two voices now.", "Three streams share a batch.", "Four is padded to eight.", "Five!"]
+# Longer than the largest prefill bucket of `generate` (32 positions): its prefill runs eagerly.
+LONG_TEXT = ("A prompt of many more words than the prefill graphs were captured for, so that its prefill runs "
+             "outside them, eagerly, at the length it has.")
 
 
-def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = False,
+def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = False, texts=TEXTS,
              when_ready=lambda: None) -> dict[str, np.ndarray]:
-    """Five requests through the engine, admitted at two steps (rows 0-2, then 3-4); `when_ready` is
-    called once the graphs are captured, before the first admission."""
+    """A request per text through the engine, the first three admitted at step 0 (rows 0-2), the
+    rest at step 2; `when_ready` is called once the graphs are captured, before the first admission."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -47,7 +50,7 @@ def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = Fal
     engine = Engine(runner, max_running=8, overlap=overlap)
     when_ready()
     requests = [Request(f"r{i}", prompts.build(text, "ryan"), GenerationParams.create(
-        config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True)) for i, text in enumerate(TEXTS)]
+        config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True)) for i, text in enumerate(texts)]
     codes: dict[str, list] = {}
     step = 0
     while step < 2 or engine.has_work:
@@ -86,21 +89,27 @@ import json, sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from triton import knobs
 import test_gpu
+from voxtriton.kernels import check_kernels
 
-compiled = []
+compiled = {{"before": [], "after": []}}
+phase = "before"
 
 def count(*, repr, **_):
-    compiled.append(repr)
+    compiled[phase].append(repr)
 
-def watch():
-    knobs.runtime.jit_post_compile_hook = count
+def ready():
+    global phase
+    phase = "after"
 
-test_gpu.generate({str(tiny_checkpoint)!r}, graphs=True, when_ready=watch)
-print(json.dumps(compiled))
+knobs.runtime.jit_post_compile_hook = count
+test_gpu.generate({str(tiny_checkpoint)!r}, graphs=True, texts=test_gpu.TEXTS + [test_gpu.LONG_TEXT], when_ready=ready)
+print(json.dumps({{"usable": check_kernels(test_gpu.DEVICE), **compiled}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(result["usable"].values()), result["usable"]  # else a formula ran and nothing compiled
+    assert result["before"] and result["after"] == [], result["after"]
 
 
 def test_codec_graphs_match_eager(tiny_checkpoint):

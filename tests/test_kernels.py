@@ -229,10 +229,12 @@ def compiled_variants(kernel, launch) -> set:
     variants = set()
 
     def record(*args, **kwargs):
+        assert len(args) == len(jit.params) - len(constexprs), "launch with every runtime argument positional"
         arguments = [native_specialize_impl(BaseBackend, arg, False, not p.do_not_specialize,
                                             not p.do_not_specialize_on_alignment)
                      for p, arg in zip(jit.params, args)]
-        variants.add((tuple(arguments), tuple(sorted((k, v) for k, v in kwargs.items() if k in constexprs))))
+        options = {k: v for k, v in kwargs.items() if k in constexprs or k in ("num_warps", "num_stages")}
+        variants.add((tuple(arguments), tuple(sorted(options.items()))))
 
     kernel.add_pre_run_hook(record)
     try:

@@ -108,7 +108,7 @@ def sample(logits: torch.Tensor, params: RowParams, keys: torch.Tensor) -> torch
     On a GPU this is one Triton kernel (`voxtriton.kernels.sampling`), which makes the noise itself;
     the formulas below are its reference.
     """
-    if logits.is_cuda and logits.shape[-1] <= MAX_KERNEL_VOCAB and triton_usable(logits.device, "sampling"):
+    if logits.shape[-1] <= MAX_KERNEL_VOCAB and triton_usable(logits.device, "sampling"):
         return sample_triton(logits, params.temperature, params.top_k, params.top_p, keys)
     logits = logits.float()
     greedy = params.temperature <= 0

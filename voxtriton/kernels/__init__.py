@@ -12,8 +12,10 @@ try:
 except ImportError:  # CPU-only installs: the reference formulas serve
     triton = None
 
+from .checks import KERNEL_CHECKS
+
 log = logging.getLogger(__name__)
-_usable: dict[int, bool] = {}
+_usable: dict[int, dict[str, bool]] = {}  # per CUDA device index: kernel name -> runs there
 
 
 def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
@@ -26,6 +28,8 @@ def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
 def triton_usable(device: torch.device, kernel: str) -> bool:
     """Whether the Triton kernel `kernel` (a name in `checks.KERNEL_CHECKS`) runs on this device;
     see `check_kernels`."""
+    if kernel not in KERNEL_CHECKS:  # checked everywhere, so that CPU runs catch a misspelt name too
+        raise KeyError(f"no Triton kernel named {kernel!r}; known: {sorted(KERNEL_CHECKS)}")
     if triton is None or device.type != "cuda":
         return False
     return check_kernels(device)[kernel]
@@ -41,8 +45,6 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
     warning says why. The model and codec runners call this when they are made, before any graph
     capture.
     """
-    from .checks import KERNEL_CHECKS
-
     if triton is None or device.type != "cuda":
         return dict.fromkeys(KERNEL_CHECKS, False)
     index = device.index if device.index is not None else torch.cuda.current_device()
