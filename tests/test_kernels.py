@@ -18,6 +18,10 @@ def random(*shape, scale=1.0, dtype=torch.float32, generator):
     return (torch.randn(*shape, generator=generator) * scale).to(dtype)
 
 
+def on_device(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(DEVICE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("history_length", [0, 1, 18])
@@ -255,14 +259,13 @@ def test_sampling_outside_graphs_reuses_the_graphs_compiled_kernel():
     temperature, top_p = torch.rand(rows, generator=generator) + 0.5, torch.rand(rows, generator=generator)
     top_k = torch.randint(0, 50, (rows,), generator=generator)
     keys = torch.randint(0, 2**31 - 1, (rows, 4), generator=generator)
-    on = lambda t: t.to(DEVICE)
-    temperature, top_p, top_k, keys = map(on, (temperature, top_p, top_k, keys))
+    temperature, top_p, top_k, keys = map(on_device, (temperature, top_p, top_k, keys))
 
     def launches():
         for first in range(4):
             for count in (1, 3):
                 part = slice(first, first + count)
-                logits = on(torch.randn(count, vocab, generator=generator))
+                logits = on_device(torch.randn(count, vocab, generator=generator))
                 for draw_keys in (keys[part, 0], keys[part, 1].contiguous()):
                     sampling.sample_triton(logits, temperature[part], top_k[part], top_p[part], draw_keys)
 
@@ -291,7 +294,3 @@ def test_rotary_kernel_compiles_once_for_every_prompt_length():
                                                 cache[1, :batch], positions)
 
     assert len(compiled_variants(rotary._rotate_into_cache_kernel, launches)) == 1
-
-
-def on_device(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(DEVICE)

@@ -14,14 +14,10 @@ import torch
 Comparison = tuple[torch.Tensor, torch.Tensor, float]
 
 
-def _inputs(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def check_snake(device: torch.device) -> list[Comparison]:
     from .codec import snake_reference, snake_triton
 
-    generator = _inputs(0)
+    generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, generator=generator)
     log_alpha, log_beta, bias = (torch.randn(3, generator=generator) * 0.5 for _ in range(3))
     history = torch.randn(2, 3, 6, generator=generator)
@@ -32,7 +28,7 @@ def check_snake(device: torch.device) -> list[Comparison]:
 def check_channel_bias(device: torch.device) -> list[Comparison]:
     from .codec import add_channel_bias_reference, add_channel_bias_triton
 
-    generator = _inputs(1)
+    generator = torch.Generator().manual_seed(1)
     x, residual = torch.randn(2, 3, 40, generator=generator), torch.randn(2, 3, 40, generator=generator)
     bias = torch.randn(3, generator=generator)
     return [(add_channel_bias_triton(x.to(device), bias.to(device), residual.to(device)),
@@ -42,7 +38,7 @@ def check_channel_bias(device: torch.device) -> list[Comparison]:
 def check_decode_attention(device: torch.device) -> list[Comparison]:
     from .attention import decode_attention, decode_attention_reference
 
-    generator = _inputs(2)
+    generator = torch.Generator().manual_seed(2)
     positions = torch.tensor([[5], [70]])
     comparisons = []
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
@@ -56,7 +52,7 @@ def check_decode_attention(device: torch.device) -> list[Comparison]:
 def check_rotary(device: torch.device) -> list[Comparison]:
     from .rotary import rotate_into_cache, rotate_into_cache_triton
 
-    generator = _inputs(3)
+    generator = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 1, 4, 8, generator=generator)  # 2 query heads, 1 KV head, head size 8
     rotary = [torch.randn(2, 1, 1, 8, generator=generator) for _ in range(2)]
     norms = [torch.rand(8, generator=generator) + 0.5 for _ in range(2)]
@@ -73,7 +69,7 @@ def check_sampling(device: torch.device) -> list[Comparison]:
     from ..engine.sampling import RowParams, sample
     from .sampling import sample_triton
 
-    logits = torch.randn(4, 300, generator=_inputs(4)) * 3
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(4)) * 3
     keys = torch.tensor([5, 2**31 - 1, 0, 123456789])
     params = RowParams(torch.tensor([0.0, 0.9, 1.3, 0.7]), torch.tensor([0, 50, 0, 3]),
                        torch.tensor([1.0, 1.0, 0.8, 1.0]), torch.zeros(4, dtype=torch.long))
@@ -84,7 +80,7 @@ def check_sampling(device: torch.device) -> list[Comparison]:
 def check_add_rms_norm(device: torch.device) -> list[Comparison]:
     from .norm import add_rms_norm_reference, add_rms_norm_triton
 
-    generator = _inputs(5)
+    generator = torch.Generator().manual_seed(5)
     x, residual = torch.randn(2, 3, 40, generator=generator), torch.randn(2, 3, 40, generator=generator)
     weight = torch.rand(40, generator=generator) + 0.5
     normed, summed = add_rms_norm_triton(x.to(device), residual.to(device), weight.to(device), 1e-6)
@@ -95,7 +91,7 @@ def check_add_rms_norm(device: torch.device) -> list[Comparison]:
 def check_silu_and_mul(device: torch.device) -> list[Comparison]:
     from .norm import silu_and_mul_reference, silu_and_mul_triton
 
-    gate_up = torch.randn(2, 3, 80, generator=_inputs(6)) * 3
+    gate_up = torch.randn(2, 3, 80, generator=torch.Generator().manual_seed(6)) * 3
     return [(silu_and_mul_triton(gate_up.to(device)), silu_and_mul_reference(gate_up), 1e-5)]
 
 
