@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,9 @@ from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from admission_cost import GRAPHED, CallCounter  # noqa: E402
 
 TEXTS = ["The first request speaks.", "A second, longer request arrives a little later on.", "Third!",
          "Number four has something to say as well.", "Five."]
@@ -168,3 +174,18 @@ def test_step_timing_counts_admission_apart_from_the_decode(setup):
     assert admitting.admit_s > 0 and admitting.decode_s > 0
     assert steady.admit_s < admitting.admit_s  # nothing to admit: only the check
     assert steady.decode_device_s is None  # CUDA events exist only on a GPU
+
+
+def test_admissions_and_moves_make_few_pytorch_calls_on_the_graph_path(setup):
+    """Each PyTorch call on the engine thread can hand the GIL to another thread of the tts process
+    for up to the switch interval, so admitting and moving rows must stay a few calls where the GPU
+    replays graphs (counted here with each graphed method as one call; 245 and 34 before packing)."""
+    engine = new_engine(setup)
+    engine.runner.set_buckets([1, 2, 4, 8], [512], prefill_batch_sizes=[1, 2, 4], prefill_lengths=[32, 64])
+    for requests in ([make_request(setup, 0)], [make_request(setup, i) for i in (1, 2, 3)]):
+        with CallCounter(engine.runner, GRAPHED) as counter:
+            engine.runner.prefill(requests, 0)
+        assert counter.calls <= 20, counter.calls
+    with CallCounter(engine.runner, GRAPHED) as counter:
+        engine.runner.move_row(2, 0, 40)
+    assert counter.calls <= 6, counter.calls

@@ -44,7 +44,7 @@ def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = Fal
     buckets = dict(batch_sizes=[1, 2, 4, 8], spans=[128, 512], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
     if graphs:
         runner.capture_graphs(**buckets)
-        assert len(runner.prefill_graphs) == 4
+        assert len(runner.prefill_graphs) == 4 and len(runner.admission_graphs) == 4  # (1 or 2 requests, 16 or 32)
     else:
         runner.set_buckets(**buckets)
     engine = Engine(runner, max_running=8, overlap=overlap)

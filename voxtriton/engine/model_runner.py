@@ -20,9 +20,10 @@ from ..kernels import check_kernels
 from ..models.config import Qwen3TTSConfig
 from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
+from .admission import ROW_SCALARS, AdmissionInputs, AdmissionLayout
 from .codec_runner import capture_stream
 from .request import Request
-from .sampling import RowParams, apply_repetition_penalty, fold_seed, noise_keys, sample
+from .sampling import RowParams, apply_repetition_penalty, noise_keys, sample
 
 NO_CODEC = -1
 
@@ -66,6 +67,13 @@ class ModelRunner:
         self.row_tensors = [self.last_code, self.past_hidden, self.frame_index, self.position, self.trailing,
                             self.seen, self.penalty, self.ignore_eos, self.main.temperature, self.main.top_k,
                             self.main.top_p, self.main.seeds, self.sub.temperature, self.sub.top_k, self.sub.top_p]
+        # Where an admission writes each of its ROW_SCALARS.
+        self.scalar_columns = [self.penalty, self.ignore_eos, self.main.temperature, self.main.top_k, self.main.top_p,
+                               self.sub.temperature, self.sub.top_k, self.sub.top_p, self.main.seeds, self.position]
+        assert len(self.scalar_columns) == len(ROW_SCALARS)
+        self.row_offsets = torch.arange(max_rows, device=self.device)
+        self.move_pair = torch.zeros(2, device=self.device, dtype=long)  # (source, target) of `move_row`
+        self.true = torch.ones((), dtype=torch.bool, device=self.device)
         # Codebook-0 tokens the official generation never samples: the control ids above the
         # codec codebook, except end-of-speech.
         eos = config.talker.codec_eos_id
@@ -87,6 +95,9 @@ class ModelRunner:
         self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Writing admitted requests' rows, per (requests, prompt-length bucket): see `_write_admitted`.
+        self.admission_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.move_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per attention-span bucket: see `move_row`
         self.set_buckets([], [])
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -124,46 +135,41 @@ class ModelRunner:
     # -- rows ----------------------------------------------------------------------------------
 
     def move_row(self, source: int, target: int, length: int) -> None:
-        """Move a running request from row `source` to row `target` (its first `length` positions)."""
-        for tensor in self.row_tensors:
-            tensor[target] = tensor[source]
-        self.cache.keys[:, target, :, :length] = self.cache.keys[:, source, :, :length]
-        self.cache.values[:, target, :, :length] = self.cache.values[:, source, :, :length]
+        """Move a running request from row `source` to row `target` (its first `length` positions, up
+        to their attention-span bucket). The rows go in as fills of a static index pair, so one graph
+        per span bucket moves any row: five PyTorch calls on the engine thread instead of 34."""
+        self.move_pair[0].fill_(source)
+        self.move_pair[1].fill_(target)
+        span = self._bucket(length, self.span_buckets)
+        graph = self.move_graphs.get(span)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._move_row_by_index(span)
 
-    def _set_params(self, rows: slice, requests: list[Request]) -> None:
-        """Write new requests' row state: one upload for the scalars, one for the trailing text."""
-        columns = [(self.penalty, "repetition_penalty"), (self.ignore_eos, "ignore_eos"),
-                   (self.main.temperature, "temperature"), (self.main.top_k, "top_k"), (self.main.top_p, "top_p"),
-                   (self.sub.temperature, "sub_temperature"), (self.sub.top_k, "sub_top_k"),
-                   (self.sub.top_p, "sub_top_p")]
-        # float64 holds every value exactly (seeds have 31 bits, top-k and positions are small).
-        scalars = torch.tensor([[float(getattr(r.params, name)) for _, name in columns]
-                                + [float(fold_seed(r.params.seed)), float(len(r.prompt.text_ids))] for r in requests],
-                               dtype=torch.float64)
-        scalars = self._upload(scalars)
-        for index, (tensor, _) in enumerate(columns):
-            tensor[rows] = scalars[:, index].to(tensor.dtype)
-        self.main.seeds[rows] = scalars[:, -2].long()
-        self.position[rows] = scalars[:, -1].long()
-        trailing = torch.full((len(requests), self.trailing.shape[1]), self.config.tts_pad_token_id, dtype=torch.long)
-        for i, request in enumerate(requests):
-            ids = request.prompt.trailing_text_ids
-            trailing[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        self.trailing[rows] = self._upload(trailing)
-        self.seen[rows] = False
-        self.frame_index[rows] = 0
+    def _move_row_by_index(self, span: int) -> None:
+        source, target = self.move_pair[:1], self.move_pair[1:]
+        for tensor in self.row_tensors:
+            tensor.index_copy_(0, target, tensor.index_select(0, source))
+        for cache in (self.cache.keys, self.cache.values):
+            window = cache[:, :, :, :span]
+            window.index_copy_(1, target, window.index_select(1, source))
 
     # -- codebook 0 --------------------------------------------------------------------------------
 
-    def _sample_first_codebook(self, logits: torch.Tensor, rows: slice, frames: torch.Tensor,
+    def _sample_first_codebook(self, logits: torch.Tensor, rows: slice | torch.Tensor, frames: torch.Tensor,
                                keys: torch.Tensor) -> torch.Tensor:
-        """Penalties, suppression and the official minimum of two frames, then sampling."""
+        """Penalties, suppression and the official minimum of two frames, then sampling. rows: the
+        batch's (a slice) or admitted ones (row indices)."""
         logits = apply_repetition_penalty(logits.float(), self.seen[rows], self.penalty[rows])
         block_eos = (frames < 2) | self.ignore_eos[rows]
         logits = logits.masked_fill(self.suppressed | (block_eos[:, None] & self.is_eos), float("-inf"))
         params = RowParams(self.main.temperature[rows], self.main.top_k[rows], self.main.top_p[rows], self.main.seeds[rows])
         code = sample(logits, params, keys)
-        self.seen[rows].scatter_(1, code[:, None], True)
+        if isinstance(rows, slice):
+            self.seen[rows].scatter_(1, code[:, None], True)
+        else:  # indexing by a tensor reads a copy: write through the indices
+            self.seen.index_put_((rows, code), self.true)
         return code
 
     # -- steps ----------------------------------------------------------------------------------
@@ -179,46 +185,69 @@ class ModelRunner:
             self._prefill_group(requests[start: start + group], first_row + start)
 
     def _prefill_group(self, requests: list[Request], first_row: int) -> None:
-        count = len(requests)
-        rows = slice(first_row, first_row + count)
-        lengths = [len(r.prompt.text_ids) for r in requests]
+        count, longest = len(requests), max(len(r.prompt.text_ids) for r in requests)
         batch = self._bucket(count, self.prefill_batch_buckets)
-        length = self._bucket(max(lengths), self.prefill_length_buckets)
-        padded = batch in self.prefill_batch_buckets and length in self.prefill_length_buckets
-        if not padded:  # no bucket fits: eager, exact shapes, straight into the rows
-            batch, length = count, max(lengths)
-        text = torch.zeros(batch, length, dtype=torch.long)
-        codec = torch.full((batch, length), NO_CODEC, dtype=torch.long)
-        for i, request in enumerate(requests):
-            text[i, : lengths[i]] = torch.tensor(request.prompt.text_ids)
-            codec[i, : lengths[i]] = torch.tensor(request.prompt.codec_ids)
-        last_index = torch.tensor(lengths + [1] * (batch - count)) - 1
-        self._set_params(rows, requests)
-        text, codec, last_index = (self._upload(t) for t in (text, codec, last_index))
-        if padded:
-            with self._beside_the_step():
-                self.prefill_text[:batch, :length].copy_(text)
-                self.prefill_codec[:batch, :length].copy_(codec)
-                self.prefill_last[:batch].copy_(last_index)
-                entry = self.prefill_graphs.get((batch, length))
-                if entry is not None:
-                    entry[0].replay()
-                    last = entry[1]
-                else:
-                    last = self._prefill_padded(batch, length)
-            # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
-            self.cache.keys[:, rows, :, :length] = self.prefill_kv.keys[:, :count, :, :length]
-            self.cache.values[:, rows, :, :length] = self.prefill_kv.values[:, :count, :, :length]
+        length = self._bucket(longest, self.prefill_length_buckets)
+        if batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
+            self._prefill_padded_group(requests, first_row, batch, length)
+        else:  # no bucket fits: eager, exact shapes, straight into the rows
+            length, layout = longest, AdmissionLayout(count, self.trailing.shape[1])
+            flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, length)))
+            inputs = layout.views(flat, count, count, length)
+            rows = slice(first_row, first_row + count)
+            last = self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index,
+                                            StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]))
+            self._write_admitted(inputs, last, None)
+
+    def _prefill_padded_group(self, requests: list[Request], first_row: int, batch: int, length: int) -> None:
+        """Prompts padded to a prefill bucket: one upload into the admission buffer, the prefill (beside
+        the step in flight) into the scratch cache, then the rows written: two graph replays on a GPU."""
+        count = len(requests)
+        host = torch.from_numpy(self._pack(self.admission_layout, requests, first_row, batch, length))
+        with self._beside_the_step():
+            self.admission[: host.numel()].copy_(self._upload(host))
+            entry = self.prefill_graphs.get((batch, length))
+            if entry is not None:
+                entry[0].replay()
+                last = entry[1]
+            else:
+                last = self._prefill_padded(batch, length)
+        graph = self.admission_graphs.get((count, length))
+        if graph is not None:
+            graph.replay()
         else:
-            cache = StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows])
-            last = self._prompt_last_hidden(text, codec, last_index, cache)
-        last = last[:count]
-        self.past_hidden[rows] = last
+            self._write_admitted(self._admission_inputs(count, batch, length), last, length)
+        if self.prefill_read is not None:
+            self.prefill_read.record()
+
+    def _pack(self, layout: AdmissionLayout, requests: list[Request], first_row: int, batch: int,
+              length: int) -> np.ndarray:
+        return layout.pack(requests, first_row, batch, length, self.config.tts_pad_token_id, NO_CODEC)
+
+    def _admission_inputs(self, count: int, batch: int, length: int) -> AdmissionInputs:
+        return self.admission_layout.views(self.admission, count, batch, length)
+
+    def _write_admitted(self, inputs: AdmissionInputs, last_hidden: torch.Tensor, scratch_length: int | None) -> None:
+        """Write admitted requests' rows: their scalars and trailing text, their prompts' KV entries
+        when prefilled into the scratch cache (`scratch_length` positions of it), the prompts' last
+        hidden states and the first codebook-0 tokens. The rows follow the uploaded first row, so one
+        graph per (requests, length bucket) serves admissions into any rows."""
+        count = inputs.scalars.shape[0]
+        rows = inputs.first_row + self.row_offsets[:count]
+        for index, column in enumerate(self.scalar_columns):
+            column.index_copy_(0, rows, inputs.scalars[:, index].to(column.dtype))
+        self.trailing.index_copy_(0, rows, inputs.trailing)
+        self.seen.index_fill_(0, rows, False)
+        self.frame_index.index_fill_(0, rows, 0)
+        if scratch_length is not None:
+            # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
+            for cache, scratch in ((self.cache.keys, self.prefill_kv.keys), (self.cache.values, self.prefill_kv.values)):
+                cache[:, :, :, :scratch_length].index_copy_(1, rows, scratch[:, :count, :, :scratch_length])
+        last = last_hidden[:count]
+        self.past_hidden.index_copy_(0, rows, last)
         frames = self.frame_index[rows]
         keys = noise_keys(self.main.seeds[rows], frames[:, None], self.code_groups[:1])[:, 0]
-        self.last_code[rows] = self._sample_first_codebook(self.talker.codec_head(last), rows, frames, keys)
-        if padded and self.prefill_read is not None:
-            self.prefill_read.record()
+        self.last_code.index_copy_(0, rows, self._sample_first_codebook(self.talker.codec_head(last), rows, frames, keys))
 
     @contextlib.contextmanager
     def _beside_the_step(self):
@@ -246,10 +275,11 @@ class ModelRunner:
         return hidden[torch.arange(batch, device=self.device), last_index]
 
     def _prefill_padded(self, batch: int, length: int) -> torch.Tensor:
-        """The prefill of one (batch, length) bucket, on the static buffers (what its graph replays)."""
+        """The prefill of one (batch, length) bucket from the admission buffer into the scratch cache
+        (what its graph replays)."""
         cache = StaticKV(self.prefill_kv.keys[:, :batch], self.prefill_kv.values[:, :batch])
-        return self._prompt_last_hidden(self.prefill_text[:batch, :length], self.prefill_codec[:batch, :length],
-                                        self.prefill_last[:batch], cache)
+        inputs = self._admission_inputs(batch, batch, length)
+        return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache)
 
     def set_buckets(self, batch_sizes: list[int], spans: list[int], prefill_batch_sizes: list[int] = (),
                     prefill_lengths: list[int] = ()) -> None:
@@ -265,9 +295,8 @@ class ModelRunner:
             scratch = lambda: torch.zeros(t.num_layers, batch, t.num_kv_heads, length, t.head_dim,
                                           device=self.device, dtype=self.dtype)
             self.prefill_kv = StaticKV(scratch(), scratch())
-            self.prefill_text = torch.zeros(batch, length, device=self.device, dtype=torch.long)
-            self.prefill_codec = torch.full((batch, length), NO_CODEC, device=self.device, dtype=torch.long)
-            self.prefill_last = torch.zeros(batch, device=self.device, dtype=torch.long)
+            self.admission_layout = AdmissionLayout(batch, self.trailing.shape[1])
+            self.admission = torch.zeros(self.admission_layout.size(batch, length), device=self.device, dtype=torch.long)
         else:
             self.prefill_batch_buckets, self.prefill_length_buckets = [], []
 
@@ -287,16 +316,24 @@ class ModelRunner:
                 self._reset_rows(slice(0, batch))
                 graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
                 self.graphs[(batch, span)] = graph
+            self.move_graphs[span], pool = self._capture(lambda: self._move_row_by_index(span), pool)  # row 0 onto itself
         # A prefill may run beside a frame step (`_beside_the_step`), so its graphs get a memory pool
         # of their own (graphs sharing a pool share their intermediate buffers) and are captured on the
         # prefill stream (a graph keeps the cuBLAS workspace of the stream it was captured on).
         prefill_pool, stream = None, self.prefill_stream or capture_stream(self.device)
         for length in reversed(self.prefill_length_buckets):
             for batch in reversed(self.prefill_batch_buckets):
-                self.prefill_last[:batch] = length - 1
                 graph, prefill_pool = self._capture(lambda: self._prefill_padded(batch, length), prefill_pool,
                                                     keep_output=True, stream=stream)
                 self.prefill_graphs[(batch, length)] = graph
+        # The rows' writes run on the compute stream between frame steps: the steps' pool serves them.
+        # Captured with the admission buffer's zeros: rows 0.., whose state is reset below.
+        for length in self.prefill_length_buckets:
+            for count in range(1, max(self.prefill_batch_buckets, default=0) + 1):
+                batch = self._bucket(count, self.prefill_batch_buckets)
+                last = self.prefill_graphs[(batch, length)][1]
+                self.admission_graphs[(count, length)], pool = self._capture(
+                    lambda: self._write_admitted(self._admission_inputs(count, batch, length), last, length), pool)
         self._reset_rows(slice(0, self.max_rows))
         torch.cuda.synchronize(self.device)
 

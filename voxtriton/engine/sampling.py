@@ -37,12 +37,13 @@ def _mix_in(key: torch.Tensor, index: torch.Tensor, multiplier: int) -> torch.Te
 
 
 def fold_seed(seed: int) -> int:
-    """Any 64-bit seed -> 31 bits for the hash (on the host, once per request)."""
+    """Any 64-bit seed -> 31 bits for the hash (on the host, once per request, in Python integers:
+    `_mix` is exact in them too, and the engine thread makes no PyTorch call for it)."""
     seed &= (1 << 64) - 1
-    folded = torch.tensor(0)
+    folded = 0
     for part in (seed & MASK31, (seed >> 31) & MASK31, seed >> 62):
         folded = _mix((folded + part + 0x3C6EF372) & MASK31)
-    return int(folded)
+    return folded
 
 
 def noise_keys(seeds: torch.Tensor, frames: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
