@@ -184,7 +184,9 @@ class TTSTritonModel:
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets())
-            log.info("tts: captured %d CUDA graphs", len(runner.graphs))
+            log.info("tts: captured %d frame-step, %d prefill, %d admission and %d row-move CUDA graphs",
+                     len(runner.graphs), len(runner.prefill_graphs), len(runner.admission_graphs),
+                     len(runner.move_graphs))
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
         # serial's codec takes turns with the backbone: no frame step may be queued while it decodes.
