@@ -90,8 +90,8 @@ class ModelRunner:
         self.stashed_codes = [torch.zeros_like(self.step_output) for _ in range(2)]  # see `stash_codes`
         self.stashes = 0
         self.prefill_stream = prefill_stream
-        # Recorded on the compute stream once it has read a prefill's outputs (KV scratch and last
-        # hidden states), which the next prefill overwrites.
+        # Recorded on the compute stream once it has read a prefill's inputs and outputs (the admission
+        # buffer, KV scratch and last hidden states), which the next prefill overwrites.
         self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -310,6 +310,9 @@ class ModelRunner:
         """Capture the frame step for every (batch, span) bucket and the prefill for every (batch,
         length) bucket. Run before any request is admitted."""
         self.set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
+        # Captures run their work on rows 0.. with placeholder inputs (and graph outputs never written):
+        # the rows' state goes back to this afterwards.
+        initial_rows = [tensor.clone() for tensor in self.row_tensors]
         pool = None
         for span in reversed(self.span_buckets):  # largest first: later graphs reuse its memory pool
             for batch in reversed(self.batch_buckets):
@@ -327,14 +330,14 @@ class ModelRunner:
                                                     keep_output=True, stream=stream)
                 self.prefill_graphs[(batch, length)] = graph
         # The rows' writes run on the compute stream between frame steps: the steps' pool serves them.
-        # Captured with the admission buffer's zeros: rows 0.., whose state is reset below.
         for length in self.prefill_length_buckets:
             for count in range(1, max(self.prefill_batch_buckets, default=0) + 1):
                 batch = self._bucket(count, self.prefill_batch_buckets)
                 last = self.prefill_graphs[(batch, length)][1]
                 self.admission_graphs[(count, length)], pool = self._capture(
                     lambda: self._write_admitted(self._admission_inputs(count, batch, length), last, length), pool)
-        self._reset_rows(slice(0, self.max_rows))
+        for tensor, initial in zip(self.row_tensors, initial_rows):
+            tensor.copy_(initial)
         torch.cuda.synchronize(self.device)
 
     def _capture(self, work, pool, keep_output: bool = False, stream: torch.cuda.Stream | None = None):

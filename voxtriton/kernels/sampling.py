@@ -53,10 +53,11 @@ if triton is not None:
         x = ((x ^ (x >> 16)) * MIX) & MASK31
         return x ^ (x >> 16)
 
-    # Admissions sample eagerly for rows anywhere in the batch, with keys cut from wider tensors; the
-    # frame step's graph captured the kernel for rows from 0. Specialising the per-row scalars'
-    # pointers on alignment (and the keys' stride) would compile a variant per row offset at the first
-    # admissions, stalling every stream for each compile; one-element loads gain nothing from it.
+    # The kernel runs on keys cut from wider tensors (the frame step's) and on per-row scalars that are
+    # views at any row offset or gathered copies (admissions; eagerly for prompts longer than the
+    # prefill graphs). Specialising those pointers on alignment (and the keys' stride) would compile a
+    # variant per kind of launch, some only at the first such admission while serving, stalling every
+    # stream for each compile; one-element loads gain nothing from it.
     @triton.jit(do_not_specialize=["keys_stride"],
                 do_not_specialize_on_alignment=["keys", "temperature", "top_k", "top_p"])
     def _sample_kernel(logits, logits_row_stride, keys, keys_stride, temperature, top_k, top_p, out, vocab,
