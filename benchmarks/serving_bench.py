@@ -243,6 +243,11 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
     chunks = {lane: delta.get(f'voxtriton_chunks_total{{lane="{lane}"}}', 0.0) for lane in LANES}
     total = sum(chunks.values())
     steps = delta.get("voxtriton_frame_step_seconds_count", 0.0)
+    admitted = delta.get("voxtriton_admitted_requests_total", 0.0)
+
+    def per_admission(name):  # None where nothing was counted (the GPU time, on CPU)
+        return round(delta[name] / admitted * 1e3, 3) if admitted and delta.get(name) else None
+
     return {
         "frame_step_ms_mean": mean("voxtriton_frame_step_seconds"),
         "frame_step_device_ms_mean": mean("voxtriton_frame_step_device_seconds"),  # GPU only
@@ -251,6 +256,9 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
         "frame_step_parts_ms_mean": {part: round(delta.get(f'voxtriton_frame_step_part_seconds_total{{part="{part}"}}', 0.0)
                                                  / steps * 1e3, 3) if steps else None
                                      for part in ("admit", "decode", "other")},
+        # The engine thread's wall time and the GPU's time (before the decode) per admitted request.
+        "admit_ms_per_request": per_admission('voxtriton_frame_step_part_seconds_total{part="admit"}'),
+        "prefill_device_ms_per_request": per_admission("voxtriton_prefill_device_seconds_total"),
         "frame_step_batch_mean": (delta.get("voxtriton_frame_step_batch_sum", 0.0) / delta["voxtriton_frame_step_batch_count"]
                                   if delta.get("voxtriton_frame_step_batch_count") else None),
         "codec_ms_mean": {lane: mean("voxtriton_codec_seconds", f'{{lane="{lane}"}}') for lane in chunks},
@@ -515,14 +523,15 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
              "audio is noise).", ""]
     if any(r["rates"] for r in results):
         lines += ["| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | frame step ms | "
-                  "urgent share (promoted) | lanes busy (chunks/call) | rows max (waiting max) | host load (CPUs) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "admit ms per request (GPU) | urgent share (promoted) | lanes busy (chunks/call) | rows max (waiting max) | "
+                  "host load (CPUs) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             for row in r["rates"]:
                 s = row["server"]
                 lines.append(f"| {r['policy']} | {row['rate']:g} | {row['completed']} | {row['failed']} | {row['ttfa_p50_ms']} | "
                              f"{row['ttfa_p90_ms']} | {row['ttfa_p99_ms']} | {row['stalled_requests']} | "
                              f"{row['stall_total_s']:.2f} | {_fmt(row['rtf_median'])} | {s['frame_step_ms_mean']} | "
+                             f"{_fmt(s.get('admit_ms_per_request'))} ({_fmt(s.get('prefill_device_ms_per_request'))}) | "
                              f"{_fmt(s['urgent_share'])} ({_count(s.get('promoted_chunks'))}) | {lane_occupancy(s)} | "
                              f"{row_peaks(s)} | "
                              f"{row['host_load_1min']} ({row['host_cpus']}) |")

@@ -33,6 +33,7 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert row["client_loop_lag_p99_ms"] is not None and 1 <= row["listeners_peak"] <= row["completed"]
     assert row["host_load_1min"] >= 0 and row["host_cpus"] >= 1
     assert row["server"]["frame_step_ms_mean"] > 0 and row["server"]["chunks"]["urgent"] >= row["completed"]
+    assert row["server"]["admit_ms_per_request"] > 0 and row["server"]["prefill_device_ms_per_request"] is None  # CPU
     urgent = row["server"]["codec_lanes"]["urgent"]
     assert 1 <= urgent["calls"] <= row["server"]["chunks"]["urgent"] and urgent["frames_per_call"] >= 1
     assert 0 < urgent["busy_fraction"] <= 1

@@ -59,6 +59,13 @@ class TritonMetrics:
                         "prompts: uploads, prefill launch), decode (launching the frame step and waiting for the frames "
                         "returned), other (locks, bookkeeping)", counter)
         self.step_parts = {part: parts.Metric(labels={"part": part}) for part in ("admit", "decode", "other")}
+        self.admitted = _family("voxtriton_admitted_requests_total", "Requests admitted into the frame steps "
+                                "(prompts prefilled): with the admit part above, the engine thread's time per admission",
+                                counter).Metric(labels={})
+        self.prefill_device = _family("voxtriton_prefill_device_seconds_total",
+                                      "GPU time the steps' stream spent on admissions before their decodes: waiting "
+                                      "for prefills and writing the admitted rows (CUDA events; not reported on CPU)",
+                                      counter).Metric(labels={})
         self.step_device = _family("voxtriton_frame_step_device_seconds",
                                    "The frame step's decode as timed on the GPU (CUDA events; not reported on CPU)",
                                    histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
@@ -108,6 +115,10 @@ class TritonMetrics:
         queue.append((self.step_batch, "observe", batch))
         if timing.decode_device_s is not None:
             queue.append((self.step_device, "observe", timing.decode_device_s))
+        if timing.admitted:
+            queue.append((self.admitted, "increment", timing.admitted))
+        if timing.prefill_device_s is not None:
+            queue.append((self.prefill_device, "increment", timing.prefill_device_s))
         queue.append((self.step_parts["admit"], "increment", timing.admit_s))
         queue.append((self.step_parts["decode"], "increment", timing.decode_s))
         queue.append((self.step_parts["other"], "increment", max(0.0, seconds - timing.admit_s - timing.decode_s)))
