@@ -118,7 +118,10 @@ def main() -> None:
     stream = torch.cuda.Stream(device) if args.graphs else None
     runner = ModelRunner(backbone, max_rows=max(groups), max_positions=256, max_text_tokens=64, prefill_stream=stream)
     buckets = dict(batch_sizes=[1], spans=[256], prefill_batch_sizes=[1, 2, 4, 8], prefill_lengths=[32, 64, 128])
-    runner.capture_graphs(**buckets) if args.graphs else runner.set_buckets(**buckets)
+    if args.graphs:
+        runner.capture_graphs(**buckets)
+    else:
+        runner.set_buckets(**buckets)
     prompt = prompts.build(TEXT, "ryan")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
