@@ -109,6 +109,10 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    if device.type == "cpu":
+        # One thread per operator: on a few cores PyTorch's own worker threads would compete with the
+        # thread beside and blur what this measures (handing the GIL back and forth).
+        torch.set_num_threads(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     checkpoint = args.checkpoint or make_checkpoint(args.preset, Path(tempfile.mkdtemp()) / args.preset)
     config = load_config(checkpoint)
