@@ -191,9 +191,9 @@ class ModelRunner:
         if batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
             self._prefill_padded_group(requests, first_row, batch, length)
         else:  # no bucket fits: eager, exact shapes, straight into the rows
-            length, layout = longest, AdmissionLayout(count, self.trailing.shape[1])
-            flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, length)))
-            inputs = layout.views(flat, count, count, length)
+            layout = AdmissionLayout(count, self.trailing.shape[1])
+            flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, longest)))
+            inputs = layout.views(flat, count, count, longest)
             rows = slice(first_row, first_row + count)
             last = self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index,
                                             StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]))
