@@ -35,7 +35,10 @@ def probes(run: Path) -> list[dict]:
                          "passed": meets_target(trial), "stalled": trial["stalled_requests"],
                          "requests": trial["requests"], "ttfa_p90_ms": trial["ttfa_p90_ms"],
                          "stall_total_s": round(trial["stall_total_s"], 3), "listeners_peak": trial["listeners_peak"],
-                         "frame_step_ms": trial["server"]["frame_step_ms_mean"], "command": command})
+                         "frame_step_ms": trial["server"]["frame_step_ms_mean"],
+                         # For gpu_budget.py; runs of older harness versions may lack them.
+                         "completed": trial.get("completed"), "audio_s": trial.get("audio_s"),
+                         "frame_step_batch": trial["server"].get("frame_step_batch_mean"), "command": command})
     return rows
 
 

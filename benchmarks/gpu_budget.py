@@ -1,0 +1,95 @@
+"""The GPU time a serving probe asks for, from the backbone's and the codec's measured speeds alone.
+
+A probe at R req/s with A seconds of audio per request asks the GPU for R x A seconds of audio per
+second. Alone on the GPU, the backbone's frame step at the probe's mean batch (`model_speed.py`) and
+the codec's best call shape (`codec_speed.py`) each cost some GPU milliseconds per second of audio;
+their sum times the demand is the GPU seconds per second the probe needs if the two ran one after
+the other at those speeds. Near 1, no lane policy can add much: the lanes can only overlap the two
+(kernels of both running on the GPU at once), not make either cheaper. The bound
+`R / (GPU seconds per second)` is the rate that would fill the GPU at those speeds.
+
+    python benchmarks/gpu_budget.py --model-speed MODEL_SPEED.json --codec-speed CODEC_SPEED.json RUN_DIR [...]
+
+RUN_DIR: serving_bench outputs (results.json); only probes of the model_speed preset are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge_goodput import probes  # noqa: E402
+
+from voxtriton.scheduler.policy import SchedulerConfig  # noqa: E402
+
+FRAME_SECONDS = SchedulerConfig().frame_seconds
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear y(x) through sorted points, extended along the end segments."""
+    points = sorted(points)
+    if len(points) == 1:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    raise AssertionError("unreachable")
+
+
+def backbone_ms_per_audio_s(model_speed: dict, batch: float) -> float:
+    """GPU ms of frame steps per second of audio, each step producing one frame per row."""
+    step_ms = interpolate([(row["batch"], row["frame_step_ms"]) for row in model_speed["rows"]], batch)
+    return step_ms / batch / FRAME_SECONDS
+
+
+def codec_ms_per_audio_s(codec_speed: dict) -> dict[str, float]:
+    """GPU ms per second of audio decoded, per call shape (BATCHxFRAMES)."""
+    result = {}
+    for shape, ms in codec_speed["ms"].items():
+        batch, frames = (int(part) for part in shape.split("x"))
+        result[shape] = ms / (batch * frames * FRAME_SECONDS)
+    return result
+
+
+def budget(probe: dict, model_speed: dict, codec_per_audio_s: float) -> dict:
+    audio_per_request = probe["audio_s"] / probe["completed"]
+    demand = probe["rate"] * audio_per_request  # seconds of audio per second
+    backbone = backbone_ms_per_audio_s(model_speed, probe["frame_step_batch"])
+    gpu_s_per_s = demand * (backbone + codec_per_audio_s) / 1e3
+    return {"audio_s_per_request": audio_per_request, "demand_audio_s_per_s": demand,
+            "backbone_ms_per_audio_s": backbone, "codec_ms_per_audio_s": codec_per_audio_s,
+            "gpu_s_per_s": gpu_s_per_s, "rate_filling_gpu": probe["rate"] / gpu_s_per_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--model-speed", type=Path, required=True, help="model_speed.py --json output")
+    parser.add_argument("--codec-speed", type=Path, required=True, help="codec_speed.py --json output")
+    args = parser.parse_args()
+    model_speed = json.loads(args.model_speed.read_text())
+    codec = codec_ms_per_audio_s(json.loads(args.codec_speed.read_text()))
+    best_shape = min(codec, key=codec.get)
+    preset = model_speed["meta"]["preset"]
+    print(f"codec GPU ms per audio second by call shape: "
+          + ", ".join(f"{shape} {ms:.3f}" for shape, ms in codec.items()) + f"; the budget uses the best, {best_shape}")
+    print("| model | policy | run | rate/s | passed | audio s per request | audio s per s | mean batch "
+          "| backbone ms per audio s | codec ms per audio s | GPU s per s | rate filling the GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    usable = [p for run in args.runs for p in probes(run)
+              if p["model"] == preset and p["completed"] and p["audio_s"] and p["frame_step_batch"]]
+    if not usable:
+        sys.exit(f"no probe of preset {preset} with completed requests, audio_s and a mean batch in {args.runs}")
+    for probe in sorted(usable, key=lambda p: (p["policy"], p["rate"], p["run"])):
+        b = budget(probe, model_speed, codec[best_shape])
+        print(f"| {probe['model']} | {probe['policy']} | {probe['run']} | {probe['rate']:.0f} | "
+              f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | {b['demand_audio_s_per_s']:.0f} | "
+              f"{probe['frame_step_batch']:.0f} | {b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
+              f"{b['gpu_s_per_s']:.2f} | {b['rate_filling_gpu']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

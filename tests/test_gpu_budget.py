@@ -1,0 +1,60 @@
+"""gpu_budget's arithmetic: GPU seconds per second a probe needs from the measured component speeds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+spec = importlib.util.spec_from_file_location("gpu_budget", ROOT / "benchmarks" / "gpu_budget.py")
+gpu_budget = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_budget)
+
+# Frame steps of 10 ms at batch 100 and 16 ms at batch 200; codec calls of 5 ms for 10 chunks of 25
+# frames (20 s of audio: 0.25 ms per audio second) and 1 ms for one chunk of 2 frames (6.25).
+MODEL_SPEED = {"meta": {"preset": "1.7b"}, "rows": [{"batch": 100, "frame_step_ms": 10.0},
+                                                     {"batch": 200, "frame_step_ms": 16.0}]}
+CODEC_SPEED = {"ms": {"1x2": 1.0, "10x25": 5.0}}
+
+
+def test_interpolation_between_and_beyond_the_measured_batches():
+    points = [(100, 10.0), (200, 16.0), (400, 30.0)]
+    assert gpu_budget.interpolate(points, 150) == pytest.approx(13.0)
+    assert gpu_budget.interpolate(points, 50) == pytest.approx(7.0)  # along the first segment
+    assert gpu_budget.interpolate(points, 500) == pytest.approx(37.0)  # along the last
+    assert gpu_budget.interpolate([(8, 3.0)], 100) == 3.0
+
+
+def test_component_costs_per_second_of_audio():
+    # 13 ms per step at batch 150: 150 frames of 0.08 s, 12 s of audio.
+    assert gpu_budget.backbone_ms_per_audio_s(MODEL_SPEED, 150) == pytest.approx(13.0 / 12.0)
+    assert gpu_budget.codec_ms_per_audio_s(CODEC_SPEED) == pytest.approx({"1x2": 6.25, "10x25": 0.25})
+
+
+def test_the_command_line_budgets_each_probe_of_the_preset(tmp_path):
+    """50 req/s of 10 s requests ask for 500 s of audio a second; at 13/12 + 0.25 ms per audio second
+    that is 2/3 of the GPU, which 75 req/s would fill. A probe of another preset is left out."""
+    for name, checkpoint in (("run", "/tmp/ck-1.7b"), ("other", "/tmp/ck-0.6b")):
+        trial = {"rate": 50.0, "failed": 0, "stalled_requests": 0, "requests": 100, "completed": 100,
+                 "audio_s": 1000.0, "ttfa_p90_ms": 150.0, "stall_total_s": 0.0, "listeners_peak": 500,
+                 "server": {"frame_step_ms_mean": 14.0, "frame_step_batch_mean": 150.0}}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"meta": {"command": "serving_bench.py", "checkpoint": checkpoint},
+             "policies": [{"policy": "voxserve", "rates": [trial]}]}))
+    (tmp_path / "model.json").write_text(json.dumps(MODEL_SPEED))
+    (tmp_path / "codec.json").write_text(json.dumps(CODEC_SPEED))
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_budget.py"), "--model-speed", str(tmp_path / "model.json"),
+         "--codec-speed", str(tmp_path / "codec.json"), str(tmp_path / "run"), str(tmp_path / "other")],
+        capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    rows = [line for line in completed.stdout.splitlines() if line.startswith("| 1.7b")]
+    assert rows == ["| 1.7b | voxserve | run | 50 | yes | 10.00 | 500 | 150 | 1.083 | 0.250 | 0.67 | 75 |"]
+    assert "0.6b" not in completed.stdout and "the budget uses the best, 10x25" in completed.stdout
