@@ -83,6 +83,7 @@ def test_first_chunk_is_always_urgent_and_slack_decides_the_rest():
     [relaxed] = sched.frames_generated("s", 1)
     assert relaxed.lane == BACKGROUND
     assert sched.slack(relaxed) >= 0.3
+    assert sched.config.lanes == (URGENT, BACKGROUND)
 
 
 def test_background_slack_counts_the_call_in_progress_and_the_batches_queued():
@@ -229,6 +230,7 @@ def test_background_is_earliest_deadline_first():
 def test_policies_route_as_documented():
     for policy, lane in (("serial", INLINE), ("concurrent", URGENT), ("disaggregated", URGENT)):
         sched, clock = scheduler(policy=policy, chunk_schedule="1")
+        assert sched.config.lanes == (lane,)
         sched.open("s")
         for _ in range(30):
             [chunk] = sched.frames_generated("s", 1)
@@ -301,7 +303,7 @@ def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgen
     def run_lane(lane):
         for chunk in sched.next_batch(lane):
             name = chunk.stream.stream_id
-            assert chunk.stream.in_flight is chunk
+            assert chunk.stream.in_flight is chunk and chunk.lane in sched.config.lanes
             delivered[name].append((chunk.first_frame, chunk.frames))
             decode_sizes[name].append(chunk.decode_frames)
             sched.chunk_done(chunk, 0.02)

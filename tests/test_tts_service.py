@@ -424,3 +424,15 @@ def test_the_waiting_gauge_counts_requests_no_row_was_free_for(tiny_checkpoint):
     assert max(waiting for _, _, waiting in metrics.gauge_calls) == 1
     assert max(rows for _, rows, _ in metrics.gauge_calls) == 2
     assert all(rows + waiting <= active for active, rows, waiting in metrics.gauge_calls)
+
+
+@pytest.mark.parametrize("policy, lane_workers, in_flight", [
+    ("voxserve", 2, 2 * (16 + 64)),  # two workers on each of two lanes
+    ("concurrent", 2, 2 * 16),  # one lane: no background batches to hold rows for
+    ("serial", 2, 16),  # one inline decode at a time, on the engine thread
+])
+def test_the_codec_state_pool_holds_a_batch_per_worker_of_each_lane_the_policy_uses(
+        tiny_checkpoint, policy, lane_workers, in_flight):
+    engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, policy)
+    assert (scheduler_config.max_batch, scheduler_config.background_max_batch) == (16, 64)
+    assert codec_slots(engine, 3, scheduler_config, lane_workers) == engine.max_running + 3 + in_flight

@@ -78,6 +78,13 @@ class SchedulerConfig:
         if self.idle_urgent_takes_frames < 0:
             raise ValueError(f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}")
 
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        """The lanes this policy's chunks are decoded on (`route` sends them there)."""
+        if self.policy == "serial":
+            return (INLINE,)
+        return (URGENT, BACKGROUND) if self.policy == "voxserve" else (URGENT,)
+
     def batch_limit(self, lane: str) -> int:
         """Chunks per codec call on `lane`."""
         return self.background_max_batch if lane == BACKGROUND else self.max_batch

@@ -89,10 +89,11 @@ class ServiceMetrics(Protocol):
 
 def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1) -> int:
     """Rows the codec state pool needs: one per stream the service holds, plus the rows of streams
-    that ended while a lane was decoding their chunk (up to one batch per lane worker, two lanes;
-    freed on return)."""
-    lanes_batches = scheduler_config.batch_limit(URGENT) + scheduler_config.batch_limit(BACKGROUND)
-    return engine.max_running + max_queued + lane_workers * lanes_batches
+    that ended while a lane was decoding their chunk (up to one batch per worker of each lane the
+    policy uses; serial's one inline decode at a time; freed on return)."""
+    workers = 1 if scheduler_config.policy == "serial" else lane_workers
+    in_flight = sum(scheduler_config.batch_limit(lane) for lane in scheduler_config.lanes)
+    return engine.max_running + max_queued + workers * in_flight
 
 
 def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
@@ -133,10 +134,9 @@ class TTSService:
         self._stopping = threading.Event()  # wakes the cancellation watcher at shutdown
         self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
                         threading.Thread(target=self._watch_cancellations, name="voxtriton-cancellations", daemon=True)]
-        if scheduler_config.policy != "serial":
-            lanes_used = [URGENT] if scheduler_config.policy != "voxserve" else [URGENT, BACKGROUND]
+        if scheduler_config.policy != "serial":  # serial decodes on the engine thread
             self.threads += [threading.Thread(target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}-{worker}",
-                                              daemon=True) for lane in lanes_used for worker in range(lane_workers)]
+                                              daemon=True) for lane in scheduler_config.lanes for worker in range(lane_workers)]
         for thread in self.threads:
             thread.start()
 
