@@ -1,20 +1,27 @@
-"""gpu_budget's arithmetic: GPU seconds per second a probe needs from the measured component speeds."""
+"""gpu_budget's arithmetic (GPU seconds per second a probe needs from the measured component speeds) and
+frame_flops' operation counts."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from voxtriton.models.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 spec = importlib.util.spec_from_file_location("gpu_budget", ROOT / "benchmarks" / "gpu_budget.py")
 gpu_budget = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_budget)
+spec = importlib.util.spec_from_file_location("frame_flops", ROOT / "benchmarks" / "frame_flops.py")
+frame_flops = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(frame_flops)
 
 # Frame steps of 10 ms at batch 100 and 16 ms at batch 200; codec calls of 5 ms for 10 chunks of 25
 # frames (20 s of audio: 0.25 ms per audio second) and 1 ms for one chunk of 2 frames (6.25).
@@ -58,3 +65,47 @@ def test_the_command_line_budgets_each_probe_of_the_preset(tmp_path):
     rows = [line for line in completed.stdout.splitlines() if line.startswith("| 1.7b")]
     assert rows == ["| 1.7b | voxserve | run | 50 | yes | 10.00 | 500 | 150 | 1.083 | 0.250 | 0.67 | 75 |"]
     assert "0.6b" not in completed.stdout and "the budget uses the best, 10x25" in completed.stdout
+
+
+def frame_step_flops(talker, span: int) -> int:
+    """The frame step's operations worked out by hand from the shapes: every linear layer's weights
+    once per token (2 operations per multiply-add), attention over `span` positions (QK and AV).
+
+    The talker takes one token; the projection of text embeddings adds a two-layer MLP and the codec
+    head a matrix. The code predictor runs 16 tokens (the talker's state and codebook 0 together,
+    then codebooks 1..14 one by one), each through its input projection, over its 16-position cache,
+    and 15 heads."""
+    def linear(t):
+        return t.num_layers * (2 * t.hidden_size * t.num_heads * t.head_dim
+                               + 2 * t.hidden_size * t.num_kv_heads * t.head_dim + 3 * t.hidden_size * t.intermediate_size)
+
+    def attention(t, queries, positions):
+        return t.num_layers * 2 * 2 * t.num_heads * t.head_dim * positions * queries
+
+    main, small = talker.transformer, talker.predictor
+    flops = 2 * linear(main) + attention(main, 1, span) + 2 * main.hidden_size * talker.vocab_size
+    flops += 2 * (talker.text_hidden_size ** 2 + talker.text_hidden_size * main.hidden_size)
+    projection = 2 * main.hidden_size * small.hidden_size if small.hidden_size != main.hidden_size else 0
+    flops += 16 * (2 * linear(small) + projection) + attention(small, 16, 16)
+    return flops + 15 * 2 * small.hidden_size * talker.predictor_vocab_size
+
+
+@pytest.mark.parametrize("preset", ["1.7b", "0.6b"])
+def test_the_frame_step_counts_what_its_shapes_say(tmp_path, preset):
+    """FlopCounterMode over ModelRunner.decode on the meta device agrees with the count by hand; the
+    1.7B step is about 5.6 GFLOP per frame at span 512."""
+    presets = ROOT / "voxtriton" / "models" / "presets"
+    shutil.copy(presets / preset / "config.json", tmp_path / "config.json")
+    shutil.copy(presets / "common" / "generation_config.json", tmp_path / "generation_config.json")
+    shutil.copytree(presets / "common" / "speech_tokenizer", tmp_path / "speech_tokenizer")
+    config = load_config(tmp_path)
+    for batch, span in ((1, 128), (4, 512)):
+        assert frame_flops.backbone_flops_per_frame(config, batch, span) == frame_step_flops(config.talker, span)
+    if preset == "1.7b":
+        assert frame_step_flops(config.talker, 512) == pytest.approx(5.62e9, rel=1e-3)
+
+
+def test_codec_operations_per_frame_do_not_depend_on_the_batch(tiny_checkpoint):
+    config = load_config(tiny_checkpoint)
+    one, four = (frame_flops.codec_flops_per_frame(config, batch, 8) for batch in (1, 4))
+    assert one > 0 and one == pytest.approx(four, rel=1e-9)
