@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# session 17, call 4 (fresh H200): both policies at 0.6B on main (admission graphs), fixed rates, no
+# session 17, call 4 (written for a fresh H200; it ran on the same, still warm one): both policies at 0.6B on main (admission graphs), fixed rates, no
 # warm-up, 20 s probes, one server after the other.
 cd "$(dirname "$0")/.."
 bash benchmarks/gpu/setup_env.sh > $OUT/setup4.txt 2>&1
