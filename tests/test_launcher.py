@@ -150,7 +150,8 @@ def test_gpu_count_honours_cuda_visible_devices(tmp_path, monkeypatch, visible, 
 
 @pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 def test_the_codecs_capture_the_shapes_the_scheduler_will_ask_for():
-    """A chunk schedule or batch limits given for tts set the codecs' graph shapes, unless given for them."""
+    """A chunk schedule or batch limits given for tts set the codecs' graph shapes, each up to its own
+    lane's limit, unless given for them."""
     server = TritonServer(parameters={"tts": {"scheduler_chunk_schedule": "1,1,2,2,4,25", "scheduler_max_batch": "24",
                                               "scheduler_background_max_batch": "48"},
                                       "codec_background": {"graph_batch_sizes": "4,24"}}, use_mps=False)
@@ -159,8 +160,17 @@ def test_the_codecs_capture_the_shapes_the_scheduler_will_ask_for():
         background = (server.repository / "codec_background" / "config.pbtxt").read_text()
         for config in (urgent, background):
             assert 'key: "graph_frame_sizes" value: { string_value: "1,2,4,25" }' in config
-        assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16,24,32,48" }' in urgent
+        assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16,24" }' in urgent
         assert 'key: "graph_batch_sizes" value: { string_value: "4,24" }' in background
+    finally:
+        server.cleanup()
+    server = TritonServer(parameters={"tts": {"scheduler_background_max_batch": "48"}}, use_mps=False)
+    try:  # only voxserve's background lane makes the larger calls
+        urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
+        background = (server.repository / "codec_background" / "config.pbtxt").read_text()
+        assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16" }' in urgent
+        assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16,32,48" }' in background
+        assert "graph_frame_sizes" not in urgent + background
     finally:
         server.cleanup()
     server = TritonServer(use_mps=False)  # nothing given: the repository's own shapes

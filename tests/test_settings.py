@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT
 from voxtriton.serving.settings import CodecSettings, TTSSettings, lane_sms
 
 
@@ -49,16 +50,23 @@ def test_the_background_lane_is_three_quarters_of_the_gpu_by_default_in_groups_o
 
 
 def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
-    """A codec call without a CUDA graph runs eagerly, several times slower: by default the codecs
-    capture every chunk size of the scheduler's default schedule and batch sizes up to both lanes' limits."""
+    """A codec call without a CUDA graph runs eagerly, several times slower: by default each codec
+    captures every chunk size of the scheduler's default schedule and batch sizes up to its lane's
+    limit (the urgent lane's also bounds serial's inline calls)."""
     _, scheduler = TTSSettings.from_model_config(config())
-    batch_sizes, frame_sizes = CodecSettings.from_model_config(config()).graph_shapes()
-    assert set(frame_sizes) == set(int(size) for size in scheduler.chunk_schedule.split(","))
-    assert {scheduler.max_batch, scheduler.background_max_batch, 1} <= set(batch_sizes)
-    assert max(batch_sizes) == max(scheduler.max_batch, scheduler.background_max_batch)
-    assert (batch_sizes, frame_sizes) == ([1, 2, 4, 8, 16, 32, 64], [2, 4, 8, 16, 25])  # as the README says
+    for lane, limit in ((URGENT, scheduler.max_batch), (BACKGROUND, scheduler.background_max_batch)):
+        batch_sizes, frame_sizes = CodecSettings.from_model_config(config(lane=lane)).graph_shapes()
+        assert set(frame_sizes) == set(int(size) for size in scheduler.chunk_schedule.split(","))
+        assert {limit, 1} <= set(batch_sizes) and max(batch_sizes) == limit
+    assert scheduler.batch_limit(INLINE) == scheduler.max_batch  # serial's calls go to the urgent model
+    # As the README says:
+    assert CodecSettings.from_model_config(config()).graph_shapes() == ([1, 2, 4, 8, 16], [2, 4, 8, 16, 25])
+    assert CodecSettings.from_model_config(config(lane="background")).graph_shapes() == (
+        [1, 2, 4, 8, 16, 32, 64], [2, 4, 8, 16, 25])
     given = CodecSettings.from_model_config(config(graph_batch_sizes="4,24", graph_frame_sizes="3")).graph_shapes()
     assert given == ([4, 24], [3])
+    with pytest.raises(ValueError, match="parameter 'lane' must be 'urgent' or 'background', got 'inline'"):
+        CodecSettings.from_model_config(config(lane="inline"))
 
 
 def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, tmp_path):

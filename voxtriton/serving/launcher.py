@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..scheduler.policy import SchedulerConfig
+from ..scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
 from .settings import cache_dir, codec_graph_shapes, visible_devices
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -166,7 +166,7 @@ class MPSDaemon:
             self.started = False
 
 
-CODEC_MODELS = ("codec_urgent", "codec_background")
+CODEC_MODELS = {"codec_urgent": URGENT, "codec_background": BACKGROUND}  # model: the tts lane it serves
 
 
 class TritonServer:
@@ -362,10 +362,10 @@ def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[st
 
 
 def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-    """The codecs' graph shapes follow the tts scheduler's chunk schedule and batch limit
-    (`codec_graph_shapes`); their defaults follow the scheduler's defaults. When either is set for
-    tts and a codec model's `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes the
-    setting implies."""
+    """The codecs' graph shapes follow the tts scheduler's chunk schedule and their lane's batch
+    limit (`codec_graph_shapes`); their defaults follow the scheduler's defaults. When either is set
+    for tts and a codec model's `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes
+    the setting implies."""
     tts = parameters.get("tts", {})
     keys = {"scheduler_chunk_schedule": "graph_frame_sizes", "scheduler_max_batch": "graph_batch_sizes",
             "scheduler_background_max_batch": "graph_batch_sizes"}
@@ -376,12 +376,13 @@ def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dic
         for limit in ("max_batch", "background_max_batch"):
             if limit in given:
                 given[limit] = int(given[limit])
-        shapes = codec_graph_shapes(SchedulerConfig(**given))
+        scheduler = SchedulerConfig(**given)
     except ValueError:  # the tts model refuses the setting itself, naming it
         return parameters
-    implied = {key: shapes[key] for setting, key in keys.items() if setting in tts}
     aligned = {model: dict(values) for model, values in parameters.items()}
-    for model in CODEC_MODELS:
+    for model, lane in CODEC_MODELS.items():
+        shapes = codec_graph_shapes(scheduler, lane)
+        implied = {key: shapes[key] for setting, key in keys.items() if setting in tts}
         given = {**parameters.get("*", {}), **parameters.get(model, {})}
         for key, sizes in implied.items():
             if key not in given:

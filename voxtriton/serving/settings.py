@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..scheduler.policy import SchedulerConfig
+from ..scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
 
 
 # Parameters the Python backend itself reads.
@@ -152,23 +152,28 @@ class CodecSettings:
     dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
     sm_count: str = "0"  # "0": the whole GPU; N: a green context of N SMs; a fraction: see `lane_sms`
     high_priority: bool = False  # whole-GPU lanes only: a high-priority CUDA stream (the urgent lane)
+    # The tts lane this model serves, which sets its default graph shapes: "urgent" (also every
+    # lane of the policies other than voxserve) or "background".
+    lane: str = URGENT
     cuda_graphs: bool = True
     # Let cuDNN time its convolution algorithms per shape (before each graph capture; with
     # cuda_graphs only) instead of taking its heuristic's choice, which for some dilated layers is a
     # fallback kernel 10x slower (benchmarks/results/codec_speed_h200.md, session 9).
     cudnn_autotune: bool = True
     # CUDA-graph shapes (chunks per call, frames per chunk); empty: those the tts scheduler's default
-    # chunk schedule and batch limit make (`codec_graph_shapes`).
+    # chunk schedule and this lane's batch limit make (`codec_graph_shapes`).
     graph_batch_sizes: str = ""
     graph_frame_sizes: str = ""
     test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (see README)
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)
+        if self.lane not in (URGENT, BACKGROUND):
+            raise ValueError(f"config.pbtxt parameter 'lane' must be {URGENT!r} or {BACKGROUND!r}, got {self.lane!r}")
 
     def graph_shapes(self) -> tuple[list[int], list[int]]:
         """(batch sizes, frame sizes) to capture."""
-        implied = codec_graph_shapes()
+        implied = codec_graph_shapes(lane=self.lane)
         return (int_list(self.graph_batch_sizes) or implied["graph_batch_sizes"],
                 int_list(self.graph_frame_sizes) or implied["graph_frame_sizes"])
 
@@ -204,17 +209,17 @@ def lane_sms(value: str, total_sms: int) -> int:
     return max(8, int(float(value) * total_sms) // 8 * 8)
 
 
-def codec_graph_shapes(scheduler: SchedulerConfig | None = None) -> dict[str, list[int]]:
-    """The shapes of the codec calls a tts scheduler makes (None: the default scheduler's): a call
-    holds chunks of one size of its schedule, up to its lane's batch limit. Every size of the schedule;
-    powers of two up to the larger limit, and both limits. Both codec models capture them all: the
-    policy decides which lane a model serves, and an unused shape costs only its capture at start.
-    (A call whose shape has no CUDA graph runs eagerly, several times slower.)"""
+def codec_graph_shapes(scheduler: SchedulerConfig | None = None, lane: str = URGENT) -> dict[str, list[int]]:
+    """The shapes of the codec calls a tts scheduler makes on `lane` (None: the default scheduler's):
+    a call holds chunks of one size of its schedule, up to the lane's batch limit. Every size of the
+    schedule; powers of two up to the limit, and the limit. The urgent model serves the urgent lane
+    under every policy (serial's inline decodes too, at the same limit); only voxserve's background
+    lane makes the larger calls, so only the background model captures them. (A call whose shape has
+    no CUDA graph runs eagerly, several times slower.)"""
     scheduler = scheduler or SchedulerConfig()
-    limits = {scheduler.max_batch, scheduler.background_max_batch}
-    limit = max(limits)
+    limit = scheduler.batch_limit(lane)
     return {"graph_frame_sizes": sorted(set(scheduler.sizes)),
-            "graph_batch_sizes": sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | limits)}
+            "graph_batch_sizes": sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit})}
 
 
 def int_list(text: str) -> list[int]:
