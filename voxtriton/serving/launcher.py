@@ -383,9 +383,9 @@ def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dic
     for model, lane in CODEC_MODELS.items():
         shapes = codec_graph_shapes(scheduler, lane)
         implied = {key: shapes[key] for setting, key in keys.items() if setting in tts}
-        given = {**parameters.get("*", {}), **parameters.get(model, {})}
+        set_for_model = {**parameters.get("*", {}), **parameters.get(model, {})}
         for key, sizes in implied.items():
-            if key not in given:
+            if key not in set_for_model:
                 aligned.setdefault(model, {})[key] = ",".join(map(str, sizes))
     return aligned
 
