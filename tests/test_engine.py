@@ -13,6 +13,7 @@ from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.config import load_config
+from voxtriton.models.layers import Rotary
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 
@@ -189,3 +190,49 @@ def test_admissions_and_moves_make_few_pytorch_calls_on_the_graph_path(setup):
     with CallCounter(engine.runner, GRAPHED) as counter:
         engine.runner.move_row(2, 0, 40)
     assert counter.calls <= 6, counter.calls
+
+
+def test_the_runner_looks_rotary_embeddings_up_bit_for_bit(setup):
+    """The runner bounds every position (its KV cache, the predictor's 16), so the frame step's 16
+    stack calls look cos and sin up instead of computing them in nine small kernels each: the same
+    values, bit for bit, and over a hundred fewer PyTorch calls (kernels, on the GPU) per step."""
+    engine = new_engine(setup)
+    runner, talker = engine.runner, engine.runner.talker
+    stacks = ((talker.model.rotary, runner.max_positions), (talker.code_predictor.model.rotary, 16))
+    generator = torch.Generator().manual_seed(0)
+    for rotary, length in stacks:
+        assert rotary.table is not None and rotary.table[0].shape[0] >= length
+        positions = torch.randint(0, length, (3, 2), generator=generator)
+        looked_up = rotary(positions, runner.dtype)
+        table, rotary.table = rotary.table, None
+        try:
+            computed = rotary(positions, runner.dtype)
+        finally:
+            rotary.table = table
+        assert all(torch.equal(a, b) for a, b in zip(looked_up, computed))
+    with CallCounter(runner) as with_tables:
+        runner.decode(2, 64)
+    tables = [rotary.table for rotary, _ in stacks]
+    try:
+        for rotary, _ in stacks:
+            rotary.table = None
+        with CallCounter(runner) as computing:
+            runner.decode(2, 64)
+    finally:
+        for (rotary, _), table in zip(stacks, tables):
+            rotary.table = table
+    assert computing.calls - with_tables.calls >= 16 * 5, (computing.calls, with_tables.calls)
+
+
+def test_a_rotary_table_holds_the_computed_bf16_values_and_only_grows():
+    rotary = Rotary(128, 1e6)
+    rotary.tabulate(4096, torch.bfloat16)
+    positions = torch.randint(0, 4096, (64, 3), generator=torch.Generator().manual_seed(1))
+    looked_up = rotary(positions, torch.bfloat16)
+    assert looked_up[0].shape == (64, 1, 3, 128)
+    assert all(torch.equal(a[:, 0], b) for a, b in zip(looked_up, rotary._compute(positions, torch.bfloat16)))
+    table = rotary.table
+    rotary.tabulate(16, torch.bfloat16)  # a runner with a shorter cache shares the model
+    assert rotary.table is table
+    float_values = rotary(positions, torch.float32)  # another dtype: computed, not looked up
+    assert all(torch.equal(a[:, 0], b) for a, b in zip(float_values, rotary._compute(positions, torch.float32)))

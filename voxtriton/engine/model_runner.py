@@ -47,6 +47,9 @@ class ModelRunner:
         self.cache = StaticKV(zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
                               zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim))
         predictor_length = talker.code_predictor.cache_length
+        # Every position here is below the cache's length, so rotary embeddings can be lookups.
+        talker.model.rotary.tabulate(max_positions, self.dtype)
+        talker.code_predictor.model.rotary.tabulate(predictor_length, self.dtype)
         self.predictor_keys = zeros(p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim)
         self.predictor_values = torch.zeros_like(self.predictor_keys)
         vocab = config.talker.vocab_size

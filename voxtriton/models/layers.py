@@ -47,6 +47,7 @@ class Rotary(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", self._inverse_frequencies(None), persistent=False)
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # see `tabulate`
 
     def _inverse_frequencies(self, device) -> torch.Tensor:
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
@@ -55,13 +56,32 @@ class Rotary(nn.Module):
     def reset(self, device) -> None:
         """Recompute the (fp32) frequencies after the module was built on the meta device or cast."""
         self.inv_freq = self._inverse_frequencies(device)
+        self.table = None
+
+    def tabulate(self, positions: int, dtype: torch.dtype) -> None:
+        """Keep cos and signed sin of positions 0..positions-1 in `dtype`, so a call looks them up
+        (one gather each) instead of computing them (nine small kernels, 16 calls a frame step).
+
+        For callers that bound their positions, as the model runner does (its KV cache's length, the
+        predictor's 16): a position past the table is out of its range. The values are the computed
+        ones, bit for bit. A table already long enough for `dtype` is kept (runners may share a model)."""
+        if self.table is not None and self.table[0].dtype == dtype and self.table[0].shape[0] >= positions:
+            return
+        self.table = self._compute(torch.arange(positions, device=self.inv_freq.device), dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin, [B, 1, T, D]: rotate-half(x) * sin == roll(x, D/2) * signed sin."""
+        if self.table is not None and self.table[0].dtype == dtype:
+            cos, signed_sin = (values[positions] for values in self.table)
+        else:
+            cos, signed_sin = self._compute(positions, dtype)
+        return cos[:, None], signed_sin[:, None]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq
         cos = torch.cat((freqs, freqs), dim=-1).cos()
         sin = freqs.sin()
-        return cos.to(dtype)[:, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None]
+        return cos.to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 class KVStore(Protocol):
