@@ -26,7 +26,7 @@ from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_codec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import mean_ms  # noqa: E402
+from codec_speed import call_shape, mean_ms  # noqa: E402
 
 
 def record_layers(codec, batch: int, frames: int) -> list[dict]:
@@ -69,7 +69,7 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
               "cudnn_benchmark": args.cudnn_benchmark, "date": time.strftime("%Y-%m-%d"), "shapes": {}}
     for shape in args.shapes.split(","):
-        batch, frames = (int(n) for n in shape.split("x"))
+        batch, frames = call_shape(shape)
         rows, total = [], 0.0
         for layer in record_layers(codec, batch, frames):
             op = getattr(F, layer["op"])

@@ -28,6 +28,13 @@ from voxtriton.models.loader import load_codec
 SHAPES = "8x2,32x2,16x4,64x8,32x16,128x25,256x25"
 
 
+def call_shape(shape: str) -> tuple[int, int]:
+    """(chunks, frames per chunk) of a codec call shape written BATCHxFRAMES, as SHAPES and this
+    script's JSON name them."""
+    batch, frames = (int(part) for part in shape.split("x"))
+    return batch, frames
+
+
 def mean_ms(call, repeat: int) -> float:
     """Mean milliseconds of call() over `repeat` calls (CUDA events), after three warm-up calls (with
     cuDNN autotuning, the first times the algorithms)."""
@@ -60,7 +67,7 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "ms": {}}
     for shape in args.shapes.split(","):
-        batch, frames = (int(n) for n in shape.split("x"))
+        batch, frames = call_shape(shape)
         runner = CodecRunner(codec, [batch], [frames])
         codes = torch.randint(0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device=device)
         start = torch.zeros(batch, dtype=torch.long, device=device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -24,6 +25,9 @@ from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.models.codec import CodecModel
 from voxtriton.models.config import load_config
 from voxtriton.models.talker import Qwen3TTSBackbone
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from codec_speed import call_shape  # noqa: E402
 
 
 def counted(work) -> int:
@@ -36,7 +40,7 @@ def backbone_flops_per_frame(config, batch: int, span: int) -> float:
     """One frame step of `batch` rows whose attention reads `span` positions, per row."""
     with torch.device("meta"):
         backbone = Qwen3TTSBackbone(config).to(torch.bfloat16)
-    runner = ModelRunner(backbone, batch, max(span, 1), 1)
+    runner = ModelRunner(backbone, batch, span, 1)
     return counted(lambda: runner.decode(batch, span)) / batch
 
 
@@ -71,7 +75,7 @@ def main() -> None:
         print(f"| frame step | span {args.span} | {backbone_flops_per_frame(config, 1, args.span) / 1e9:.2f} | - | - |")
     shapes = json.loads(args.codec_speed.read_text())["ms"] if args.codec_speed else {"1x25": None}
     for shape, ms in shapes.items():
-        batch, frames = (int(part) for part in shape.split("x"))
+        batch, frames = call_shape(shape)
         flops = codec_flops_per_frame(config, batch, frames)
         rate = "-" if ms is None else f"{flops * batch * frames / (ms / 1e3) / 1e12:.0f}"
         print(f"| codec call | {shape} | {flops / 1e9:.2f} | {'-' if ms is None else ms} | {rate} |")

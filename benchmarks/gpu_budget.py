@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from codec_speed import call_shape  # noqa: E402
 from merge_goodput import probes  # noqa: E402
 
 from voxtriton.scheduler.policy import SchedulerConfig  # noqa: E402
@@ -49,7 +50,7 @@ def codec_ms_per_audio_s(codec_speed: dict) -> dict[str, float]:
     """GPU ms per second of audio decoded, per call shape (BATCHxFRAMES)."""
     result = {}
     for shape, ms in codec_speed["ms"].items():
-        batch, frames = (int(part) for part in shape.split("x"))
+        batch, frames = call_shape(shape)
         result[shape] = ms / (batch * frames * FRAME_SECONDS)
     return result
 
