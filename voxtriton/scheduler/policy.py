@@ -237,11 +237,9 @@ class ChunkScheduler:
         return deadline - now - self.expected_background_s()
 
     def route(self, chunk: Chunk) -> str:
-        policy = self.config.policy
-        if policy == "serial":
-            return INLINE
-        if policy in ("concurrent", "disaggregated"):
-            return URGENT  # one codec lane beside the backbone, first come first served
+        lanes = self.config.lanes
+        if len(lanes) == 1:
+            return lanes[0]  # serial's inline decode; one codec lane beside the backbone, first come first served
         slack = self.slack(chunk)
         return URGENT if slack is None or slack < self.config.slack_margin_s else BACKGROUND
 
