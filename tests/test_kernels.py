@@ -63,21 +63,33 @@ def test_channel_bias_matches_the_reference(dtype, with_residual):
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 
 
+# A talker-like span and the code predictor's 16-entry cache, at the shipped launch shape and at
+# others benchmarks/attention_speed.py times (the interpreter ignores warps and stages).
+ATTENTION_CASES = {"long span, shipped launch": (150, [70, 0, 149], None),
+                   "long span, 32-key blocks": (150, [70, 0, 149], (32, 4, 2)),
+                   "long span, 128-key blocks": (150, [70, 0, 149], (128, 8, 2)),
+                   "predictor span, shipped launch": (16, [15, 0, 6], None),
+                   "predictor span, 16-key blocks": (16, [15, 0, 6], (16, 4, 1))}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new_tokens", [1, 2])
-def test_decode_attention_matches_the_reference(dtype, new_tokens):
-    """Rows at different positions (one past a key block, one at the first entry), over strided
-    views of a larger cache, as StaticKV hands them out."""
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
+    """Rows at different positions (past a key block, at the first entry, at the span's end), over
+    strided views of a larger cache, as StaticKV hands them out."""
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
         pytest.skip("Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); the GPU runs this case")
+    span, last_positions, launch = ATTENTION_CASES[case]
     generator = torch.Generator().manual_seed(new_tokens)
-    batch, heads, kv_heads, dim, span = 3, 4, 2, 32, 150
-    last = torch.tensor([70, new_tokens - 1, 149])  # each row's last new position
+    batch, heads, kv_heads, dim = 3, 4, 2, 32
+    last = torch.tensor(last_positions).clamp(min=new_tokens - 1)  # each row's last new position
     positions = last[:, None] - torch.arange(new_tokens - 1, -1, -1)[None, :]
     q = random(batch, heads, new_tokens, dim, dtype=dtype, generator=generator)
     cache = random(2, batch + 1, kv_heads, span + 10, dim, dtype=dtype, generator=generator)
     keys, values = cache[0, :batch, :, :span], cache[1, :batch, :, :span]
-    out = attention.decode_attention(q.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), positions.to(DEVICE), 0.3)
+    out = attention.decode_attention(q.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), positions.to(DEVICE), 0.3,
+                                     launch=launch)
     expected = attention.decode_attention_reference(q, keys, values, positions, 0.3)
     assert out.shape == q.shape and out.dtype == dtype
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2

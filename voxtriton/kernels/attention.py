@@ -20,10 +20,15 @@ from . import launch_device, triton, triton_usable
 if triton is not None:
     import triton.language as tl
 
-BLOCK_KEYS = 64
 # A program's query block: (query heads per KV head) x (new tokens) rows, padded to this fixed size,
 # which is also the smallest block tl.dot accepts. Decode steps have 2 or 4 rows.
 MAX_QUERY_ROWS = 16
+# The launch shape: (keys per block, warps, pipeline stages); Triton's own defaults for the last two.
+# Each pipeline stage holds a key and a value block in shared memory (32 KB at 64 keys of 128 bf16
+# dims), which caps how many programs share an SM, also for the code predictor's 16-entry cache.
+# Other shapes are timed by benchmarks/attention_speed.py and tested against the reference; none is
+# shipped until it has been measured on a GPU.
+LAUNCH = (64, 4, 3)
 
 
 def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
@@ -34,22 +39,23 @@ def decode_attention_supported(device: torch.device, query_rows: int, dim: int) 
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [B, H, T, D] at positions [B, T] (increasing along T); keys, values [B, KVH, L, D] (views of the
     cache) with entries 0..positions[:, -1] written; entries at L and beyond are never read. All three
-    need unit stride in D. Returns [B, H, T, D]."""
+    need unit stride in D. `launch` overrides `LAUNCH` (for measuring). Returns [B, H, T, D]."""
     batch, heads, length, dim = q.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     if not q.stride(-1) == keys.stride(-1) == values.stride(-1) == 1:
         raise ValueError("decode_attention needs unit stride along the head dimension")
     positions = positions.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    block_keys, warps, stages = launch or LAUNCH
     with launch_device(q):
         _decode_attention_kernel[(batch, kv_heads)](
             q, *q.stride()[:3], keys, *keys.stride()[:3], values, *values.stride()[:3], out, positions, scale, span,
-            GROUP=heads // kv_heads, LENGTH=length, DIM=dim, BLOCK_ROWS=MAX_QUERY_ROWS, BLOCK_KEYS=BLOCK_KEYS,
+            GROUP=heads // kv_heads, LENGTH=length, DIM=dim, BLOCK_ROWS=MAX_QUERY_ROWS, BLOCK_KEYS=block_keys,
             # fp32 stays fp32 (tl.dot would round fp32 inputs to tf32); bf16 products are exact anyway.
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return out
 
 

@@ -39,13 +39,14 @@ def check_decode_attention(device: torch.device) -> list[Comparison]:
     from .attention import decode_attention, decode_attention_reference
 
     generator = torch.Generator().manual_seed(2)
-    positions = torch.tensor([[5], [70]])
     comparisons = []
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-        q = torch.randn(2, 4, 1, 128, generator=generator).to(dtype)
-        keys, values = (torch.randn(2, 2, 80, 128, generator=generator).to(dtype) for _ in range(2))
-        out = decode_attention(q.to(device), keys.to(device), values.to(device), positions.to(device), 0.1)
-        comparisons.append((out, decode_attention_reference(q, keys, values, positions, 0.1), tolerance))
+    # A talker-like span and the code predictor's 16 entries: they launch with different shapes.
+    for span, positions in ((80, torch.tensor([[5], [70]])), (16, torch.tensor([[3], [15]]))):
+        for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            q = torch.randn(2, 4, 1, 128, generator=generator).to(dtype)
+            keys, values = (torch.randn(2, 2, span, 128, generator=generator).to(dtype) for _ in range(2))
+            out = decode_attention(q.to(device), keys.to(device), values.to(device), positions.to(device), 0.1)
+            comparisons.append((out, decode_attention_reference(q, keys, values, positions, 0.1), tolerance))
     return comparisons
 
 
