@@ -53,6 +53,7 @@ def kv_bytes(positions: torch.Tensor, dtype: torch.dtype) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
+    parser.add_argument("--rows", type=int, help="rows of every case (default: each case's own)")
     parser.add_argument("--block-keys", default="16,32,64,128")
     parser.add_argument("--warps", default="2,4,8")
     parser.add_argument("--stages", default="1,2,3")
@@ -66,6 +67,7 @@ def main() -> None:
     results = []
     for name in args.cases.split(","):
         rows, span, where = CASES[name]
+        rows = args.rows or rows
         q, keys, values, positions = case_inputs(rows, span, where, device, dtype)
         shipped = LAUNCH
         reference = decode_attention(q, keys, values, positions, 0.1)

@@ -3,6 +3,12 @@ Triton's interpreter (conftest.py), so CI checks the same kernel code the GPU ru
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -94,6 +100,24 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
     assert out.shape == q.shape and out.dtype == dtype
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_attention_speed_times_each_launch_shape_against_the_shipped_one(tmp_path):
+    """benchmarks/attention_speed.py end to end (in Triton's interpreter without a GPU): it checks
+    each swept shape's output against the shipped shape's before timing it, so a shape that
+    computes something else fails the run."""
+    out = tmp_path / "attention.json"
+    completed = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "attention_speed.py"),
+         "--device", DEVICE.type, "--cases", "predictor_16", "--rows", "2", "--block-keys", "16", "--warps", "4",
+         "--stages", "1", "--repeat", "20", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1" if DEVICE.type == "cpu" else "0"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [row] = json.loads(out.read_text())["results"]
+    assert row["shipped"] == list(attention.LAUNCH) and set(row["all"]) == {"x".join(map(str, attention.LAUNCH)), "16x4x1"}
+    assert all(isinstance(us, float) and us > 0 for us in row["all"].values())
+    itemsize = 4 if DEVICE.type == "cpu" else 2  # fp32 in the interpreter, bf16 on a GPU
+    assert row["kv_mb"] == pytest.approx(2 * 16 * 8 * 128 * 2 * itemsize / 1e6)  # 2 rows, 16 entries, keys and values
 
 
 # Triton's interpreter runs a row's sort in NumPy, seconds per row at 4096 tokens: the real
