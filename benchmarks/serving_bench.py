@@ -59,6 +59,7 @@ TTFA_TARGET_S = 0.2
 # A stream with no final response by then counts as failed (with that error), so a server that stops
 # answering ends a probe instead of hanging it (a 20 s utterance takes about 12 s near the goodput).
 REQUEST_TIMEOUT_S = 180.0
+TIMELINE_WINDOW_S = 2.0  # each probe's timeline: requests, stalls and p90 TTFA per 2 s of arrivals
 LANES = tuple(sorted(LANE_CODES, key=LANE_CODES.get))  # chunk_info's lane codes, in order
 
 
@@ -201,6 +202,26 @@ def peak_listeners(results: list[RequestResult]) -> int:
     return peak
 
 
+def timeline(results: list[RequestResult], window_s: float = TIMELINE_WINDOW_S) -> list[dict]:
+    """Per window of send time, from the probe's first request: the requests sent in it, how many of
+    them stalled or failed, and their p90 TTFA. It shows when in a probe a collapse began, and how
+    many arrivals came just before (the aggregates of a collapsed probe can look like a passing one's)."""
+    if not results:
+        return []
+    origin = min(r.sent_at for r in results)
+    windows = collections.defaultdict(list)
+    for r in results:
+        windows[int((r.sent_at - origin) // window_s)].append(r)
+    rows = []
+    for index in range(max(windows) + 1):
+        sent = windows.get(index, [])
+        ok = [r for r in sent if r.error is None]
+        ttfa = [r.ttfa_s for r in ok if r.ttfa_s is not None]
+        rows.append({"start_s": index * window_s, "requests": len(sent), "failed": len(sent) - len(ok),
+                     "stalled": sum(r.stall_s > 0 for r in ok), "ttfa_p90_ms": _ms(percentile(ttfa, 90))})
+    return rows
+
+
 def summarize(results: list[RequestResult], lag: list[float]) -> dict:
     ok = [r for r in results if r.error is None]
     ttfa = [r.ttfa_s for r in ok if r.ttfa_s is not None]
@@ -219,6 +240,7 @@ def summarize(results: list[RequestResult], lag: list[float]) -> dict:
         "rtf_median": statistics.median(rtf) if rtf else None,
         "audio_s": sum(r.audio_s for r in ok), "listeners_peak": peak_listeners(results),
         "client_loop_lag_p99_ms": _ms(percentile(lag, 99)), "client_loop_lag_max_ms": _ms(max(lag) if lag else None),
+        "timeline": timeline(results),
     }
 
 

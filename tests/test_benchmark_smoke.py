@@ -32,6 +32,8 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert 0 < row["ttfa_p50_ms"] < 5000 and row["rtf_median"] > 0
     assert row["client_loop_lag_p99_ms"] is not None and 1 <= row["listeners_peak"] <= row["completed"]
     assert row["host_load_1min"] >= 0 and row["host_cpus"] >= 1
+    assert sum(window["requests"] for window in row["timeline"]) == row["requests"]
+    assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
     assert row["server"]["frame_step_ms_mean"] > 0 and row["server"]["chunks"]["urgent"] >= row["completed"]
     assert row["server"]["admit_ms_per_request"] > 0 and row["server"]["prefill_device_ms_per_request"] is None  # CPU
     urgent = row["server"]["codec_lanes"]["urgent"]
