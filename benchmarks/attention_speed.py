@@ -2,7 +2,7 @@
 
 A frame step makes 28 talker attention calls over each row's cache (up to the span, 512 in
 model_speed) and 75 code-predictor calls over at most 16 entries. For each case this times
-`decode_attention` at the shipped launch shape (`LAUNCH`) and at every shape in the sweep
+`decode_attention` at the shipped launch shape (`launch_shape`) and at every shape in the sweep
 (keys per block x warps x pipeline stages), and reports the bandwidth of the keys and values each
 call must read.
 
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_speed import timed  # noqa: E402
 
-from voxtriton.kernels.attention import LAUNCH, decode_attention  # noqa: E402
+from voxtriton.kernels.attention import decode_attention, launch_shape  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # both Qwen3-TTS presets, talker and code predictor alike
 # name -> (rows, span, where the rows' last positions are): "full" every row at span - 1 (model_speed's
@@ -69,10 +69,10 @@ def main() -> None:
         rows, span, where = CASES[name]
         rows = args.rows or rows
         q, keys, values, positions = case_inputs(rows, span, where, device, dtype)
-        shipped = LAUNCH
+        shipped = launch_shape(span)
         reference = decode_attention(q, keys, values, positions, 0.1)
         timings = {}
-        for launch in [shipped] + [s for s in sweep if s != shipped and s[0] <= max(16, span)]:
+        for launch in [shipped] + [s for s in sweep if s != shipped]:
             try:
                 out = decode_attention(q, keys, values, positions, 0.1, launch=launch)
             except Exception as error:  # a shape this GPU cannot launch (shared memory): reported, not fatal

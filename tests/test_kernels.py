@@ -69,13 +69,14 @@ def test_channel_bias_matches_the_reference(dtype, with_residual):
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 
 
-# A talker-like span and the code predictor's 16-entry cache, at the shipped launch shape and at
-# others benchmarks/attention_speed.py times (the interpreter ignores warps and stages).
+# A talker-like span and the code predictor's 16-entry cache, at the shipped launch shapes
+# (`launch_shape`: 64- and 16-key blocks) and at others benchmarks/attention_speed.py times (the
+# interpreter ignores warps and stages).
 ATTENTION_CASES = {"long span, shipped launch": (150, [70, 0, 149], None),
                    "long span, 32-key blocks": (150, [70, 0, 149], (32, 4, 2)),
                    "long span, 128-key blocks": (150, [70, 0, 149], (128, 8, 2)),
                    "predictor span, shipped launch": (16, [15, 0, 6], None),
-                   "predictor span, 16-key blocks": (16, [15, 0, 6], (16, 4, 1))}
+                   "predictor span, 64-key blocks": (16, [15, 0, 6], (64, 4, 3))}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,12 +110,13 @@ def test_attention_speed_times_each_launch_shape_against_the_shipped_one(tmp_pat
     out = tmp_path / "attention.json"
     completed = subprocess.run(
         [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "attention_speed.py"),
-         "--device", DEVICE.type, "--cases", "predictor_16", "--rows", "2", "--block-keys", "16", "--warps", "4",
+         "--device", DEVICE.type, "--cases", "predictor_16", "--rows", "2", "--block-keys", "16,64", "--warps", "4",
          "--stages", "1", "--repeat", "20", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1" if DEVICE.type == "cpu" else "0"})
     assert completed.returncode == 0, completed.stderr[-3000:]
     [row] = json.loads(out.read_text())["results"]
-    assert row["shipped"] == list(attention.LAUNCH) and set(row["all"]) == {"x".join(map(str, attention.LAUNCH)), "16x4x1"}
+    assert row["shipped"] == list(attention.SHORT_SPAN_LAUNCH) == [16, 4, 1]
+    assert set(row["all"]) == {"16x4x1", "64x4x1"}  # the shipped shape and the swept one
     assert all(isinstance(us, float) and us > 0 for us in row["all"].values())
     itemsize = 4 if DEVICE.type == "cpu" else 2  # fp32 in the interpreter, bf16 on a GPU
     assert row["kv_mb"] == pytest.approx(2 * 16 * 8 * 128 * 2 * itemsize / 1e6)  # 2 rows, 16 entries, keys and values

@@ -23,12 +23,19 @@ if triton is not None:
 # A program's query block: (query heads per KV head) x (new tokens) rows, padded to this fixed size,
 # which is also the smallest block tl.dot accepts. Decode steps have 2 or 4 rows.
 MAX_QUERY_ROWS = 16
-# The launch shape: (keys per block, warps, pipeline stages); Triton's own defaults for the last two.
-# Each pipeline stage holds a key and a value block in shared memory (32 KB at 64 keys of 128 bf16
-# dims), which caps how many programs share an SM, also for the code predictor's 16-entry cache.
-# Other shapes are timed by benchmarks/attention_speed.py and tested against the reference; none is
-# shipped until it has been measured on a GPU.
-LAUNCH = (64, 4, 3)
+# Launch shapes: (keys per block, warps, pipeline stages). Each pipeline stage holds a key and a
+# value block in shared memory, 32 KB at 64 keys of 128 bf16 dims, and that caps how many programs
+# share an SM. Long spans (the talker's) keep Triton's defaults: 3 stages of 64-key blocks. The code
+# predictor's cache holds 16 entries, which one 16-key block covers in one pass, so it takes no
+# pipeline and about a twelfth of the shared memory. Both are timed against other shapes by
+# benchmarks/attention_speed.py (the short one not yet on a GPU).
+LONG_SPAN_LAUNCH = (64, 4, 3)
+SHORT_SPAN_LAUNCH = (16, 4, 1)
+
+
+def launch_shape(span: int) -> tuple[int, int, int]:
+    """The launch shape for calls that may read up to `span` cache entries."""
+    return SHORT_SPAN_LAUNCH if span <= SHORT_SPAN_LAUNCH[0] else LONG_SPAN_LAUNCH
 
 
 def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
@@ -42,14 +49,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      scale: float, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [B, H, T, D] at positions [B, T] (increasing along T); keys, values [B, KVH, L, D] (views of the
     cache) with entries 0..positions[:, -1] written; entries at L and beyond are never read. All three
-    need unit stride in D. `launch` overrides `LAUNCH` (for measuring). Returns [B, H, T, D]."""
+    need unit stride in D. `launch` overrides `launch_shape(L)` (for measuring). Returns [B, H, T, D]."""
     batch, heads, length, dim = q.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     if not q.stride(-1) == keys.stride(-1) == values.stride(-1) == 1:
         raise ValueError("decode_attention needs unit stride along the head dimension")
     positions = positions.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    block_keys, warps, stages = launch or LAUNCH
+    block_keys, warps, stages = launch or launch_shape(span)
     with launch_device(q):
         _decode_attention_kernel[(batch, kv_heads)](
             q, *q.stride()[:3], keys, *keys.stride()[:3], values, *values.stride()[:3], out, positions, scale, span,
