@@ -204,8 +204,9 @@ def peak_listeners(results: list[RequestResult]) -> int:
 
 def timeline(results: list[RequestResult], window_s: float = TIMELINE_WINDOW_S) -> list[dict]:
     """Per window of send time, from the probe's first request: the requests sent in it, how many of
-    them stalled or failed, and their p90 TTFA. It shows when in a probe a collapse began, and how
-    many arrivals came just before (the aggregates of a collapsed probe can look like a passing one's)."""
+    them stalled or failed, and their p90 TTFA. A request counts in the window it was sent in, even
+    if it stalled seconds later, so this dates a collapse by the arrivals it hit, and shows how many
+    arrived just before (the aggregates of a collapsed probe can look like a passing one's)."""
     if not results:
         return []
     origin = min(r.sent_at for r in results)
@@ -429,7 +430,7 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     # a neighbouring server computing on the CPUs. The 1-minute load average (which includes this
     # server and client, and overlaps the previous probe) makes that visible.
     summary["host_load_1min"], summary["host_cpus"] = round(os.getloadavg()[0], 2), len(os.sched_getaffinity(0))
-    print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server")}), flush=True)
+    print(f"{label}: " + json.dumps({k: v for k, v in summary.items() if k not in ("errors", "server", "timeline")}), flush=True)
     if summary["errors"]:
         print(f"  errors: {summary['errors']}", flush=True)
     return summary

@@ -83,8 +83,8 @@ ATTENTION_CASES = {"long span, shipped launch": (150, [70, 0, 149], None),
 @pytest.mark.parametrize("new_tokens", [1, 2])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
-    """Rows at different positions (past a key block, at the first entry, at the span's end), over
-    strided views of a larger cache, as StaticKV hands them out."""
+    """Rows at different positions (at the first entry, at the span's end and, for the long span,
+    past a key block), over strided views of a larger cache, as StaticKV hands them out."""
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
         pytest.skip("Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); the GPU runs this case")
     span, last_positions, launch = ATTENTION_CASES[case]
@@ -101,6 +101,11 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
     assert out.shape == q.shape and out.dtype == dtype
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_the_code_predictors_span_is_the_longest_that_takes_the_short_launch():
+    assert attention.launch_shape(16) == attention.launch_shape(1) == attention.SHORT_SPAN_LAUNCH
+    assert attention.launch_shape(17) == attention.launch_shape(512) == attention.LONG_SPAN_LAUNCH
 
 
 def test_attention_speed_times_each_launch_shape_against_the_shipped_one(tmp_path):

@@ -25,10 +25,10 @@ if triton is not None:
 MAX_QUERY_ROWS = 16
 # Launch shapes: (keys per block, warps, pipeline stages). Each pipeline stage holds a key and a
 # value block in shared memory, 32 KB at 64 keys of 128 bf16 dims, and that caps how many programs
-# share an SM. Long spans (the talker's) keep Triton's defaults: 3 stages of 64-key blocks. The code
-# predictor's cache holds 16 entries, which one 16-key block covers in one pass, so it takes no
-# pipeline and about a twelfth of the shared memory. Both are timed against other shapes by
-# benchmarks/attention_speed.py (the short one not yet on a GPU).
+# share an SM. Long spans (the talker's) keep what every call launched with before: 64-key blocks
+# with Triton's default 4 warps and 3 stages. The code predictor's cache holds 16 entries, which one
+# 16-key block covers in one pass, so it takes no pipeline and far less shared memory.
+# benchmarks/attention_speed.py times both against other shapes.
 LONG_SPAN_LAUNCH = (64, 4, 3)
 SHORT_SPAN_LAUNCH = (16, 4, 1)
 

@@ -40,7 +40,8 @@ def check_decode_attention(device: torch.device) -> list[Comparison]:
 
     generator = torch.Generator().manual_seed(2)
     comparisons = []
-    # A talker-like span and the code predictor's 16 entries: they launch with different shapes.
+    # A talker-like span and the code predictor's 16 entries: they launch with different shapes
+    # (`attention.launch_shape`). Either failing sends every decode-attention call to the reference.
     for span, positions in ((80, torch.tensor([[5], [70]])), (16, torch.tensor([[3], [15]]))):
         for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
             q = torch.randn(2, 4, 1, 128, generator=generator).to(dtype)
