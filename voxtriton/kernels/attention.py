@@ -27,10 +27,11 @@ MAX_QUERY_ROWS = 16
 # value block in shared memory, 32 KB at 64 keys of 128 bf16 dims, and that caps how many programs
 # share an SM. Long spans (the talker's) keep what every call launched with before: 64-key blocks
 # with Triton's default 4 warps and 3 stages. The code predictor's cache holds 16 entries, which one
-# 16-key block covers in one pass, so it takes no pipeline and far less shared memory.
+# 16-key block covers in one pass with far less shared memory; 2 warps and 2 stages were the fastest
+# such shape on the H200 (7.4 us against 10.5 at 4 warps, 1 stage, for 256 rows; session 19).
 # benchmarks/attention_speed.py times both against other shapes.
 LONG_SPAN_LAUNCH = (64, 4, 3)
-SHORT_SPAN_LAUNCH = (16, 4, 1)
+SHORT_SPAN_LAUNCH = (16, 2, 2)
 
 
 def launch_shape(span: int) -> tuple[int, int, int]:
