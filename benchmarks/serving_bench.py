@@ -335,7 +335,8 @@ class Fleet:
         spec, _, pinned = spec.partition("@")
         self.policy, _, count = spec.partition("*")
         self.label = f"{self.policy} x{count} GPUs" if count else self.policy
-        parameters = {"tts": {"max_streams": str(args.max_streams), "max_queued": str(args.max_queued)}}
+        parameters = {"tts": {"max_streams": str(args.max_streams), "max_queued": str(args.max_queued),
+                              "max_draining": str(args.max_draining)}}
         for model, values in parse_params(args.param).items():
             parameters.setdefault(model, {}).update(values)
         gpus = range(int(count)) if count else [int(pinned) if pinned else None]
@@ -679,6 +680,8 @@ def main() -> None:
     parser.add_argument("--bisection-steps", type=int, default=4)
     parser.add_argument("--max-streams", type=int, default=256)
     parser.add_argument("--max-queued", type=int, default=1024)
+    parser.add_argument("--max-draining", type=int, default=1024,
+                        help="streams generated but still owed audio (each holds a codec state row)")
     parser.add_argument("--speaker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="MODEL:KEY=VALUE config.pbtxt parameter")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from voxtriton.engine.engine import Engine
+from voxtriton.errors import ServerBusy
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
@@ -436,3 +437,53 @@ def test_the_codec_state_pool_holds_a_batch_per_worker_of_each_lane_the_policy_u
     engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, policy)
     assert (scheduler_config.max_batch, scheduler_config.background_max_batch) == (16, 64)
     assert codec_slots(engine, 3, scheduler_config, lane_workers) == engine.max_running + 3 + in_flight
+
+
+class LaneHeldUntilReleased:
+    """An in-process codec lane whose calls wait until the test releases them."""
+
+    def __init__(self, codec: CodecService, pool: torch.Tensor):
+        self.lane, self.release = InProcessLane(codec, pool), threading.Event()
+
+    def decode(self, codes, start, slots):
+        self.release.wait(60)
+        return self.lane.decode(codes, start, slots)
+
+
+def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(tiny_checkpoint):
+    """A stream whose generation has ended, its audio still owed, holds a codec state row but no
+    KV-cache row: new requests are refused for lack of rows or queue places only by the streams
+    generating or waiting, and for lack of codec rows once `max_draining` (plus the lanes' in-flight
+    reserve) is used up; each refusal names its limit, and every admitted stream completes."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", max_batch=1)
+    codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
+    slots = codec_slots(engine, 0, scheduler_config, max_draining=2)
+    assert slots == 2 + 0 + 2 + 1  # two rows, no queue, two draining, one chunk in flight on the one lane
+    pool = CodecStatePool(slots, codec.state_size, "cpu")
+    lane = LaneHeldUntilReleased(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=0, max_draining=2)
+
+    def submit(request_id: str, frames: int) -> CollectingSink:
+        sink = CollectingSink()
+        inputs = {"text": np.array([b"Still playing."], dtype=object), "max_frames": np.array([frames]),
+                  "ignore_eos": np.array([True])}
+        service.submit(parser.parse(request_id, inputs), sink)
+        return sink
+
+    try:
+        sinks = [submit("short1", 4), submit("short2", 4)]
+        wait_for(lambda: service.draining == 2)  # generated; their chunks wait in the held lane
+        sinks += [submit("long1", 150), submit("long2", 150)]  # the rows are free again
+        with pytest.raises(ServerBusy, match=r"2 streams generating or queued \(limit 2 running \+ 0 queued"):
+            submit("refused_for_rows", 4)
+        wait_for(lambda: service.draining == 4)
+        sinks.append(submit("last_codec_row", 4))  # the fifth: the in-flight reserve's row
+        with pytest.raises(ServerBusy, match=r"no free codec state row: \d streams still decoding their remaining audio"):
+            submit("refused_for_codec_rows", 4)
+        lane.release.set()
+        for sink in sinks:
+            assert sink.done.wait(60) and sink.errors == []
+        wait_for(lambda: not service.streams and service.draining == 0 and len(service.free_slots) == slots)
+    finally:
+        lane.release.set()
+        service.shutdown()

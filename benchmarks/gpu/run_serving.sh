@@ -27,7 +27,7 @@ if [ -n "${TRACE:-}" ]; then
 fi
 checkpoint $PRESET
 COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --keep-logs --warm-up-load ${W:-10}
-  --param tts:max_positions=512 --max-streams 512 --max-queued 256
+  --param tts:max_positions=512 --max-streams 512 --max-queued 256 --max-draining 768
   --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 ${P:-}"
 case "$MODE" in
   lanes)

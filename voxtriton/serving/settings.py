@@ -67,6 +67,11 @@ class TTSSettings:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     max_streams: int = 64  # running requests (KV-cache rows)
     max_queued: int = 64  # admitted but waiting for a row; beyond this: "server busy"
+    # Streams whose generation has ended but whose audio the codec still owes: they hold a codec
+    # state row (about 5 MB) but no KV-cache row. Deadline-ordered decoding (voxserve) sends each
+    # chunk shortly before its playback time, so a stream drains for most of its audio's length: on
+    # the H200 (session 19, 1.7B, 104-120 req/s) about as many streams drained as generated.
+    max_draining: int = 128
     max_positions: int = 2048  # KV-cache positions per request: prompt + frames
     max_frames: int = 1500  # per request (120 s of audio)
     max_text_bytes: int = 8192
@@ -123,6 +128,8 @@ class TTSSettings:
                 "prefill_lengths": int_list(self.prefill_graph_lengths)}
 
     def __post_init__(self):
+        if self.max_draining < 0:
+            raise ValueError(f"config.pbtxt parameter 'max_draining' must be 0 or more, got {self.max_draining}")
         if self.cancellation_check_s <= 0:
             raise ValueError(f"config.pbtxt parameter 'cancellation_check_s' must be positive, got {self.cancellation_check_s}")
         if self.backbone_partition not in ("exclusive", "shared"):

@@ -192,7 +192,7 @@ class TTSTritonModel:
         # serial's codec takes turns with the backbone: no frame step may be queued while it decodes.
         engine = Engine(runner, settings.max_streams, overlap=settings.engine_overlap and scheduler_config.policy != "serial")
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
-        slots = codec_slots(engine, settings.max_queued, scheduler_config, settings.lane_workers)
+        slots = codec_slots(engine, settings.max_queued, scheduler_config, settings.lane_workers, settings.max_draining)
         self.state_pool = CodecStatePool(slots, state_size, device, publish_for=os.getppid())
         log.info("tts: codec state pool of %d streams (%.0f MB)", self.state_pool.rows,
                  self.state_pool.rows * state_size * 4 / 1e6)
@@ -203,7 +203,7 @@ class TTSTritonModel:
         self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
                                   settings.cancellation_check_s, metrics=self.metrics, device=device,
                                   engine_context=self.partition, chunk_trace=self.chunk_trace,
-                                  lane_workers=settings.lane_workers)
+                                  lane_workers=settings.lane_workers, max_draining=settings.max_draining)
         self.ids = itertools.count()
 
     def execute(self, requests):

@@ -87,13 +87,15 @@ class ServiceMetrics(Protocol):
         """Streams held, rows generating, requests waiting for a free row, chunks waiting per lane."""
 
 
-def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1) -> int:
-    """Rows the codec state pool needs: one per stream the service holds, plus the rows of streams
-    that ended while a lane was decoding their chunk (up to one batch per worker of each lane the
-    policy uses; serial's one inline decode at a time; freed on return)."""
+def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1,
+                max_draining: int = 0) -> int:
+    """Rows the codec state pool needs: one per stream the service holds (generating, waiting for a
+    row, or draining: generated, its audio still owed), plus the rows of streams that ended while a
+    lane was decoding their chunk (up to one batch per worker of each lane the policy uses; serial's
+    one inline decode at a time; freed on return)."""
     workers = 1 if scheduler_config.policy == "serial" else lane_workers
     in_flight = sum(scheduler_config.batch_limit(lane) for lane in scheduler_config.lanes)
-    return engine.max_running + max_queued + workers * in_flight
+    return engine.max_running + max_queued + max_draining + workers * in_flight
 
 
 def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
@@ -107,11 +109,12 @@ class TTSService:
                  max_queued: int, cancellation_check_s: float = 0.2,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                  device: torch.device | str = "cpu", engine_context=None, chunk_trace: TextIO | None = None,
-                 lane_workers: int = 1):
+                 lane_workers: int = 1, max_draining: int = 0):
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
         given, gets one JSON line per chunk sent and per frame step (see `_write_trace`).
         `lane_workers`: codec calls each lane keeps in flight; the server passes
-        `TTSSettings.lane_workers` (2), direct users get one unless they ask."""
+        `TTSSettings.lane_workers` (2), direct users get one unless they ask. `max_draining`: streams
+        held after their generation ended, for their remaining chunks (see `submit`)."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -127,7 +130,9 @@ class TTSService:
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
-        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config, lane_workers)))
+        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config, lane_workers, max_draining)))
+        self.max_draining = max_draining
+        self.draining = 0  # streams in `streams` whose last frame has reached the service
         self.lane_clock_lock = threading.Lock()  # not the service lock: taken the moment a call returns
         self.lane_free_at: dict[str, float] = {}  # when each lane's latest call ended (see `_call_span`)
         self.running = True
@@ -153,12 +158,23 @@ class TTSService:
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
-            if len(self.streams) >= self.engine.max_running + self.max_queued or not self.free_slots:
+            # A stream whose generation has ended no longer needs a KV-cache row, only its codec state
+            # row until its last chunk is sent. Under deadline-ordered decoding (voxserve) that is most
+            # of its audio's length, so these draining streams count against the codec pool, not the
+            # rows: on the H200 (session 19) voxserve was refused at 116 req/s with 768 streams held
+            # while at most 448 rows were in use and none waited.
+            generating_or_queued = len(self.streams) - self.draining
+            busy = None
+            if generating_or_queued >= self.engine.max_running + self.max_queued:
+                busy = (f"{generating_or_queued} streams generating or queued (limit {self.engine.max_running} "
+                        f"running + {self.max_queued} queued, {waiting} waiting now)")
+            elif not self.free_slots:
+                busy = (f"no free codec state row: {self.draining} streams still decoding their remaining audio "
+                        f"(max_draining {self.max_draining}) and {generating_or_queued} generating or queued")
+            if busy:
                 if self.metrics:
                     self.metrics.rejected()
-                raise ServerBusy(f"server busy: {len(self.streams)} streams active or queued "
-                                 f"(limit {self.engine.max_running} running + {self.max_queued} queued, "
-                                 f"{waiting} waiting now); retry later")
+                raise ServerBusy(f"server busy: {busy}; retry later")
             stream = Stream(request, sink, self.clock(), self.free_slots.pop())
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
@@ -226,7 +242,9 @@ class TTSService:
         if stream is None or stream.ended:
             return
         stream.frames.append(codes)
-        stream.generated = reason is not None
+        if reason is not None:
+            stream.generated = True
+            self.draining += 1
         self.scheduler.frames_generated(request.request_id, 1, done=stream.generated)
 
     def _watch_cancellations(self) -> None:
@@ -292,6 +310,7 @@ class TTSService:
         stream.ended = True
         stream.request.cancelled = True
         self.streams.pop(stream.request.request_id, None)
+        self.draining -= stream.generated
         self._free_slot(stream)
         self.scheduler.close(stream.request.request_id)
         self._publish_gauges()
