@@ -18,8 +18,9 @@ from voxtriton_client import TTSClient
 
 pytestmark = pytest.mark.server
 TEXT = "Production traffic never stops."
-# Capacity is 4 (below): a request refused as busy is retried, for as long as a slow machine needs
-# to finish the streams ahead of it. A count of tries would fail on a loaded machine instead.
+# Capacity is 4 streams generating or queued (below; a stream that has generated all its frames no
+# longer counts): a request refused as busy is retried, for as long as a slow machine needs to
+# finish the streams ahead of it. A count of tries would fail on a loaded machine instead.
 ADMISSION_PATIENCE_S = 120
 
 
@@ -40,7 +41,10 @@ def speak(client, seed, frames, text=TEXT, **options):
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    # Two generating streams and two waiting: a small capacity so a burst overflows it.
+    # Two generating streams and two waiting: a small capacity so a burst overflows it. The burst's
+    # 16 requests are sent at once, and its first two streams generate for 40 frame steps (over a
+    # second on a CPU) before the queued ones can start, so requests are refused unless sending the
+    # burst takes longer than that.
     with start_server(tiny_checkpoint, parameters={"tts": {"max_streams": "2", "max_queued": "2"}}) as running:
         yield running
 

@@ -27,6 +27,7 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
     ("background_sms", "1.5", "'background_sms' must be an SM count or a fraction"),
     ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),
     ("lane_workers", "0", "'lane_workers' must be at least 1, got 0"),
+    ("max_draining", "-1", "'max_draining' must be 0 or more, got -1"),
     ("switch_interval_ms", "0", "'switch_interval_ms' must be between 0.001 and 1000, got 0.0"),
     ("switch_interval_ms", "inf", "'switch_interval_ms' must be between 0.001 and 1000, got inf"),
     ("scheduler_idle_urgent_takes_frames", "-1", "scheduler_idle_urgent_takes_frames must be >= 0, got -1"),

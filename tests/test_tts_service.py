@@ -95,6 +95,7 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
         lane.release.set()
         wait_for(lambda: len(service.free_slots) == slots)
         assert sink.chunks == 0 and sink.errors == ["request cancelled"]  # the lane's failure comes after
+        assert service.draining == 0
     finally:
         lane.release.set()
         service.shutdown()
@@ -364,6 +365,8 @@ def test_a_step_that_fails_after_the_engine_finished_a_request_still_ends_its_st
         sink = CollectingSink()
         service.submit(parser.parse("r1", inputs), sink)
         assert sink.done.wait(60) and sink.errors == ["generation failed: device fault"]
+        wait_for(lambda: not service.streams)
+        assert service.draining == 0
     finally:
         service.shutdown()
 
@@ -473,17 +476,40 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
     try:
         sinks = [submit("short1", 4), submit("short2", 4)]
         wait_for(lambda: service.draining == 2)  # generated; their chunks wait in the held lane
-        sinks += [submit("long1", 150), submit("long2", 150)]  # the rows are free again
-        with pytest.raises(ServerBusy, match=r"2 streams generating or queued \(limit 2 running \+ 0 queued"):
+        sinks += [submit("long1", 40), submit("long2", 40)]  # the rows are free again
+        with pytest.raises(ServerBusy, match=r"2 streams generating or queued \(max_streams 2 \+ max_queued 0;"):
             submit("refused_for_rows", 4)
         wait_for(lambda: service.draining == 4)
         sinks.append(submit("last_codec_row", 4))  # the fifth: the in-flight reserve's row
-        with pytest.raises(ServerBusy, match=r"no free codec state row: \d streams still decoding their remaining audio"):
+        with pytest.raises(ServerBusy, match=r"codec state pool full: all 5 rows held by [01] streams generating or "
+                                             r"queued, [45] draining .* raise max_draining \(now 2\)"):
             submit("refused_for_codec_rows", 4)
         lane.release.set()
         for sink in sinks:
             assert sink.done.wait(60) and sink.errors == []
         wait_for(lambda: not service.streams and service.draining == 0 and len(service.free_slots) == slots)
+    finally:
+        lane.release.set()
+        service.shutdown()
+
+
+def test_a_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_id(tiny_checkpoint):
+    """A request ends (cancelled, say) and a client reuses its id at once: a last frame of the old
+    request, from a step already in flight, must not join the new stream or mark it generated."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
+    lane = LaneThatFailsAfterCancellation()  # holds the first chunk: the new stream stays open
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
+    inputs = {"text": np.array([b"Reused id."], dtype=object), "max_frames": np.array([40]),
+              "ignore_eos": np.array([True])}
+    try:
+        service.submit(parser.parse("r1", inputs), CancellableSink())
+        assert lane.called.wait(60)
+        old_request = parser.parse("r1", inputs)  # same id, another request object
+        with service.lock:
+            stream = service.streams["r1"]
+            frames_before, draining_before = len(stream.frames), service.draining
+            service._on_frame(old_request, np.zeros(16, dtype=np.int64), "length")
+            assert (len(stream.frames), stream.generated, service.draining) == (frames_before, False, draining_before)
     finally:
         lane.release.set()
         service.shutdown()

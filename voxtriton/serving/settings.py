@@ -67,11 +67,13 @@ class TTSSettings:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     max_streams: int = 64  # running requests (KV-cache rows)
     max_queued: int = 64  # admitted but waiting for a row; beyond this: "server busy"
-    # Streams whose generation has ended but whose audio the codec still owes: they hold a codec
-    # state row (about 5 MB) but no KV-cache row. Deadline-ordered decoding (voxserve) sends each
-    # chunk shortly before its playback time, so a stream drains for most of its audio's length: on
-    # the H200 (session 19, 1.7B, 116-120 req/s) at least 320 streams drained beside at most 448
-    # generating.
+    # Codec state rows (about 5 MB each with the 12 Hz codec) added for streams whose generation has
+    # ended but whose audio the codec still owes: such a stream holds no KV-cache row and does not
+    # count against max_streams + max_queued. All streams share one codec state pool of max_streams
+    # + max_queued + max_draining + the lanes' in-flight reserve rows; a request that finds it full
+    # is refused. On the H200 (session 19, 1.7B, 116-120 req/s) voxserve held about 315 or more
+    # such streams beside at most 448 generating: its streams stayed held longer than concurrent's
+    # (median RTF 0.33-0.50 against 0.20-0.28), so more drained at once.
     max_draining: int = 128
     max_positions: int = 2048  # KV-cache positions per request: prompt + frames
     max_frames: int = 1500  # per request (120 s of audio)

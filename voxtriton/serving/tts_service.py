@@ -130,7 +130,10 @@ class TTSService:
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
-        self.free_slots = list(range(codec_slots(engine, max_queued, scheduler_config, lane_workers, max_draining)))
+        if max_draining < 0:
+            raise ValueError(f"max_draining must be 0 or more, got {max_draining}")
+        self.codec_pool_rows = codec_slots(engine, max_queued, scheduler_config, lane_workers, max_draining)
+        self.free_slots = list(range(self.codec_pool_rows))
         self.max_draining = max_draining
         self.draining = 0  # streams in `streams` whose last frame has reached the service
         self.lane_clock_lock = threading.Lock()  # not the service lock: taken the moment a call returns
@@ -158,19 +161,22 @@ class TTSService:
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
-            # A stream whose generation has ended no longer needs a KV-cache row, only its codec state
-            # row until its last chunk is sent. Under deadline-ordered decoding (voxserve) that is most
-            # of its audio's length, so these draining streams count against the codec pool, not the
-            # rows: on the H200 (session 19) voxserve was refused at 116 req/s with 768 streams held
-            # while at most 448 rows were in use and none waited.
+            # A stream whose generation has ended needs no KV-cache row any more, only its codec state
+            # row until its last chunk is sent, so it no longer counts against max_streams +
+            # max_queued: on the H200 (session 19) voxserve, whose streams stayed held longer (median
+            # RTF 0.33-0.50 against concurrent's 0.20-0.28), was refused at 116 req/s with 768 streams
+            # held while at most 448 rows were in use. Draining streams share the codec pool instead.
             generating_or_queued = len(self.streams) - self.draining
             busy = None
             if generating_or_queued >= self.engine.max_running + self.max_queued:
-                busy = (f"{generating_or_queued} streams generating or queued (limit {self.engine.max_running} "
-                        f"running + {self.max_queued} queued, {waiting} waiting now)")
+                busy = (f"{generating_or_queued} streams generating or queued (max_streams {self.engine.max_running} "
+                        f"+ max_queued {self.max_queued}; {waiting} waiting for a row now)")
             elif not self.free_slots:
-                busy = (f"no free codec state row: {self.draining} streams still decoding their remaining audio "
-                        f"(max_draining {self.max_draining}) and {generating_or_queued} generating or queued")
+                in_flight = self.codec_pool_rows - len(self.streams)  # rows of ended streams a lane still decodes
+                busy = (f"codec state pool full: all {self.codec_pool_rows} rows held by {generating_or_queued} "
+                        f"streams generating or queued, {self.draining} draining (generated, audio still owed) "
+                        f"and {in_flight} rows of ended streams still decoding; raise max_draining "
+                        f"(now {self.max_draining}) for more")
             if busy:
                 if self.metrics:
                     self.metrics.rejected()
@@ -187,8 +193,9 @@ class TTSService:
         self._stopping.set()
         for thread in self.threads:
             thread.join(timeout)
-        for stream in list(self.streams.values()):
-            self._end(stream, "server shutting down")
+        with self.lock:
+            for stream in list(self.streams.values()):
+                self._end(stream, "server shutting down")
 
     # -- engine thread -----------------------------------------------------------------------------
 
@@ -239,10 +246,11 @@ class TTSService:
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
-        if stream is None or stream.ended:
+        # A stream under this id may be a newer request's, submitted after the first one ended.
+        if stream is None or stream.ended or stream.request is not request:
             return
         stream.frames.append(codes)
-        if reason is not None:
+        if reason is not None and not stream.generated:
             stream.generated = True
             self.draining += 1
         self.scheduler.frames_generated(request.request_id, 1, done=stream.generated)
