@@ -11,6 +11,8 @@
 # only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590);
 # D: seconds of arrivals per open-loop probe (30); P: more serving_bench arguments, e.g.
 # P='--param tts:background_sms=48'. W: seconds of warm-up load at the lowest rate, not counted (10).
+# ROWS: max_streams, the KV-cache rows (512); frame-step graphs are captured up to 768 rows, capped
+# at ROWS by the server.
 # TRACE=1 (one policy, one server): the server writes a chunk
 # trace, and the tgz gets its report (trace_report.json, chunk_trace_report.py with 5 s windows)
 # instead of the trace itself. The report covers the warm-up and every rate of the run, in time order.
@@ -27,8 +29,8 @@ if [ -n "${TRACE:-}" ]; then
 fi
 checkpoint $PRESET
 COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/tritonserver --keep-logs --warm-up-load ${W:-10}
-  --param tts:max_positions=512 --max-streams 512 --max-queued 256 --max-draining 768
-  --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 ${P:-}"
+  --param tts:max_positions=512 --max-streams ${ROWS:-512} --max-queued 256 --max-draining 768
+  --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512,640,768 ${P:-}"
 case "$MODE" in
   lanes)
     NAME=lanes_$PRESET
