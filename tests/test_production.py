@@ -22,6 +22,7 @@ TEXT = "Production traffic never stops."
 # longer counts): a request refused as busy is retried, for as long as a slow machine needs to
 # finish the streams ahead of it. A count of tries would fail on a loaded machine instead.
 ADMISSION_PATIENCE_S = 120
+BURST_FRAMES = 100
 
 
 def until_admitted(attempt) -> str:
@@ -42,22 +43,22 @@ def speak(client, seed, frames, text=TEXT, **options):
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     # Two generating streams and two waiting: a small capacity so a burst overflows it. The burst's
-    # 16 requests are sent at once, and its first two streams generate for 40 frame steps (over a
-    # second on a CPU) before the queued ones can start, so requests are refused unless sending the
-    # burst takes longer than that.
+    # 16 requests are sent at once, and its first two streams generate for BURST_FRAMES frame steps
+    # (seconds on a CPU) before the queued ones can start, so requests are refused unless sending
+    # the burst takes longer than that.
     with start_server(tiny_checkpoint, parameters={"tts": {"max_streams": "2", "max_queued": "2"}}) as running:
         yield running
 
 
 def test_burst_beyond_capacity_is_refused_fast_and_admitted_streams_complete(server):
     client = TTSClient(server.grpc_url)
-    solo = speak(client, seed=7, frames=40)
+    solo = speak(client, seed=7, frames=BURST_FRAMES)
     wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0)
     rejected_before = server.metrics()["voxtriton_rejected_requests_total"]
 
     def timed(_):
         started = time.perf_counter()
-        return speak(client, seed=7, frames=40), time.perf_counter() - started
+        return speak(client, seed=7, frames=BURST_FRAMES), time.perf_counter() - started
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(timed, range(16)))

@@ -128,6 +128,7 @@ def test_the_cancellation_sweep_reaches_streams_beyond_one_hold_of_the_lock(tiny
 class CollectingSink:
     def __init__(self):
         self.audio, self.codes, self.info, self.errors, self.done = [], [], [], [], threading.Event()
+        self.cancel = False
 
     def send(self, audio, codes, info, final):
         if self.done.is_set():  # as sinks do after their final response or error (ResponseSink.send)
@@ -143,7 +144,7 @@ class CollectingSink:
         self.done.set()
 
     def cancelled(self):
-        return False
+        return self.cancel
 
 
 @pytest.mark.parametrize("policy", ["concurrent", "serial"])
@@ -446,9 +447,12 @@ class LaneHeldUntilReleased:
     """An in-process codec lane whose calls wait until the test releases them."""
 
     def __init__(self, codec: CodecService, pool: torch.Tensor):
-        self.lane, self.release = InProcessLane(codec, pool), threading.Event()
+        self.lane, self.release, self.called = InProcessLane(codec, pool), threading.Event(), threading.Event()
+        self.slots_in_call: list[int] = []  # the codec state rows of the latest call
 
     def decode(self, codes, start, slots):
+        self.slots_in_call = slots.tolist()
+        self.called.set()
         self.release.wait(60)
         return self.lane.decode(codes, start, slots)
 
@@ -457,59 +461,82 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
     """A stream whose generation has ended, its audio still owed, holds a codec state row but no
     KV-cache row: new requests are refused for lack of rows or queue places only by the streams
     generating or waiting, and for lack of codec rows once `max_draining` (plus the lanes' in-flight
-    reserve) is used up; each refusal names its limit, and every admitted stream completes."""
+    reserve) is used up; each refusal names its limit and counts who holds the rows, and every
+    admitted stream completes."""
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", max_batch=1)
     codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
     slots = codec_slots(engine, 0, scheduler_config, max_draining=2)
     assert slots == 2 + 0 + 2 + 1  # two rows, no queue, two draining, one chunk in flight on the one lane
     pool = CodecStatePool(slots, codec.state_size, "cpu")
     lane = LaneHeldUntilReleased(codec, pool.tensor)
-    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=0, max_draining=2)
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=0, max_draining=2,
+                         cancellation_check_s=0.01)
+    sinks: dict[str, CollectingSink] = {}
 
-    def submit(request_id: str, frames: int) -> CollectingSink:
+    def submit(request_id: str, frames: int) -> None:
         sink = CollectingSink()
         inputs = {"text": np.array([b"Still playing."], dtype=object), "max_frames": np.array([frames]),
                   "ignore_eos": np.array([True])}
         service.submit(parser.parse(request_id, inputs), sink)
-        return sink
+        sinks[request_id] = sink
+
+    def pool_full(in_flight: int, draining: str) -> str:
+        return (rf"codec state pool full: all 5 rows held \([01] streams generating or queued, {draining} draining "
+                rf"\(generated, audio still owed\), {in_flight} by ended streams whose chunk a lane is still "
+                rf"decoding\); raise max_draining \(now 2\)")
 
     try:
-        sinks = [submit("short1", 4), submit("short2", 4)]
+        submit("short1", 4)
+        submit("short2", 4)
         wait_for(lambda: service.draining == 2)  # generated; their chunks wait in the held lane
-        sinks += [submit("long1", 40), submit("long2", 40)]  # the rows are free again
-        with pytest.raises(ServerBusy, match=r"2 streams generating or queued \(max_streams 2 \+ max_queued 0;"):
+        submit("long1", 40)  # the rows are free again
+        submit("long2", 40)
+        with pytest.raises(ServerBusy, match=r"2 streams generating or queued \(max_streams 2 \+ max_queued 0; "
+                                             r"[0-2] of them not started yet\)"):
             submit("refused_for_rows", 4)
         wait_for(lambda: service.draining == 4)
-        sinks.append(submit("last_codec_row", 4))  # the fifth: the in-flight reserve's row
-        with pytest.raises(ServerBusy, match=r"codec state pool full: all 5 rows held by [01] streams generating or "
-                                             r"queued, [45] draining .* raise max_draining \(now 2\)"):
+        submit("last_codec_row", 4)  # the fifth: the in-flight reserve's row
+        with pytest.raises(ServerBusy, match=pool_full(0, "[45]")):
             submit("refused_for_codec_rows", 4)
+        # The stream whose chunk the lane holds is cancelled: it leaves, its row stays held by the call.
+        assert lane.called.wait(60)
+        with service.lock:
+            in_call = next(rid for rid, s in service.streams.items() if s.codec_slot in lane.slots_in_call)
+        sinks[in_call].cancel = True
+        wait_for(lambda: in_call not in service.streams)
+        with pytest.raises(ServerBusy, match=pool_full(1, "[34]")):
+            submit("refused_for_a_row_in_flight", 4)
         lane.release.set()
-        for sink in sinks:
-            assert sink.done.wait(60) and sink.errors == []
+        for request_id, sink in sinks.items():
+            assert sink.done.wait(60)
+            assert sink.errors == (["request cancelled"] if request_id == in_call else [])
         wait_for(lambda: not service.streams and service.draining == 0 and len(service.free_slots) == slots)
     finally:
         lane.release.set()
         service.shutdown()
 
 
-def test_a_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_id(tiny_checkpoint):
-    """A request ends (cancelled, say) and a client reuses its id at once: a last frame of the old
-    request, from a step already in flight, must not join the new stream or mark it generated."""
+def test_a_late_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_id(tiny_checkpoint):
+    """A request is cancelled and a client reuses its id at once: a last frame of the old request,
+    from a step already in flight, must not join the new stream, mark it generated or count it as
+    draining."""
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
-    lane = LaneThatFailsAfterCancellation()  # holds the first chunk: the new stream stays open
-    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
+    lane = LaneThatFailsAfterCancellation()  # holds the first call: nothing is decoded meanwhile
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1, cancellation_check_s=0.01)
     inputs = {"text": np.array([b"Reused id."], dtype=object), "max_frames": np.array([40]),
               "ignore_eos": np.array([True])}
     try:
-        service.submit(parser.parse("r1", inputs), CancellableSink())
+        old_request, old_sink = parser.parse("r1", inputs), CancellableSink()
+        service.submit(old_request, old_sink)
         assert lane.called.wait(60)
-        old_request = parser.parse("r1", inputs)  # same id, another request object
+        old_sink.cancel = True
+        wait_for(lambda: "r1" not in service.streams)
+        service.submit(parser.parse("r1", inputs), CancellableSink())
         with service.lock:
             stream = service.streams["r1"]
-            frames_before, draining_before = len(stream.frames), service.draining
-            service._on_frame(old_request, np.zeros(16, dtype=np.int64), "length")
-            assert (len(stream.frames), stream.generated, service.draining) == (frames_before, False, draining_before)
+            before = (len(stream.frames), stream.generated, service.draining)
+            service._on_frame(old_request, np.zeros(16, dtype=np.int64), "max_frames")
+            assert (len(stream.frames), stream.generated, service.draining) == before
     finally:
         lane.release.set()
         service.shutdown()

@@ -113,8 +113,9 @@ class TTSService:
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
         given, gets one JSON line per chunk sent and per frame step (see `_write_trace`).
         `lane_workers`: codec calls each lane keeps in flight; the server passes
-        `TTSSettings.lane_workers` (2), direct users get one unless they ask. `max_draining`: streams
-        held after their generation ended, for their remaining chunks (see `submit`)."""
+        `TTSSettings.lane_workers` (2), direct users get one unless they ask. `max_draining`: codec
+        state rows added to the shared pool for streams that have finished generating and still owe
+        audio (not a cap of its own: see `submit`)."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -170,12 +171,13 @@ class TTSService:
             busy = None
             if generating_or_queued >= self.engine.max_running + self.max_queued:
                 busy = (f"{generating_or_queued} streams generating or queued (max_streams {self.engine.max_running} "
-                        f"+ max_queued {self.max_queued}; {waiting} waiting for a row now)")
+                        f"+ max_queued {self.max_queued}; {waiting} of them not started yet)")
             elif not self.free_slots:
-                in_flight = self.codec_pool_rows - len(self.streams)  # rows of ended streams a lane still decodes
-                busy = (f"codec state pool full: all {self.codec_pool_rows} rows held by {generating_or_queued} "
-                        f"streams generating or queued, {self.draining} draining (generated, audio still owed) "
-                        f"and {in_flight} rows of ended streams still decoding; raise max_draining "
+                # Each open stream holds one row; the rest belong to ended streams a lane still decodes.
+                in_flight = self.codec_pool_rows - len(self.free_slots) - len(self.streams)
+                busy = (f"codec state pool full: all {self.codec_pool_rows} rows held ({generating_or_queued} "
+                        f"streams generating or queued, {self.draining} draining (generated, audio still owed), "
+                        f"{in_flight} by ended streams whose chunk a lane is still decoding); raise max_draining "
                         f"(now {self.max_draining}) for more")
             if busy:
                 if self.metrics:
@@ -250,7 +252,7 @@ class TTSService:
         if stream is None or stream.ended or stream.request is not request:
             return
         stream.frames.append(codes)
-        if reason is not None and not stream.generated:
+        if reason is not None and not stream.generated:  # (the engine sends one last frame; defensive)
             stream.generated = True
             self.draining += 1
         self.scheduler.frames_generated(request.request_id, 1, done=stream.generated)
