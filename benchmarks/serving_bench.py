@@ -32,10 +32,12 @@ import platform
 import random
 import re
 import shutil
+import signal
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -473,7 +475,8 @@ def warm_up_load(args, fleet: Fleet, policy: str) -> dict:
     return {"rate": rate, "seconds": args.warm_up_load, **summary}
 
 
-def run_policy(args, spec: str) -> dict:
+def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: None) -> dict:
+    """One policy's servers and probes. `probed(out)` gets the results so far after each probe."""
     fleet = Fleet(args, spec)
     policy = fleet.label
     out: dict = {"policy": policy, "rates": [], "concurrency": []}
@@ -491,10 +494,12 @@ def run_policy(args, spec: str) -> dict:
                                           args.seed + repeat, progress)
                 progress.close()
                 out["rates"].append({"rate": rate, "repeat": repeat, **summary})
+                probed(out)
         for streams in args.concurrency:
             summary = measure(args, fleet, f"{policy} {streams} streams", lambda: closed_loop(
                 fleet.urls, streams, args.duration, seconds, args.seed, args.speaker))
             out["concurrency"].append({"streams": streams, **summary})
+            probed(out)
         if args.goodput:
             out["goodput"] = find_goodput(args, fleet, policy)
     finally:
@@ -538,10 +543,10 @@ def find_goodput(args, fleet: Fleet, policy: str) -> dict:
     return {"goodput": rate, "trials": trials, **({"note": note} if note else {})}
 
 
-def write_outputs(args, results: list[dict], meta: dict) -> None:
+def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "policies": results}, indent=2))
+    write_whole(out / "results.json", json.dumps({"meta": meta, "policies": results}, indent=2))
     lines = [f"# Serving benchmark ({meta['date']})", "", f"Command: `{meta['command']}`", "",
              f"Hardware: {meta['hardware']}. Checkpoint: {meta['checkpoint']} (random weights: timings are real, "
              "audio is noise).", ""]
@@ -583,9 +588,17 @@ def write_outputs(args, results: list[dict], meta: dict) -> None:
         if "voxserve" in goodputs and baselines and max(baselines) > 0:
             lines += ["", f"voxserve / best baseline = {goodputs['voxserve'] / max(baselines):.2f}x"]
         lines.append("")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_whole(out / "results.md", "\n".join(lines) + "\n")
     plot(results, out)
-    print("\n".join(lines))
+    if echo:
+        print("\n".join(lines))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Replace `path` at once, so a run stopped mid-write leaves the previous version, not half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def row_peaks(server: dict) -> str:
@@ -710,10 +723,16 @@ def main() -> None:
     meta = {"command": " ".join(sys.argv), "hardware": hardware(), "checkpoint": args.checkpoint,
             "date": time.strftime("%Y-%m-%d"), "duration_s": args.duration, "burstiness": args.burstiness,
             "utterance_seconds": [args.min_seconds, args.max_seconds], "ttfa_target_ms": TTFA_TARGET_S * 1e3}
-    results = []
+    # A run cut short (`timeout` sends SIGTERM) still stops its servers, MPS daemons and Python stubs
+    # (run_policy's `finally`), which would otherwise hold the GPU beside the next run's server, and
+    # keeps every probe it finished: the outputs are rewritten after each one.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    results: list[dict] = []
     for policy in args.policies.split(","):
-        results.append(run_policy(args, policy))
-        write_outputs(args, results, meta)  # after each policy, so a cut-short run keeps what it measured
+        def probed(partial: dict, finished: list[dict] = list(results)) -> None:
+            write_outputs(args, finished + [partial], meta, echo=False)
+        results.append(run_policy(args, policy, probed))
+        write_outputs(args, results, meta)
 
 
 if __name__ == "__main__":

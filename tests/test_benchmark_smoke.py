@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +50,30 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     warm_up = policy["warm_up"]  # at the lowest rate, kept apart from the probes
     assert warm_up["rate"] == 1 and warm_up["seconds"] == 2 and warm_up["requests"] >= 1
     assert warm_up["completed"] == warm_up["requests"]
+
+
+def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path, tiny_checkpoint):
+    """`timeout` ends a run with SIGTERM: the probes it finished are in results.json, and it stopped
+    its server itself (the server logged the signal), rather than leaving it to die with it."""
+    out = tmp_path / "bench"
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke",
+                                    "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "0", "--repeats", "3",
+                                    "--keep-logs", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "results.json").exists():  # written after the first probe
+            assert process.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no probe finished in 180 s"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+    [policy] = json.loads((out / "results.json").read_text())["policies"]
+    assert 1 <= len(policy["rates"]) < 3 and policy["rates"][0]["completed"] >= 1
+    assert "Signal (15) received" in (out / "server_voxserve.log").read_text()
 
 
 def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_probe():
