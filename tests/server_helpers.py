@@ -14,9 +14,9 @@ from voxtriton_client.api import request_inputs
 
 
 def start_server(checkpoint, policy: str | None = None, parameters: dict | None = None) -> TritonServer:
-    """A tritonserver on free loopback ports with the voxtriton repository (CPU in CI)."""
-    server = TritonServer(checkpoint=str(checkpoint), policy=policy, parameters=parameters, use_mps=False)
-    return server.start(timeout=300)
+    """A tritonserver on free loopback ports with the voxtriton repository (CPU in CI), for
+    `with start_server(...) as server:`, which starts it and stops it at the block's end."""
+    return TritonServer(checkpoint=str(checkpoint), policy=policy, parameters=parameters, use_mps=False)
 
 
 def wait_for_metric(server: TritonServer, name: str, predicate, timeout: float = 20.0) -> float:

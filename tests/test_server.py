@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import queue
 import re
 import uuid
 import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +35,29 @@ def server(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def client(server):
     return TTSClient(server.grpc_url)
+
+
+def processes_with_argument(argument: str) -> list[int]:
+    """The processes whose command line holds `argument` as one word (Linux /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            continue
+        if argument.encode() in words:
+            found.append(int(pid))
+    return found
+
+
+def test_one_tritonserver_holds_the_ports_and_a_second_start_is_refused(server):
+    """One server per `with start_server(...)`. A second start on the same ports would launch a
+    server that fails to bind them after loading its models, while the readiness check sees the
+    first answer; stop() would then end only the second, and the first would run on unnoticed."""
+    assert len([pid for pid in processes_with_argument(str(server.grpc_port))
+                if pid in processes_with_argument("--grpc-port")]) == 1
+    with pytest.raises(RuntimeError, match=f"tritonserver already started on gRPC port {server.grpc_port}"):
+        server.start()
 
 
 def speak(client, text, seed, frames=40, **options):

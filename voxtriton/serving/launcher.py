@@ -253,6 +253,10 @@ class TritonServer:
     def launch(self) -> None:
         """Start MPS and tritonserver without waiting (several servers can then come up together).
         Call from a thread that outlives the server: the server is killed when that thread exits."""
+        if self.process is not None:
+            # A second server on these ports would fail to bind them only after loading its models,
+            # wait_ready would meanwhile see this one answer, and stop() would end only the second.
+            raise RuntimeError(f"tritonserver already started on gRPC port {self.grpc_port}; stop() it first")
         if self.mps is not None:
             self.mps.start()
         log = open(self.log_file, "ab")
