@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import gc
 import json
 import os
@@ -475,6 +476,39 @@ def warm_up_load(args, fleet: Fleet, policy: str) -> dict:
     return {"rate": rate, "seconds": args.warm_up_load, **summary}
 
 
+class Termination:
+    """SIGTERM as SystemExit (so `finally` blocks run), once, and held back while servers stop:
+    raised inside `TritonServer.stop` it would skip the kill of the stubs' process group and the
+    MPS daemon's quit. (`timeout` signals the process and then its group: a second SIGTERM is
+    ignored.)"""
+
+    def __init__(self):
+        self.requested, self.deferring = False, 0
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested:
+            return
+        self.requested = True
+        if not self.deferring:
+            sys.exit(128 + signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.deferring += 1
+        try:
+            yield
+        finally:
+            self.deferring -= 1
+            if self.requested and not self.deferring:
+                sys.exit(128 + signal.SIGTERM)
+
+
+TERMINATION = Termination()
+
+
 def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: None) -> dict:
     """One policy's servers and probes. `probed(out)` gets the results so far after each probe."""
     fleet = Fleet(args, spec)
@@ -501,9 +535,13 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
             out["concurrency"].append({"streams": streams, **summary})
             probed(out)
         if args.goodput:
-            out["goodput"] = find_goodput(args, fleet, policy)
+            def searching(trials: list[dict]) -> None:
+                out["goodput"] = {"goodput": None, "trials": trials, "note": "search not finished"}
+                probed(out)
+            out["goodput"] = find_goodput(args, fleet, policy, searching)
     finally:
-        fleet.stop(Path(args.out) if args.keep_logs else None)
+        with TERMINATION.deferred():  # a SIGTERM now would leave stubs and MPS daemons running
+            fleet.stop(Path(args.out) if args.keep_logs else None)
     return out
 
 
@@ -526,14 +564,16 @@ def search_goodput(passes, low: float, high: float, steps: int) -> tuple[float, 
     return low, None
 
 
-def find_goodput(args, fleet: Fleet, policy: str) -> dict:
-    """The highest rate meeting p90 TTFA <= 200 ms with no stall (`search_goodput`); every probe is kept."""
+def find_goodput(args, fleet: Fleet, policy: str, searching: Callable[[list[dict]], None] = lambda trials: None) -> dict:
+    """The highest rate meeting p90 TTFA <= 200 ms with no stall (`search_goodput`); every probe is
+    kept, and `searching(trials)` gets them after each one."""
     trials = []
 
     def probe(rate, repeat):
         summary = open_loop_probe(args, fleet, f"{policy} goodput probe {rate:.2f}/s", rate, args.duration,
                                   args.seed + repeat)
         trials.append({"rate": rate, "repeat": repeat, "meets": meets_target(summary), **summary})
+        searching(trials)
         return trials[-1]["meets"]
 
     def trial(rate):  # passes when every repeat does (`all` stops at the first that fails)
@@ -576,11 +616,11 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
                              f"{s['codec_ms_mean']['urgent']} | {s['codec_ms_mean']['background']} | "
                              f"{s['first_chunk_codec_ms_mean']} | {_fmt(s['urgent_share'])} |")
         lines.append("")
-    goodputs = {r["policy"]: r["goodput"]["goodput"] for r in results if "goodput" in r}
+    goodputs = {r["policy"]: r["goodput"]["goodput"] for r in results if r.get("goodput", {}).get("goodput") is not None}
     if goodputs:
         lines += ["| policy | goodput (req/s) | peak listeners at that rate |", "|---|---|---|"]
         for r in results:
-            if "goodput" in r:
+            if r["policy"] in goodputs:
                 passing = [t for t in r["goodput"]["trials"] if t["meets"] and t["rate"] == r["goodput"]["goodput"]]
                 peak = passing[0].get("listeners_peak", "-") if passing else "-"
                 lines.append(f"| {r['policy']} | {r['goodput']['goodput']:.2f} | {peak} |")
@@ -639,9 +679,11 @@ def plot(results: list[dict], out: Path) -> None:
         figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
         for r in results:
             rows = by_rate(r)
-            rates = [row["rate"] for row in rows]
-            left.plot(rates, [row["ttfa_p90_ms"] for row in rows], marker="o", label=r["policy"])
-            right.plot(rates, [row["stalled_fraction"] or 0 for row in rows], marker="o", label=r["policy"])
+            answered = [row for row in rows if row["ttfa_p90_ms"] is not None]  # (no TTFA: every request failed)
+            left.plot([row["rate"] for row in answered], [row["ttfa_p90_ms"] for row in answered], marker="o",
+                      label=r["policy"])
+            right.plot([row["rate"] for row in rows], [row["stalled_fraction"] or 0 for row in rows], marker="o",
+                       label=r["policy"])
         left.axhline(TTFA_TARGET_S * 1e3, color="grey", linestyle="--", linewidth=1)
         left.set(xlabel="arrival rate (requests/s)", ylabel="p90 TTFA (ms)", xscale="log", yscale="log",
                  title="Time to first audio")
@@ -649,6 +691,7 @@ def plot(results: list[dict], out: Path) -> None:
         left.legend()
         figure.tight_layout()
         figure.savefig(out / "ttfa_stalls_vs_rate.png", dpi=120)
+        plt.close(figure)
     if any(r["concurrency"] for r in results):
         figure, axis = plt.subplots(figsize=(6, 4))
         for r in results:
@@ -658,6 +701,7 @@ def plot(results: list[dict], out: Path) -> None:
         axis.legend()
         figure.tight_layout()
         figure.savefig(out / "frame_step_vs_streams.png", dpi=120)
+        plt.close(figure)
 
 
 def hardware() -> str:
@@ -726,7 +770,7 @@ def main() -> None:
     # A run cut short (`timeout` sends SIGTERM) still stops its servers, MPS daemons and Python stubs
     # (run_policy's `finally`), which would otherwise hold the GPU beside the next run's server, and
     # keeps every probe it finished: the outputs are rewritten after each one.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    TERMINATION.install()
     results: list[dict] = []
     for policy in args.policies.split(","):
         def probed(partial: dict, finished: list[dict] = list(results)) -> None:

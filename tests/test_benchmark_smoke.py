@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -52,9 +53,24 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert warm_up["completed"] == warm_up["requests"]
 
 
+def live_processes() -> dict[int, tuple[str, int, int]]:
+    """pid: (command name, parent pid, process group) of every process not yet a zombie (Linux /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if rest[0] != "Z":
+            found[int(pid)] = (name, int(rest[1]), int(rest[2]))
+    return found
+
+
 def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path, tiny_checkpoint):
     """`timeout` ends a run with SIGTERM: the probes it finished are in results.json, and it stopped
-    its server itself (the server logged the signal), rather than leaving it to die with it."""
+    its server itself (the server logged the signal), stubs included (the server's process group,
+    which they share, is empty), rather than leaving them to die with it or linger."""
     out = tmp_path / "bench"
     with open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke",
@@ -66,6 +82,8 @@ def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path
             assert process.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
             assert time.monotonic() < deadline, "no probe finished in 180 s"
             time.sleep(0.2)
+        [server] = [pid for pid, (name, parent, _) in live_processes().items()
+                    if parent == process.pid and name == "tritonserver"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(120) == 128 + signal.SIGTERM
     finally:
@@ -74,6 +92,21 @@ def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path
     [policy] = json.loads((out / "results.json").read_text())["policies"]
     assert 1 <= len(policy["rates"]) < 3 and policy["rates"][0]["completed"] >= 1
     assert "Signal (15) received" in (out / "server_voxserve.log").read_text()
+    assert not [pid for pid, (_, _, group) in live_processes().items() if group == server]  # its own group
+
+
+def test_sigterm_while_servers_stop_is_held_back_until_they_have_stopped():
+    """Two SIGTERMs (as `timeout` sends, to the process and its group) inside `deferred()` (where
+    serving_bench stops its servers) end the run once, after the block, with status 143."""
+    script = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+              "from serving_bench import TERMINATION\n"
+              "TERMINATION.install()\n"
+              "with TERMINATION.deferred():\n"
+              "    os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    print('servers stopped', flush=True)\n"
+              "print('not reached')\n")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (completed.returncode, completed.stdout) == (128 + signal.SIGTERM, "servers stopped\n"), completed.stderr[-2000:]
 
 
 def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_probe():

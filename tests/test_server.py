@@ -37,15 +37,17 @@ def client(server):
     return TTSClient(server.grpc_url)
 
 
-def processes_with_argument(argument: str) -> list[int]:
-    """The processes whose command line holds `argument` as one word (Linux /proc)."""
+def servers_on_grpc_port(port: int) -> list[int]:
+    """This test process's child processes started with `--grpc-port PORT` (Linux /proc)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:  # it ended meanwhile
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # it ended meanwhile
             continue
-        if argument.encode() in words:
+        flagged = [words[i + 1] for i, word in enumerate(words[:-1]) if word == b"--grpc-port"]
+        if parent == os.getpid() and flagged == [str(port).encode()]:
             found.append(int(pid))
     return found
 
@@ -54,8 +56,7 @@ def test_one_tritonserver_holds_the_ports_and_a_second_start_is_refused(server):
     """One server per `with start_server(...)`. A second start on the same ports would launch a
     server that fails to bind them after loading its models, while the readiness check sees the
     first answer; stop() would then end only the second, and the first would run on unnoticed."""
-    assert len([pid for pid in processes_with_argument(str(server.grpc_port))
-                if pid in processes_with_argument("--grpc-port")]) == 1
+    assert len(servers_on_grpc_port(server.grpc_port)) == 1
     with pytest.raises(RuntimeError, match=f"tritonserver already started on gRPC port {server.grpc_port}"):
         server.start()
 

@@ -8,7 +8,8 @@
 # concurrent@1). The launcher now also renumbers CUDA_VISIBLE_DEVICES for MPS clients, but that path
 # has not run on a GPU yet: with CUDA_VISIBLE_DEVICES=1 before the fix, every model fell back to the CPU.
 # Results go to $OUT/NAME.tgz (results.json, results.md, plots, server logs: one file, as $OUT returns
-# only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (590);
+# only a few); every probe's summary line also goes to $OUT/log.txt. T: time limit in seconds (540:
+# a run cut short needs up to about a minute to stop its servers, inside a 600 s device call);
 # D: seconds of arrivals per open-loop probe (30); P: more serving_bench arguments, e.g.
 # P='--param tts:background_sms=48'. W: seconds of warm-up load at the lowest rate, not counted (10).
 # ROWS: max_streams, the KV-cache rows (512); frame-step graphs are captured up to 768 rows, capped
@@ -34,19 +35,19 @@ COMMON="--checkpoint $CK --tritonserver /tmp/tri/pytriton/tritonserver/bin/trito
 case "$MODE" in
   lanes)
     NAME=lanes_$PRESET
-    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
+    run timeout ${T:-540} $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
       --concurrency 1,8,32,128 --duration 12 --out $OUT/$NAME ;;
   single)
     NAME=single_$PRESET
-    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
+    run timeout ${T:-540} $PY benchmarks/serving_bench.py $COMMON --policies voxserve,concurrent,serial \
       --concurrency 1 --duration 20 --out $OUT/$NAME ;;
   goodput)
     NAME=$7
-    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --goodput --rate-low $4 \
+    run timeout ${T:-540} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --goodput --rate-low $4 \
       --rate-high $5 --bisection-steps $6 --duration ${D:-30} --out $OUT/$NAME ;;
   rates)
     NAME=$5
-    run timeout ${T:-590} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --rates $4 \
+    run timeout ${T:-540} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --rates $4 \
       --duration ${D:-30} --out $OUT/$NAME ;;
 esac
 if [ -n "${TRACE:-}" ] && [ -f $TRACE_FILE ] && [ -d $OUT/$NAME ]; then
