@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
@@ -17,6 +19,29 @@ def start_server(checkpoint, policy: str | None = None, parameters: dict | None 
     """A tritonserver on free loopback ports with the voxtriton repository (CPU in CI), for
     `with start_server(...) as server:`, which starts it and stops it at the block's end."""
     return TritonServer(checkpoint=str(checkpoint), policy=policy, parameters=parameters, use_mps=False)
+
+
+@dataclass(frozen=True)
+class Process:
+    name: str  # the command's name, as the kernel keeps it
+    parent: int
+    group: int
+    arguments: tuple[str, ...]
+
+
+def live_processes() -> dict[int, Process]:
+    """Every process not yet a zombie, by pid (Linux /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # it ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            found[int(pid)] = Process(name, int(fields[1]), int(fields[2]), tuple(arguments))
+    return found
 
 
 def wait_for_metric(server: TritonServer, name: str, predicate, timeout: float = 20.0) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from server_helpers import live_processes
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,20 +54,6 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert warm_up["completed"] == warm_up["requests"]
 
 
-def live_processes() -> dict[int, tuple[str, int, int]]:
-    """pid: (command name, parent pid, process group) of every process not yet a zombie (Linux /proc)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:  # it ended meanwhile
-            continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if rest[0] != "Z":
-            found[int(pid)] = (name, int(rest[1]), int(rest[2]))
-    return found
-
-
 def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path, tiny_checkpoint):
     """`timeout` ends a run with SIGTERM: the probes it finished are in results.json, and it stopped
     its server itself (the server logged the signal), stubs included (the server's process group,
@@ -82,8 +69,8 @@ def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path
             assert process.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
             assert time.monotonic() < deadline, "no probe finished in 180 s"
             time.sleep(0.2)
-        [server] = [pid for pid, (name, parent, _) in live_processes().items()
-                    if parent == process.pid and name == "tritonserver"]
+        [server] = [pid for pid, child in live_processes().items()
+                    if child.parent == process.pid and child.name == "tritonserver"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(120) == 128 + signal.SIGTERM
     finally:
@@ -92,7 +79,7 @@ def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path
     [policy] = json.loads((out / "results.json").read_text())["policies"]
     assert 1 <= len(policy["rates"]) < 3 and policy["rates"][0]["completed"] >= 1
     assert "Signal (15) received" in (out / "server_voxserve.log").read_text()
-    assert not [pid for pid, (_, _, group) in live_processes().items() if group == server]  # its own group
+    assert not [pid for pid, left in live_processes().items() if left.group == server]  # its own group
 
 
 def test_sigterm_while_servers_stop_is_held_back_until_they_have_stopped():

@@ -8,13 +8,12 @@ import queue
 import re
 import uuid
 import wave
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from server_helpers import start_server, stream_and_abandon, wait_for_metric
+from server_helpers import live_processes, start_server, stream_and_abandon, wait_for_metric
 from voxtriton.scheduler.policy import SchedulerConfig
 from voxtriton_client import StreamingWavWriter, TTSClient
 from voxtriton_client.api import request_inputs
@@ -37,26 +36,17 @@ def client(server):
     return TTSClient(server.grpc_url)
 
 
-def servers_on_grpc_port(port: int) -> list[int]:
-    """This test process's child processes started with `--grpc-port PORT` (Linux /proc)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # it ended meanwhile
-            continue
-        flagged = [words[i + 1] for i, word in enumerate(words[:-1]) if word == b"--grpc-port"]
-        if parent == os.getpid() and flagged == [str(port).encode()]:
-            found.append(int(pid))
-    return found
-
-
 def test_one_tritonserver_holds_the_ports_and_a_second_start_is_refused(server):
     """One server per `with start_server(...)`. A second start on the same ports would launch a
     server that fails to bind them after loading its models, while the readiness check sees the
     first answer; stop() would then end only the second, and the first would run on unnoticed."""
-    assert len(servers_on_grpc_port(server.grpc_port)) == 1
+    def grpc_port(process) -> str | None:
+        words = process.arguments
+        return next((words[i + 1] for i in range(len(words) - 1) if words[i] == "--grpc-port"), None)
+
+    started_here = [pid for pid, child in live_processes().items()
+                    if child.parent == os.getpid() and grpc_port(child) == str(server.grpc_port)]
+    assert len(started_here) == 1
     with pytest.raises(RuntimeError, match=f"tritonserver already started on gRPC port {server.grpc_port}"):
         server.start()
 
