@@ -373,8 +373,8 @@ class Fleet:
 
 class GaugeSampler:
     """Reads the servers' gauges every `interval_s` while a probe runs, on a thread of its own (off
-    the client's event loop): the streams generating (holding a KV-cache row) and the requests
-    waiting for a row. A probe's means hide its steady state: in session 11 the batch averaged 263
+    the client's event loop): the streams generating (holding a KV-cache row), the requests
+    waiting for a row and the streams draining (generated, audio still owed). A probe's means hide its steady state: in session 11 the batch averaged 263
     over a probe at 82 req/s while its busiest 5 s windows held 464-477 streams (`max_streams` 512).
     A read parses the metrics page in Python, about a millisecond that the client's event loop may
     wait for the GIL; `client_loop_lag_*` would show it. With several servers the figures are sums
@@ -384,6 +384,7 @@ class GaugeSampler:
         self.fleet, self.interval_s = fleet, interval_s
         self.rows: list[float] = []
         self.waiting: list[float] = []
+        self.draining: list[float] = []
         self.failed_reads = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -405,11 +406,13 @@ class GaugeSampler:
                 continue
             self.rows.append(metrics.get("voxtriton_kv_rows_in_use", 0.0))
             self.waiting.append(metrics.get("voxtriton_waiting_requests", 0.0))
+            self.draining.append(metrics.get("voxtriton_draining_streams", 0.0))
 
     def summary(self) -> dict:
         return {"samples": len(self.rows), "failed_reads": self.failed_reads, "rows_in_use_max": max(self.rows, default=None),
                 "rows_in_use_p90": percentile(self.rows, 90),
-                "waiting_for_row_max": max(self.waiting, default=None)}
+                "waiting_for_row_max": max(self.waiting, default=None),
+                "draining_max": max(self.draining, default=None)}
 
 
 def measure(args, fleet: Fleet, label: str, run) -> dict:

@@ -197,3 +197,4 @@ def test_metrics_are_exported(server, client):
     assert 'voxtriton_lane_queue_depth{lane="background"}' in samples
     assert samples["voxtriton_rejected_requests_total"] == 0
     assert samples["voxtriton_waiting_requests"] == 0 and samples["voxtriton_kv_rows_in_use"] == 0
+    assert samples["voxtriton_draining_streams"] == 0  # every stream has ended

@@ -64,8 +64,8 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics.frame_step(0.03, 5, StepTiming(admit_s=0.004, decode_s=0.02, decode_device_s=0.019, admitted=2,
                                            prefill_device_s=0.003))
     metrics.frame_step(0.02, 5, StepTiming(admit_s=0.0, decode_s=0.02, decode_device_s=0.018))
-    metrics.gauges(3, 2, 1, {"urgent": 1, "background": 0, "inline": 0}, 0)
-    metrics.gauges(3, 2, 0, {"urgent": 0, "background": 0, "inline": 0}, 1)
+    metrics.gauges(3, 2, 1, 0, {"urgent": 1, "background": 0, "inline": 0}, 0)
+    metrics.gauges(3, 2, 0, 1, {"urgent": 0, "background": 0, "inline": 0}, 1)
     assert calls == []  # nothing on the caller's thread
     metrics.close()
     chunks = [c for c in calls if c[0] == "voxtriton_chunks_total"]
@@ -85,6 +85,7 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     assert [c for c in calls if c[0] == "voxtriton_lane_queue_depth" and c[1] == (("lane", "urgent"),)] == [
         ("voxtriton_lane_queue_depth", (("lane", "urgent"),), "set", 0)]  # only the latest value
     assert [c[2:] for c in calls if c[0] == "voxtriton_waiting_requests"] == [("set", 0)]
+    assert [c[2:] for c in calls if c[0] == "voxtriton_draining_streams"] == [("set", 1)]
     assert [c[3] for c in calls if c[0] == "voxtriton_deadline_misses_total"] == [1]
 
 

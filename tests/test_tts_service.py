@@ -399,8 +399,8 @@ class GaugeRecorder:
     def __init__(self):
         self.gauge_calls = []
 
-    def gauges(self, active, rows, waiting, queues, deadline_misses):
-        self.gauge_calls.append((active, rows, waiting))
+    def gauges(self, active, rows, waiting, draining, queues, deadline_misses):
+        self.gauge_calls.append((active, rows, waiting, draining))
 
     def chunk_sent(self, *args): ...
     def codec_call(self, *args): ...
@@ -423,12 +423,12 @@ def test_the_waiting_gauge_counts_requests_no_row_was_free_for(tiny_checkpoint):
         for index, sink in enumerate(sinks):
             service.submit(parser.parse(f"r{index}", inputs), sink)
         assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
-        wait_for(lambda: metrics.gauge_calls[-1] == (0, 0, 0))
+        wait_for(lambda: metrics.gauge_calls[-1] == (0, 0, 0, 0))
     finally:
         service.shutdown()
-    assert max(waiting for _, _, waiting in metrics.gauge_calls) == 1
-    assert max(rows for _, rows, _ in metrics.gauge_calls) == 2
-    assert all(rows + waiting <= active for active, rows, waiting in metrics.gauge_calls)
+    assert max(waiting for _, _, waiting, _ in metrics.gauge_calls) == 1
+    assert max(rows for _, rows, _, _ in metrics.gauge_calls) == 2
+    assert all(rows + waiting + draining <= active for active, rows, waiting, draining in metrics.gauge_calls)
 
 
 @pytest.mark.parametrize("policy, lane_workers, in_flight", [
@@ -468,9 +468,9 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
     slots = codec_slots(engine, 0, scheduler_config, max_draining=2)
     assert slots == 2 + 0 + 2 + 1  # two rows, no queue, two draining, one chunk in flight on the one lane
     pool = CodecStatePool(slots, codec.state_size, "cpu")
-    lane = LaneHeldUntilReleased(codec, pool.tensor)
+    lane, metrics = LaneHeldUntilReleased(codec, pool.tensor), GaugeRecorder()
     service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=0, max_draining=2,
-                         cancellation_check_s=0.01)
+                         cancellation_check_s=0.01, metrics=metrics)
     sinks: dict[str, CollectingSink] = {}
 
     def submit(request_id: str, frames: int) -> None:
@@ -495,6 +495,7 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
                                              r"[0-2] of them not started yet\)"):
             submit("refused_for_rows", 4)
         wait_for(lambda: service.draining == 4)
+        wait_for(lambda: metrics.gauge_calls[-1] == (4, 0, 0, 4))  # four held, all draining: no row, none waiting
         submit("last_codec_row", 4)  # the fifth: the in-flight reserve's row
         with pytest.raises(ServerBusy, match=pool_full(0, "[45]")):
             submit("refused_for_codec_rows", 4)

@@ -77,6 +77,9 @@ class TritonMetrics:
         self.rows = _family("voxtriton_kv_rows_in_use", "Requests holding a KV-cache row (generating)", gauge).Metric(labels={})
         self.waiting = _family("voxtriton_waiting_requests", "Requests waiting for a free KV-cache row (max_streams reached)",
                                gauge).Metric(labels={})
+        self.draining = _family("voxtriton_draining_streams", "Streams that have generated all their frames and "
+                                "still owe audio: each holds a codec state row, no KV-cache row (max_draining "
+                                "adds rows for them)", gauge).Metric(labels={})
         self.rejected_total = _family("voxtriton_rejected_requests_total", "Requests refused by admission control (server busy)",
                                       counter).Metric(labels={})
         self.misses = _family("voxtriton_deadline_misses_total",
@@ -126,9 +129,10 @@ class TritonMetrics:
     def rejected(self):
         self._updates.append((self.rejected_total, "increment", 1))
 
-    def gauges(self, active, rows, waiting, queues, deadline_misses):
+    def gauges(self, active, rows, waiting, draining, queues, deadline_misses):
         values = self._gauge_values
         values[self.active], values[self.rows], values[self.waiting] = active, rows, waiting
+        values[self.draining] = draining
         for lane, depth in queues.items():
             values[self.depth[lane]] = depth
         if deadline_misses > self._misses_seen:

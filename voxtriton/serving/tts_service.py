@@ -83,8 +83,10 @@ class ServiceMetrics(Protocol):
     def frame_step(self, seconds: float, batch: int, timing: StepTiming) -> None:
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
         pass's whole wall time (the frame period while busy), `timing` splits out admission and decode."""
-    def gauges(self, active: int, rows: int, waiting: int, queues: dict[str, int], deadline_misses: int) -> None:
-        """Streams held, rows generating, requests waiting for a free row, chunks waiting per lane."""
+    def gauges(self, active: int, rows: int, waiting: int, draining: int, queues: dict[str, int],
+               deadline_misses: int) -> None:
+        """Streams held, rows generating, requests waiting for a free row, streams draining
+        (generated, audio still owed), chunks waiting per lane."""
 
 
 def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1,
@@ -340,7 +342,7 @@ class TTSService:
         if self.metrics:
             # After a step's admissions, the engine's waiting requests are those no row was free for
             # (the service's `incoming`, submitted during the step, join the batch at the next one).
-            self.metrics.gauges(len(self.streams), len(self.engine.running), len(self.engine.waiting),
+            self.metrics.gauges(len(self.streams), len(self.engine.running), len(self.engine.waiting), self.draining,
                                 self.scheduler.queue_depths(), self.scheduler.deadline_misses)
 
     # -- codec lanes -----------------------------------------------------------------------------
