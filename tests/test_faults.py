@@ -28,7 +28,8 @@ def test_a_raising_codec_fails_only_the_requests_it_was_serving(faulty_server):
     failed = [r for r in results if r.error]
     good = [r for r in results if not r.error]
     assert failed and good
-    assert all("codec lane 'urgent' failed" in r.error and "injected codec fault" in r.error for r in failed)
+    assert all("codec lane 'urgent' failed" in r.error and "injected codec fault" in r.error for r in failed), [
+        r.error for r in failed]
     assert all(r.completed and len(r.audio) == 10 * 1920 for r in good)
 
 
