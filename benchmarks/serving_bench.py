@@ -374,8 +374,9 @@ class Fleet:
 class GaugeSampler:
     """Reads the servers' gauges every `interval_s` while a probe runs, on a thread of its own (off
     the client's event loop): the streams generating (holding a KV-cache row), the requests
-    waiting for a row and the streams draining (generated, audio still owed). A probe's means hide its steady state: in session 11 the batch averaged 263
-    over a probe at 82 req/s while its busiest 5 s windows held 464-477 streams (`max_streams` 512).
+    waiting for a row and the streams draining (generated, audio still owed). A probe's means hide
+    its steady state: in session 11 the batch averaged 263 over a probe at 82 req/s while its
+    busiest 5 s windows held 464-477 streams (`max_streams` 512).
     A read parses the metrics page in Python, about a millisecond that the client's event loop may
     wait for the GIL; `client_loop_lag_*` would show it. With several servers the figures are sums
     over them, not per server."""

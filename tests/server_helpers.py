@@ -44,6 +44,11 @@ def live_processes() -> dict[int, Process]:
     return found
 
 
+def processes_mentioning(marker: str) -> list[int]:
+    """The live processes whose command line holds `marker`."""
+    return [pid for pid, process in live_processes().items() if marker in "\0".join(process.arguments)]
+
+
 def wait_for_metric(server: TritonServer, name: str, predicate, timeout: float = 20.0) -> float:
     deadline = time.monotonic() + timeout
     value = None
@@ -81,14 +86,11 @@ def stub_anon_and_shm_mb(server: TritonServer, model: str) -> float:
     shared-memory tensors. File-backed pages (mapped libraries and weights) are left out: under
     memory pressure the kernel drops them and pages them back in later, which once read as growth of
     290 MB in a clean-clone CI run beside another test run."""
-    marker = str(server.repository / model / "1" / "model.py")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in processes_mentioning(str(server.repository / model / "1" / "model.py")):
         try:
-            if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                fields = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line)
-                return (int(fields["RssAnon"].split()[0]) + int(fields["RssShmem"].split()[0])) / 1024
-        except OSError:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:  # it ended meanwhile
             continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        return (int(fields["RssAnon"].split()[0]) + int(fields["RssShmem"].split()[0])) / 1024
     raise AssertionError(f"no stub process for {model}")

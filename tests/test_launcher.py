@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from server_helpers import processes_mentioning
 from voxtriton.serving.launcher import REPOSITORY, TritonServer, free_port, gpu_count, render_repository, set_parameter
 from voxtriton_client import TTSClient
 
@@ -85,18 +86,6 @@ def test_background_partition_is_one_setting():
         assert 'key: "sm_count" value: { string_value: "48" }' not in lane
     finally:
         server.cleanup()
-
-
-def processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 @pytest.mark.server  # builds a TritonServer: needs the tritonserver install
