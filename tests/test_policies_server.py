@@ -37,11 +37,13 @@ def baseline(tiny_checkpoint):
 @pytest.mark.parametrize("policy, parameters", [("concurrent", None), ("serial", None), ("disaggregated", None),
                                                 ("voxserve", {"tts": {"lane_workers": "1", "switch_interval_ms": "0.5"}}),
                                                 ("voxserve", {"tts": {"scheduler_background_fullest_size": "false",
-                                                                      "scheduler_idle_urgent_takes_frames": "16"}})])
+                                                                      "scheduler_idle_urgent_takes_frames": "16"}}),
+                                                ("voxserve", {"tts": {"scheduler_catch_up": "true"}})])
 def test_policy_changes_timing_not_content(tiny_checkpoint, baseline, policy, parameters):
     """The baseline runs the defaults: two calls in flight per codec lane (BLS calls from two threads
     to one codec model) and the background lane's fullest size. Also one call in flight (with a
-    shorter GIL switch interval), and the other batching rules."""
+    shorter GIL switch interval), the other batching rules, and chunks that catch up with generation
+    (boundaries that depend on timing)."""
     with start_server(tiny_checkpoint, policy=policy, parameters=parameters) as server:
         results = run_all(server.grpc_url)
     if policy == "voxserve":

@@ -39,6 +39,36 @@ def test_chunk_sizes_follow_the_schedule_and_the_last_repeats():
     assert [doubling.chunk_frames(i) for i in range(7)] == [2, 2, 4, 8, 16, 25, 25]
 
 
+def test_catch_up_takes_the_largest_size_the_generated_frames_fill():
+    def chunks_cut(catch_up):
+        sched, clock = scheduler(policy="concurrent", catch_up=catch_up)  # one lane
+        sched.open("s")
+        sched.frames_generated("s", 2)  # the first chunk: 2 frames, whatever follows
+        sched.frames_generated("s", 10)  # generation runs ahead while it decodes: 10 frames wait
+        cut = []
+        while batch := serve(sched, URGENT):
+            cut += batch
+        sched.frames_generated("s", 5, done=True)
+        while batch := serve(sched, URGENT):
+            cut += batch
+        return [(c.first_frame, c.frames, c.decode_frames) for c in cut]
+
+    # 10 frames wait: 8 of them make the second chunk, the first 8 of the schedule; the 7 left at
+    # the end make the last chunk, the second 8, padded.
+    assert chunks_cut(catch_up=True) == [(0, 2, 2), (2, 8, 8), (10, 7, 8)]
+    # The schedule as it is: 2, 2, 4 and 4 take the first 12 frames; the last 5 make an 8, padded.
+    assert chunks_cut(catch_up=False) == [(0, 2, 2), (2, 2, 2), (4, 4, 4), (8, 4, 4), (12, 5, 8)]
+
+
+def test_catch_up_does_not_skip_a_repeated_size_its_frames_only_fill():
+    config = SchedulerConfig(catch_up=True)  # 2,2,4,4,8,8,16,16,25
+    assert config.catch_up_position(2, 4) == 2  # 4 frames fill the first 4; the second 4 stays next
+    assert config.catch_up_position(2, 7) == 2
+    assert config.catch_up_position(2, 8) == 4  # the first 8
+    assert config.catch_up_position(1, 100) == 8 and config.catch_up_position(9, 100) == 9
+    assert config.catch_up_position(5, 3) == 5  # never back
+
+
 def test_invalid_configuration_is_refused():
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="fastest")
@@ -291,10 +321,11 @@ def test_next_chunk_beats_first_chunks_well_before_its_deadline():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["open", "frames", "done", "urgent", "background", "tick"]),
                           st.integers(0, 5), st.integers(1, 30)), min_size=20, max_size=300),
-       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]), st.booleans())
-def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames, background_fullest_size):
+       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]), st.booleans(), st.booleans())
+def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames, background_fullest_size,
+                                                      catch_up):
     sched, clock = scheduler(policy=policy, max_batch=4, idle_urgent_takes_frames=idle_urgent_takes_frames,
-                             background_fullest_size=background_fullest_size)
+                             background_fullest_size=background_fullest_size, catch_up=catch_up)
     lanes = [INLINE] if policy == "serial" else [URGENT, BACKGROUND]
     generated: dict[str, int] = {}
     delivered: dict[str, list[tuple[int, int]]] = {}
@@ -336,7 +367,12 @@ def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgen
         assert sum(size for _, size in chunks) == frames, f"{name}: not every frame delivered"
         assert [start for start, _ in chunks] == [sum(s for _, s in chunks[:i]) for i in range(len(chunks))]
         config = sched.config
-        assert all(size <= config.chunk_frames(i) for i, (_, size) in enumerate(chunks))
-        assert all(decoded == config.chunk_frames(i) for i, decoded in enumerate(decode_sizes[name]))
+        assert all(size <= decoded for (_, size), decoded in zip(chunks, decode_sizes[name]))
+        if catch_up:  # schedule sizes, never behind the schedule; the first chunk's is kept
+            assert decode_sizes[name][:1] == [config.chunk_frames(0)] * min(1, len(chunks))
+            assert all(decoded in config.sizes and decoded >= config.chunk_frames(i)
+                       for i, decoded in enumerate(decode_sizes[name]))
+        else:
+            assert all(decoded == config.chunk_frames(i) for i, decoded in enumerate(decode_sizes[name]))
         assert sched.streams[name].in_flight is None
     assert all(not queue for queue in sched.queues.values())
