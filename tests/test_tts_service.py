@@ -147,6 +147,16 @@ class CollectingSink:
         return self.cancel
 
 
+def assert_audio_is_the_whole_decode(codec: CodecService, sink: CollectingSink, frames: int) -> None:
+    """The stream got `frames` frames of codes and, chunk by chunk, exactly the audio of decoding them
+    in one piece."""
+    codes = np.concatenate(sink.codes)
+    assert codes.shape == (frames, 16)
+    whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
+                                  codec.model.new_state(1))
+    assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
+
+
 @pytest.mark.parametrize("policy", ["concurrent", "serial"])
 def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoint, policy):
     """13 frames under the schedule 2,2,4,4,8: the last chunk holds 1 frame, decoded padded to 8.
@@ -166,11 +176,7 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
         service.shutdown()
     assert [int(info[2]) for info in sink.info] == [2, 2, 4, 4, 1]
     assert [len(audio) for audio in sink.audio] == [1920 * int(info[2]) for info in sink.info]
-    codes = np.concatenate(sink.codes)
-    assert codes.shape == (13, 16)
-    whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
-                                  codec.model.new_state(1))
-    assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
+    assert_audio_is_the_whole_decode(codec, sink, 13)
     # The chunk trace: one line per chunk, in order, each chunk cut only after the previous one was
     # sent, due at the TTFA target (first chunk) or when the audio sent before it has played.
     lines = [json.loads(line) for line in trace.getvalue().splitlines()]
@@ -241,11 +247,7 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
                    key=lambda call: call[1])
     assert len(calls) >= 2 and all(later[0] >= earlier[1] for earlier, later in zip(calls, calls[1:]))
     for sink in sinks:
-        codes = np.concatenate(sink.codes)
-        assert codes.shape == (10, 16)
-        whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
-                                      codec.model.new_state(1))
-        assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
+        assert_audio_is_the_whole_decode(codec, sink, 10)
 
 
 class SinkThatTriesTheServiceLock(CollectingSink):
@@ -455,6 +457,31 @@ class LaneHeldUntilReleased:
         self.called.set()
         self.release.wait(60)
         return self.lane.decode(codes, start, slots)
+
+
+@pytest.mark.parametrize("catch_up, sizes", [(True, [2, 8, 3]), (False, [2, 2, 4, 4, 1])])
+def test_chunks_catch_up_with_a_generation_that_ran_ahead_and_the_audio_stays_exact(tiny_checkpoint, catch_up, sizes):
+    """The lane holds the first chunk until all 13 frames are generated. With catch-up the second
+    chunk takes the largest size of 2,2,4,4,8 that the 11 waiting frames fill (8), the last the 3 left
+    (padded to 8); without it, the schedule. The audio is the whole decode's either way."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,2,4,4,8",
+                                                         catch_up=catch_up)
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = LaneHeldUntilReleased(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        sink = CollectingSink()
+        inputs = {"text": np.array([b"Generation runs ahead."], dtype=object), "max_frames": np.array([13]),
+                  "ignore_eos": np.array([True]), "seed": np.array([7])}
+        service.submit(parser.parse("r1", inputs), sink)
+        assert lane.called.wait(60)  # the first chunk is out
+        wait_for(lambda: service.scheduler.streams["r1"].generation_done)
+        lane.release.set()
+        assert sink.done.wait(120) and sink.errors == []
+    finally:
+        service.shutdown()
+    assert [int(info[2]) for info in sink.info] == sizes
+    assert_audio_is_the_whole_decode(codec, sink, 13)
 
 
 def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(tiny_checkpoint):
