@@ -67,6 +67,8 @@ def test_catch_up_does_not_skip_a_repeated_size_its_frames_only_fill():
     assert config.catch_up_position(2, 8) == 4  # the first 8
     assert config.catch_up_position(1, 100) == 8 and config.catch_up_position(9, 100) == 9
     assert config.catch_up_position(5, 3) == 5  # never back
+    with pytest.raises(ValueError, match="never shrinks"):  # "the largest size" needs sizes in order
+        SchedulerConfig(catch_up=True, chunk_schedule="2,16,4")
 
 
 def test_invalid_configuration_is_refused():
@@ -368,6 +370,7 @@ def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgen
         assert [start for start, _ in chunks] == [sum(s for _, s in chunks[:i]) for i in range(len(chunks))]
         config = sched.config
         assert all(size <= decoded for (_, size), decoded in zip(chunks, decode_sizes[name]))
+        assert all(size == decoded for (_, size), decoded in zip(chunks[:-1], decode_sizes[name]))  # only the last is short
         if catch_up:  # schedule sizes, never behind the schedule; the first chunk's is kept
             assert decode_sizes[name][:1] == [config.chunk_frames(0)] * min(1, len(chunks))
             assert all(decoded in config.sizes and decoded >= config.chunk_frames(i)

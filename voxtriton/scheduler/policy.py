@@ -84,6 +84,8 @@ class SchedulerConfig:
             raise ValueError("max_batch >= 1, background_max_batch >= 1 and slack_margin_s >= 0 are required")
         if self.ttfa_target_s < 0:
             raise ValueError(f"scheduler_ttfa_target_s must be >= 0, got {self.ttfa_target_s}")
+        if self.catch_up and any(later < earlier for earlier, later in zip(sizes, sizes[1:])):
+            raise ValueError(f"scheduler_catch_up needs a chunk_schedule that never shrinks, got {self.chunk_schedule!r}")
         if self.idle_urgent_takes_frames < 0:
             raise ValueError(f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}")
 
