@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trim the nvidia-pytriton 0.7.0 wheel to what one Python version's server needs (the tritonserver
 # binary, its libraries, the Python backend and one stub) so it fits the device machine's carry
-# limit: 55 MB wheel -> about 26 MB. Usage: pack_triton.sh 3.12 OUT.tar.xz
+# limit: 55 MB wheel -> about 25 MB. Usage: pack_triton.sh 3.12 OUT.tar.xz
 set -euo pipefail
 VERSION=$1 OUT=$2
 WORK=$(mktemp -d)
@@ -11,6 +11,6 @@ for stub in "$WORK"/pytriton/tritonserver/python_backend_stubs/*; do
   [ "$(basename "$stub")" = "$VERSION" ] || rm -rf "$stub"
 done
 rm -f "$WORK"/nvidia_pytriton.libs/libpython3-*  # only the 3.13 stub links it
-tar cf - -C "$WORK" pytriton nvidia_pytriton.libs | xz -T0 -6 > "$OUT"
+tar cf - -C "$WORK" pytriton nvidia_pytriton.libs | xz -T0 -9e > "$OUT"
 rm -rf "$WORK"
 ls -la "$OUT"

@@ -1,0 +1,117 @@
+"""How fast this machine is, in a few seconds, before a long measurement on it.
+
+    python benchmarks/gpu_check.py [--json OUT] [--min-tflops 450] [--min-gbps 2500] [--max-graph-kernel-us 8]
+        [--max-python-ms 400]
+
+Device machines of one kind are not equally fast: sessions 21 and 22 got H200 machines whose
+server frame step took 57-60 ms at 512 rows where others took about 20. Those runs measured the
+machine, not the policies. This prints a bf16 matrix product's TFLOP/s, a device-to-device copy's
+GB/s (read plus write), the GPU time of one tiny kernel replayed in a CUDA graph (the code
+predictor's steps are made of such kernels), a fixed pure-Python loop's time (the engine thread
+is Python), and what nvidia-smi says of clocks, power and other processes on the GPU. It exits 1,
+naming each figure outside its bound, when the machine is slower than a bound, so a device call's
+script can stop before spending its time on goodput runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def gpu_seconds(fn, repeat: int) -> float:
+    """Median GPU seconds of fn(), by CUDA events, after a warm-up run."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+def matmul_tflops(size: int = 8192) -> float:
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    return 2 * size**3 / gpu_seconds(lambda: torch.mm(a, b), repeat=10) / 1e12
+
+
+def copy_gbps(megabytes: int = 2048) -> float:
+    source = torch.empty(megabytes * 2**20, device="cuda", dtype=torch.uint8)
+    target = torch.empty_like(source)
+    return 2 * source.numel() / gpu_seconds(lambda: target.copy_(source), repeat=10) / 1e9
+
+
+def graph_kernel_us(kernels: int = 2000) -> float:
+    """GPU microseconds per tiny kernel, kernels replayed back to back from one CUDA graph."""
+    value = torch.zeros(256, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        value.add_(1)  # warm-up on the capture stream
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(kernels):
+            value.add_(1)
+    return gpu_seconds(graph.replay, repeat=5) / kernels * 1e6
+
+
+def python_loop_ms(iterations: int = 2_000_000) -> float:
+    start = time.perf_counter()
+    total = 0
+    for index in range(iterations):
+        total += index % 7
+    return (time.perf_counter() - start) * 1e3
+
+
+def nvidia_smi() -> str:
+    query = ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,"
+             "temperature.gpu,utilization.gpu,compute_mode,mig.mode.current", "--format=csv"]
+    apps = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"]
+    try:
+        return "\n".join(subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip()
+                         for command in (query, apps))
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"nvidia-smi failed: {error}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--min-tflops", type=float, default=450.0)
+    parser.add_argument("--min-gbps", type=float, default=2500.0)
+    parser.add_argument("--max-graph-kernel-us", type=float, default=8.0)
+    parser.add_argument("--max-python-ms", type=float, default=400.0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device", file=sys.stderr)
+        return 1
+    figures = {"device": torch.cuda.get_device_name(0), "matmul_tflops": round(matmul_tflops(), 1),
+               "copy_gbps": round(copy_gbps(), 1), "graph_kernel_us": round(graph_kernel_us(), 2),
+               "python_loop_ms": round(python_loop_ms(), 1), "nvidia_smi": nvidia_smi()}
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(figures, handle, indent=1)
+    slow = [name for name, bad in (
+        ("matmul_tflops", figures["matmul_tflops"] < args.min_tflops),
+        ("copy_gbps", figures["copy_gbps"] < args.min_gbps),
+        ("graph_kernel_us", figures["graph_kernel_us"] > args.max_graph_kernel_us),
+        ("python_loop_ms", figures["python_loop_ms"] > args.max_python_ms)) if bad]
+    if slow:
+        print(f"gpu_check: slower than the bounds: {', '.join(slow)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
