@@ -8,7 +8,8 @@ server frame step took 57-60 ms at 512 rows where others took about 20. Those ru
 machine, not the policies. This prints a bf16 matrix product's TFLOP/s, a device-to-device copy's
 GB/s (read plus write), the GPU time of one tiny kernel replayed in a CUDA graph (the code
 predictor's steps are made of such kernels), a fixed pure-Python loop's time (the engine thread
-is Python), and what nvidia-smi says of clocks, power and other processes on the GPU. It exits 1,
+is Python), the host's processor, the CPUs this process may use and its cgroup's CPU quota, and
+what nvidia-smi says of clocks, power and other processes on the GPU. It exits 1,
 naming each figure outside its bound, when the machine is slower than a bound, so a device call's
 script can stop before spending its time on goodput runs.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,6 +75,24 @@ def python_loop_ms(iterations: int = 2_000_000) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def host() -> dict:
+    """The processor model, the CPUs this process may run on, the cgroup's CPU quota ("max" for
+    none) and the load average: the engine thread's time per step varied 2-4x between machines
+    of one kind (sessions 20-22) while this Python loop's did not."""
+    def first_line(path: str, prefix: str = "") -> str | None:
+        try:
+            with open(path) as handle:
+                for line in handle:
+                    if line.startswith(prefix):
+                        return line.split(":", 1)[-1].strip() if prefix else line.strip()
+        except OSError:
+            return None
+        return None
+
+    return {"cpu_model": first_line("/proc/cpuinfo", "model name"), "cpus_usable": len(os.sched_getaffinity(0)),
+            "cgroup_cpu_max": first_line("/sys/fs/cgroup/cpu.max"), "load_average": os.getloadavg()}
+
+
 def nvidia_smi() -> str:
     query = ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,"
              "temperature.gpu,utilization.gpu,compute_mode,mig.mode.current", "--format=csv"]
@@ -97,7 +117,7 @@ def main() -> int:
         return 1
     figures = {"device": torch.cuda.get_device_name(0), "matmul_tflops": round(matmul_tflops(), 1),
                "copy_gbps": round(copy_gbps(), 1), "graph_kernel_us": round(graph_kernel_us(), 2),
-               "python_loop_ms": round(python_loop_ms(), 1), "nvidia_smi": nvidia_smi()}
+               "python_loop_ms": round(python_loop_ms(), 1), "host": host(), "nvidia_smi": nvidia_smi()}
     print(json.dumps(figures, indent=1))
     if args.json:
         with open(args.json, "w") as handle:

@@ -335,6 +335,7 @@ class Fleet:
     ("POLICY*N"), which the load generator reaches least-loaded, as the gateway does."""
 
     def __init__(self, args, spec: str):
+        self.allow_kernel_fallback = args.allow_kernel_fallback
         spec, _, pinned = spec.partition("@")
         self.policy, _, count = spec.partition("*")
         self.label = f"{self.policy} x{count} GPUs" if count else self.policy
@@ -352,6 +353,11 @@ class Fleet:
             server.launch()
         for server in self.servers:
             server.wait_ready(300)
+        fallbacks = [line for server in self.servers for line in kernel_fallbacks(server.log_file.read_text(errors="replace"))]
+        if fallbacks and not self.allow_kernel_fallback:
+            raise SystemExit(f"{len(fallbacks)} GPU kernel check(s) failed, so the server runs the slower PyTorch "
+                             f"formulas and would measure that, not the build (pass --allow-kernel-fallback to "
+                             f"measure it anyway); the first: {fallbacks[0]}")
 
     def metrics(self) -> dict[str, float]:
         """Counters summed over the servers."""
@@ -369,6 +375,14 @@ class Fleet:
                 suffix = f"_gpu{index}" if len(self.servers) > 1 else ""
                 shutil.copyfile(server.log_file, logs / f"server_{self.policy}{suffix}.log")
             server.cleanup()
+
+
+def kernel_fallbacks(server_log: str) -> list[str]:
+    """The server log's lines saying a Triton kernel failed its check on a GPU (voxtriton.kernels).
+    A device image exports CC, the C compiler Triton builds its launchers with; a call script that
+    reused the name for its own argument made every kernel fall back, and the frame step took 58 ms
+    instead of 20 (sessions 21 and 22, goodput_h200.md)."""
+    return [line.strip() for line in server_log.splitlines() if re.search(r"Triton kernel \w+ unavailable on cuda", line)]
 
 
 class GaugeSampler:
@@ -749,6 +763,8 @@ def main() -> None:
     parser.add_argument("--param", action="append", default=[], help="MODEL:KEY=VALUE config.pbtxt parameter")
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
     parser.add_argument("--keep-logs", action="store_true", help="copy each server's log into --out")
+    parser.add_argument("--allow-kernel-fallback", action="store_true",
+                        help="measure a GPU server whose Triton kernels failed their checks (by default the run stops)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run on the tiny checkpoint (< 60 s)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--replot", action="store_true", help="only redraw the plots of --out/results.json")
