@@ -282,6 +282,10 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
         "frame_step_parts_ms_mean": {part: round(delta.get(f'voxtriton_frame_step_part_seconds_total{{part="{part}"}}', 0.0)
                                                  / steps * 1e3, 3) if steps else None
                                      for part in ("admit", "decode", "other")},
+        # The engine thread's CPU time per step outside the decode: admit and other beyond it were waits
+        # (for the GIL, the service lock, a CPU).
+        "frame_step_host_cpu_ms_mean": (round(delta.get("voxtriton_frame_step_host_cpu_seconds_total", 0.0) / steps * 1e3, 3)
+                                        if steps else None),
         # The engine thread's wall time and the GPU's time (before the decode) per admitted request.
         "admit_ms_per_request": per_admission('voxtriton_frame_step_part_seconds_total{part="admit"}'),
         "prefill_device_ms_per_request": per_admission("voxtriton_prefill_device_seconds_total"),

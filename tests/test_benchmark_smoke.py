@@ -39,6 +39,10 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
     assert row["server"]["frame_step_ms_mean"] > 0 and row["server"]["chunks"]["urgent"] >= row["completed"]
     assert row["server"]["admit_ms_per_request"] > 0 and row["server"]["prefill_device_ms_per_request"] is None  # CPU
+    # The engine thread's CPU time outside the decode: some, and no more than those parts' wall time
+    # (a thread's CPU time cannot exceed its wall time; 1% for the clocks being read apart).
+    parts = row["server"]["frame_step_parts_ms_mean"]
+    assert 0 < row["server"]["frame_step_host_cpu_ms_mean"] <= (parts["admit"] + parts["other"]) * 1.01 + 0.01
     urgent = row["server"]["codec_lanes"]["urgent"]
     assert 1 <= urgent["calls"] <= row["server"]["chunks"]["urgent"] and urgent["frames_per_call"] >= 1
     assert 0 < urgent["busy_fraction"] <= 1

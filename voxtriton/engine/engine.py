@@ -41,6 +41,7 @@ class StepTiming:
 
     admit_s: float = 0.0  # admitting requests: prompts' uploads and the prefill's launch (its run, on CPU)
     decode_s: float = 0.0  # launching the frame step and waiting for the frames returned
+    decode_cpu_s: float = 0.0  # the engine thread's CPU time in decode_s (waiting for a GPU event can spin)
     decode_device_s: float | None = None  # the returned frames' step as timed on the GPU (CUDA events; None on CPU)
     prefill_device_s: float | None = None  # the prefill launched with that step, on the GPU (None: none, or CPU)
     admitted: int = 0  # requests admitted by this step
@@ -129,16 +130,16 @@ class Engine:
         prefill_event = self._event() if self.waiting else None
         admitted = self._admit() if self.waiting else 0
         timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=len(self.running))
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         launched = self._launch(prefill_event if admitted else None) if self.running else None
         if self.overlap:
             launched, self.in_flight = self.in_flight, launched
+        if launched is not None:
+            codes = self.runner.read_codes(launched.codes, launched.ready)
+        timing.decode_s, timing.decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
         if launched is None:
-            timing.decode_s = time.perf_counter() - started
             self.last_timing = timing
             return []
-        codes = self.runner.read_codes(launched.codes, launched.ready)
-        timing.decode_s = time.perf_counter() - started
         if launched.events:
             before_prefill, before_decode, after = launched.events
             timing.decode_device_s = before_decode.elapsed_time(after) / 1e3

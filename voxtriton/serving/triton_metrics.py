@@ -59,6 +59,10 @@ class TritonMetrics:
                         "prompts: uploads, prefill launch), decode (launching the frame step and waiting for the frames "
                         "returned), other (locks, bookkeeping)", counter)
         self.step_parts = {part: parts.Metric(labels={"part": part}) for part in ("admit", "decode", "other")}
+        self.step_host_cpu = _family("voxtriton_frame_step_host_cpu_seconds_total",
+                                     "CPU time the engine thread used in its frame steps outside the decode (admitting, "
+                                     "the service's per-frame work): the admit and other parts' wall time beyond it was "
+                                     "spent waiting (for the GIL, the service lock, or a CPU)", counter).Metric(labels={})
         self.admitted = _family("voxtriton_admitted_requests_total", "Requests admitted into the frame steps "
                                 "(prompts prefilled): with the admit part above, the engine thread's time per admission",
                                 counter).Metric(labels={})
@@ -112,7 +116,7 @@ class TritonMetrics:
         queue.append((self.codec_busy[lane], "increment", seconds))
         queue.append((self.codec_frames[lane], "increment", frames))
 
-    def frame_step(self, seconds, batch, timing):
+    def frame_step(self, seconds, batch, timing, host_cpu_s):
         queue = self._updates
         queue.append((self.step, "observe", seconds))
         queue.append((self.step_batch, "observe", batch))
@@ -125,6 +129,7 @@ class TritonMetrics:
         queue.append((self.step_parts["admit"], "increment", timing.admit_s))
         queue.append((self.step_parts["decode"], "increment", timing.decode_s))
         queue.append((self.step_parts["other"], "increment", max(0.0, seconds - timing.admit_s - timing.decode_s)))
+        queue.append((self.step_host_cpu, "increment", max(0.0, host_cpu_s)))
 
     def rejected(self):
         self._updates.append((self.rejected_total, "increment", 1))

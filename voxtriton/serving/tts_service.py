@@ -80,9 +80,10 @@ class ServiceMetrics(Protocol):
     def codec_call(self, lane: str, frames: int, seconds: float) -> None:
         """One decode call on `lane`, of `frames` frames in all (padding included)."""
     def rejected(self) -> None: ...
-    def frame_step(self, seconds: float, batch: int, timing: StepTiming) -> None:
+    def frame_step(self, seconds: float, batch: int, timing: StepTiming, host_cpu_s: float) -> None:
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
-        pass's whole wall time (the frame period while busy), `timing` splits out admission and decode."""
+        pass's whole wall time (the frame period while busy), `timing` splits out admission and decode,
+        `host_cpu_s` is the engine thread's CPU time in the pass outside the decode."""
     def gauges(self, active: int, rows: int, waiting: int, draining: int, queues: dict[str, int],
                deadline_misses: int) -> None:
         """Streams held, rows generating, requests waiting for a free row, streams draining
@@ -216,12 +217,16 @@ class TTSService:
                 self._fail_all_running(f"generation failed: {error}")
 
     def _engine_iteration(self) -> None:
-        started = time.perf_counter()  # includes waiting for the lock, which lane workers hold while sending
+        # The pass's wall time includes waiting for the lock, which lane workers hold while sending.
+        # Its CPU time on this thread, next to the wall time outside the decode, tells waiting (for
+        # the GIL, the lock, a CPU) from work: hosts of one kind differed 2-4x in those parts
+        # (goodput_h200.md, session 22).
+        started, cpu_started = time.perf_counter(), time.thread_time()
         with self.lock:
             while self.running and not self.incoming and not self.engine.has_work:
                 self.lock.wait(0.5)  # woken by submit; the timeout only refreshes the gauges
                 self._publish_gauges()
-                started = time.perf_counter()  # idle time is not part of a frame step
+                started, cpu_started = time.perf_counter(), time.thread_time()  # idle time is not part of a frame step
             if not self.running:
                 return
             for stream in self.incoming:
@@ -242,7 +247,7 @@ class TTSService:
             self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
         period, timing = time.perf_counter() - started, self.engine.last_timing
         if self.metrics and outputs:
-            self.metrics.frame_step(period, len(outputs), timing)
+            self.metrics.frame_step(period, len(outputs), timing, time.thread_time() - cpu_started - timing.decode_cpu_s)
         if self.chunk_trace and (outputs or timing.batch):  # with overlap, a first launch returns nothing
             with self.lock:
                 self._write_trace({"kind": "step", "end": self.clock(), "period": period, "frames": len(outputs),
