@@ -303,7 +303,19 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
         "server_ttfa_ms_mean": mean("voxtriton_ttfa_seconds"),
         "deadline_misses": delta.get("voxtriton_deadline_misses_total", 0.0),
         "rejected": delta.get("voxtriton_rejected_requests_total", 0.0),
+        "cancellation_watcher": cancellation_watcher(delta, wall_s * servers),
     }
+
+
+def cancellation_watcher(delta: dict, server_seconds: float) -> dict:
+    """The cancellation watcher's checks per second and per server, the microseconds each took
+    (holding the service lock), and the share of the measurement it held that lock: the engine
+    thread and the codec lanes wait for it meanwhile."""
+    checks = delta.get("voxtriton_cancellation_checks_total", 0.0)
+    held = delta.get("voxtriton_cancellation_lock_seconds_total", 0.0)
+    return {"checks_per_s": round(checks / server_seconds, 1) if server_seconds else None,
+            "us_per_check": round(held / checks * 1e6, 1) if checks else None,
+            "lock_share": round(held / server_seconds, 4) if server_seconds else None}
 
 
 def triton_codec_models(delta: dict) -> dict:

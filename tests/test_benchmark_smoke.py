@@ -52,6 +52,10 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     # Triton's own count of the urgent codec model's calls: one per lane call
     codec = row["server"]["codec_models"]["codec_urgent"]
     assert codec["calls"] == urgent["calls"] and 0 < codec["execute_ms"] <= codec["request_ms"]
+    # The smoke server checks for cancellations every 0.2 s (the default): a stream open through a
+    # sweep was checked, and the watcher held the lock for part of the probe, not all of it.
+    watcher = row["server"]["cancellation_watcher"]
+    assert watcher["checks_per_s"] > 0 and watcher["us_per_check"] > 0 and 0 < watcher["lock_share"] < 1
     assert "| voxserve | 1 |" in (out / "results.md").read_text()
     warm_up = policy["warm_up"]  # at the lowest rate, kept apart from the probes
     assert warm_up["rate"] == 1 and warm_up["seconds"] == 2 and warm_up["requests"] >= 1

@@ -64,6 +64,8 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics.frame_step(0.03, 5, StepTiming(admit_s=0.004, decode_s=0.02, decode_device_s=0.019, admitted=2,
                                            prefill_device_s=0.003), 0.007)
     metrics.frame_step(0.02, 5, StepTiming(admit_s=0.0, decode_s=0.02, decode_device_s=0.018), 0.0005)
+    metrics.cancellation_checks(32, 0.0016)
+    metrics.cancellation_checks(5, 0.0004)
     metrics.gauges(3, 2, 1, 0, {"urgent": 1, "background": 0, "inline": 0}, 0)
     metrics.gauges(3, 2, 0, 1, {"urgent": 0, "background": 0, "inline": 0}, 1)
     assert calls == []  # nothing on the caller's thread
@@ -80,6 +82,8 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     parts = {c[1][0][1]: c[3] for c in calls if c[0] == "voxtriton_frame_step_part_seconds_total"}
     assert parts == pytest.approx({"admit": 0.004, "decode": 0.04, "other": 0.006})
     assert [c[3] for c in calls if c[0] == "voxtriton_frame_step_host_cpu_seconds_total"] == pytest.approx([0.0075])
+    assert [c[3] for c in calls if c[0] == "voxtriton_cancellation_checks_total"] == [37]
+    assert [c[3] for c in calls if c[0] == "voxtriton_cancellation_lock_seconds_total"] == pytest.approx([0.002])
     assert [c[3] for c in calls if c[0] == "voxtriton_frame_step_device_seconds"] == [0.019, 0.018]
     assert [c[2:] for c in calls if c[0] == "voxtriton_admitted_requests_total"] == [("increment", 2)]
     assert [c[3] for c in calls if c[0] == "voxtriton_prefill_device_seconds_total"] == pytest.approx([0.003])

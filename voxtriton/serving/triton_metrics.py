@@ -84,6 +84,12 @@ class TritonMetrics:
         self.draining = _family("voxtriton_draining_streams", "Streams that have generated all their frames and "
                                 "still owe audio: each holds a codec state row, no KV-cache row (max_draining "
                                 "adds rows for them)", gauge).Metric(labels={})
+        self.cancellation_checked = _family("voxtriton_cancellation_checks_total",
+                                            "Streams the cancellation watcher checked (a round trip to the server "
+                                            "process each)", counter).Metric(labels={})
+        self.cancellation_held = _family("voxtriton_cancellation_lock_seconds_total",
+                                         "Time the cancellation watcher held the service lock for its checks: the "
+                                         "engine thread and the codec lanes wait for it meanwhile", counter).Metric(labels={})
         self.rejected_total = _family("voxtriton_rejected_requests_total", "Requests refused by admission control (server busy)",
                                       counter).Metric(labels={})
         self.misses = _family("voxtriton_deadline_misses_total",
@@ -133,6 +139,10 @@ class TritonMetrics:
 
     def rejected(self):
         self._updates.append((self.rejected_total, "increment", 1))
+
+    def cancellation_checks(self, streams, seconds):
+        self._updates.append((self.cancellation_checked, "increment", streams))
+        self._updates.append((self.cancellation_held, "increment", seconds))
 
     def gauges(self, active, rows, waiting, draining, queues, deadline_misses):
         values = self._gauge_values

@@ -80,6 +80,9 @@ class ServiceMetrics(Protocol):
     def codec_call(self, lane: str, frames: int, seconds: float) -> None:
         """One decode call on `lane`, of `frames` frames in all (padding included)."""
     def rejected(self) -> None: ...
+    def cancellation_checks(self, streams: int, seconds: float) -> None:
+        """The cancellation watcher checked `streams` streams in one hold of the service lock,
+        held `seconds`: the engine and the lanes wait that long for it."""
     def frame_step(self, seconds: float, batch: int, timing: StepTiming, host_cpu_s: float) -> None:
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
         pass's whole wall time (the frame period while busy), `timing` splits out admission and decode,
@@ -281,7 +284,12 @@ class TTSService:
                 if self._stopping.is_set():
                     return
                 with self.lock:
-                    self._end_cancelled(s for s in streams[first: first + CHECKS_PER_HOLD] if not s.ended)
+                    held_from = time.perf_counter()
+                    checked = [s for s in streams[first: first + CHECKS_PER_HOLD] if not s.ended]
+                    self._end_cancelled(checked)
+                    held = time.perf_counter() - held_from
+                if self.metrics and checked:
+                    self.metrics.cancellation_checks(len(checked), held)
 
     def _end_cancelled(self, streams) -> None:
         """Check each stream and end those whose client is gone (under the service lock)."""
