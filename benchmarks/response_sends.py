@@ -1,16 +1,20 @@
-"""What does a codec lane pay to send a batch of chunks? A real tritonserver runs one throwaway
-decoupled Python model. The client opens one streaming request per chunk of a batch, as a codec call
-decodes one chunk for each of several streams; the model then sends batches of responses (one
-chunk of audio to each request), as a lane worker does after a codec call, and times one batch:
+"""What does a codec lane pay to send a batch of chunks, and the cancellation watcher to check
+streams? A real tritonserver runs one throwaway decoupled Python model. The client opens one
+streaming request per chunk of a batch, as a codec call decodes one chunk for each of several
+streams; the model then sends batches of responses (one chunk of audio to each request), as a lane
+worker does after a codec call, or checks each request for cancellation, as the watcher does in a
+hold of the service lock (`CHECKS_PER_HOLD` of them), and times one batch:
 - alone, or beside a thread that runs Python (as the engine thread does, handling every frame
   step's frames);
 - one send after the other (each a round trip to the server process that drops the GIL, and beside
   a thread running Python takes about the switch interval to get it back; `bls_gil.py`), or every
-  send of the batch on a thread of its own at once;
+  send of the batch on a thread of its own at once, or one cancellation check after the other
+  (`is_cancelled()`, also a round trip that drops the GIL);
 - at several switch intervals (the interpreter's default is 5 ms), with what the thread running
   Python gives up meanwhile (its speed as a share of its speed alone).
 
     python benchmarks/response_sends.py --chunks 6 --batches 50 --switch-intervals-ms 5,0.5,0.1
+    python benchmarks/response_sends.py --chunks 32 --batches 20   # 32: a watcher's hold
 """
 
 from __future__ import annotations
@@ -111,9 +115,14 @@ class TritonPythonModel:
                 send(sender)
         def all_at_once():
             list(pool.map(send, senders))
+        def cancellation_checks():
+            for sender in senders:
+                sender.is_cancelled()
+        batch_of = {"one after another": one_after_another, "all at once": all_at_once,
+                    "cancellation checks": cancellation_checks}
         times = []
         for interval, beside, mode in CASES:
-            times += timed(one_after_another if mode == "one after another" else all_at_once, batches, beside, interval)
+            times += timed(batch_of[mode], batches, beside, interval)
         pool.shutdown()
         # The first stream's last response: per case, in the order of CASES, ms per batch and the
         # spinner's speed as a share of its speed alone.
@@ -140,7 +149,7 @@ def main() -> None:
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
     args = parser.parse_args()
     cases = [(float(ms) / 1e3, beside, mode) for ms in args.switch_intervals_ms.split(",") for beside in (False, True)
-             for mode in ("one after another", "all at once")]
+             for mode in ("one after another", "all at once", "cancellation checks")]
     with tempfile.TemporaryDirectory() as tmp:
         server = TritonServer(repository=write_repository(Path(tmp), cases), tritonserver=args.tritonserver, use_mps=False)
         with server:
@@ -163,7 +172,7 @@ def main() -> None:
                         times = result.as_numpy("AUDIO")
             client.stop_stream()
     print(f"one batch of {args.chunks} chunk sends to {args.chunks} streams ({args.frames} frames of audio each), "
-          f"mean of {args.batches} batches, ms:")
+          f"or of {args.chunks} cancellation checks, mean of {args.batches} batches, ms:")
     for (interval, beside, mode), ms, share in zip(cases, times[0::2], times[1::2]):
         print(f"  {mode}, {'beside a thread running Python' if beside else 'alone'}, switch interval "
               f"{interval * 1e3:g} ms: {ms:.2f}" + (f" (that thread ran at {share:.0%} of its speed alone)" if beside else ""))

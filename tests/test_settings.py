@@ -22,6 +22,8 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
     ("backbone_partition", "half", "'backbone_partition' must be exclusive or shared"),
     ("cancellation_check_s", "fast", "'cancellation_check_s': cannot read 'fast' as float"),
     ("cancellation_check_s", "0", "'cancellation_check_s' must be positive"),
+    ("cancellation_lock_share", "0", "'cancellation_lock_share' must be above 0 and at most 1, got 0.0"),
+    ("cancellation_lock_share", "1.5", "'cancellation_lock_share' must be above 0 and at most 1, got 1.5"),
     ("backbone_sms", "100", "unknown parameter(s) backbone_sms"),
     ("background_sms", "most", "'background_sms' must be an SM count or a fraction of the GPU's SMs between 0 and 1 (such as 0.75), got 'most'"),
     ("background_sms", "1.5", "'background_sms' must be an SM count or a fraction"),

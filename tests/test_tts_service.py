@@ -125,6 +125,72 @@ def test_the_cancellation_sweep_reaches_streams_beyond_one_hold_of_the_lock(tiny
         service.shutdown()
 
 
+class SlowCheckSink(CancellableSink):
+    """A sink whose cancellation check takes a millisecond (a slow round trip to the server process)
+    and names its stream in `checks`."""
+
+    def __init__(self, name, checks):
+        super().__init__()
+        self.name, self.checks = name, checks
+
+    def cancelled(self):
+        time.sleep(0.001)
+        self.checks.append(self.name)
+        return self.cancel
+
+
+class HoldRecorder:
+    """Service metrics that keep the cancellation watcher's holds of the lock: (streams checked,
+    seconds held, when it reported, checks made by then)."""
+
+    def __init__(self, checks):
+        self.checks, self.holds = checks, []
+
+    def cancellation_checks(self, streams, seconds):
+        self.holds.append((streams, seconds, time.perf_counter(), len(self.checks)))
+
+    def chunk_sent(self, *args): ...
+    def codec_call(self, *args): ...
+    def rejected(self): ...
+    def frame_step(self, *args): ...
+    def gauges(self, *args): ...
+
+
+def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_last(tiny_checkpoint):
+    """With cancellation_lock_share 0.25, the watcher lets the lock go for at least three times each
+    hold before the next (so it holds it at most a quarter of the time), and a sweep checks the
+    streams still generating or queued before those that have generated all their frames."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
+    lane = LaneThatFailsAfterCancellation()  # holds the first chunk: no stream ends meanwhile
+    checks = []
+    metrics = HoldRecorder(checks)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=3 * CHECKS_PER_HOLD,
+                         cancellation_check_s=0.01, metrics=metrics, cancellation_lock_share=0.25)
+    try:
+        inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
+                  "ignore_eos": np.array([True])}
+        names = [f"r{index}" for index in range(2 * CHECKS_PER_HOLD + 5)]  # three holds a sweep: 32, 32, 5
+        for name in names:
+            service.submit(parser.parse(name, inputs), SlowCheckSink(name, checks))
+        wait_for(lambda: service.draining >= 2)  # the first two have generated theirs (two rows)
+        seen = len(metrics.holds)
+        wait_for(lambda: len(metrics.holds) >= seen + 6)  # a whole sweep among them
+        holds = metrics.holds[seen:]
+        for (_, held, reported, _), (_, next_held, next_reported, _) in zip(holds, holds[1:]):
+            next_started = next_reported - next_held
+            assert next_started - reported >= 0.9 * 3 * held  # (0.9: the report comes a little after the hold)
+        last_of_sweep = next(index for index, hold in enumerate(holds) if hold[0] == 5)
+        sweep_from, sweep_to = holds[last_of_sweep][3], holds[last_of_sweep + 3][3]
+        sweep = checks[sweep_from:sweep_to]
+        assert sorted(sweep) == sorted(names)  # every stream once
+        generated = len(sweep) - sweep.index("r0")  # the streams checked from r0 on
+        assert 2 <= generated < len(names)
+        assert sweep == names[generated:] + names[:generated]  # the generated ones (the first admitted) last
+    finally:
+        lane.release.set()
+        service.shutdown()
+
+
 class CollectingSink:
     def __init__(self):
         self.audio, self.codes, self.info, self.errors, self.done = [], [], [], [], threading.Event()

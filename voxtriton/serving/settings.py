@@ -112,6 +112,14 @@ class TTSSettings:
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.2  # a sweep makes one round trip per open stream
+    # The largest share of time the cancellation watcher may hold the service lock: after each hold
+    # it lets go for as long again times (1 / share - 1). A sweep over N streams holds it N round
+    # trips long, and a round trip's cost varies with the host and its load (0.05 ms assumed in
+    # session 5, 0.33 ms in a CPU smoke run of session 22): at 1400 streams and 0.2 s sweeps the
+    # unpaced watcher could hold the lock most of the time, which the engine thread and the lanes
+    # wait out. Generating and queued streams are checked before draining ones, so those holding a
+    # KV-cache row or waiting for one are found first. 1 turns the pacing off.
+    cancellation_lock_share: float = 0.1
     chunk_trace_path: str = ""  # append one JSON line per chunk sent and per frame step ("" = off); for diagnosis
     cuda_graphs: bool = True
     # Launch each frame step before handling the previous one's frames, so the GPU does not wait
@@ -135,6 +143,9 @@ class TTSSettings:
             raise ValueError(f"config.pbtxt parameter 'max_draining' must be 0 or more, got {self.max_draining}")
         if self.cancellation_check_s <= 0:
             raise ValueError(f"config.pbtxt parameter 'cancellation_check_s' must be positive, got {self.cancellation_check_s}")
+        if not 0 < self.cancellation_lock_share <= 1:
+            raise ValueError(f"config.pbtxt parameter 'cancellation_lock_share' must be above 0 and at most 1, "
+                             f"got {self.cancellation_lock_share}")
         if self.backbone_partition not in ("exclusive", "shared"):
             raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
                              f"got {self.backbone_partition!r}")

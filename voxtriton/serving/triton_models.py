@@ -203,7 +203,8 @@ class TTSTritonModel:
         self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
                                   settings.cancellation_check_s, metrics=self.metrics, device=device,
                                   engine_context=self.partition, chunk_trace=self.chunk_trace,
-                                  lane_workers=settings.lane_workers, max_draining=settings.max_draining)
+                                  lane_workers=settings.lane_workers, max_draining=settings.max_draining,
+                                  cancellation_lock_share=settings.cancellation_lock_share)
         self.ids = itertools.count()
 
     def execute(self, requests):

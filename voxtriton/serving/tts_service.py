@@ -115,13 +115,15 @@ class TTSService:
                  max_queued: int, cancellation_check_s: float = 0.2,
                  metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                  device: torch.device | str = "cpu", engine_context=None, chunk_trace: TextIO | None = None,
-                 lane_workers: int = 1, max_draining: int = 0):
+                 lane_workers: int = 1, max_draining: int = 0, cancellation_lock_share: float = 1.0):
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
         given, gets one JSON line per chunk sent and per frame step (see `_write_trace`).
         `lane_workers`: codec calls each lane keeps in flight; the server passes
         `TTSSettings.lane_workers` (2), direct users get one unless they ask. `max_draining`: codec
         state rows added to the shared pool for streams that have finished generating and still owe
-        audio (not a cap of its own: see `submit`)."""
+        audio (not a cap of its own: see `submit`). `cancellation_lock_share`: the largest share of
+        time the cancellation watcher holds the service lock (`_watch_cancellations`); the server
+        passes `TTSSettings.cancellation_lock_share` (0.1), direct users get no pacing unless they ask."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -131,6 +133,9 @@ class TTSService:
         self.engine_context = engine_context or self._own_stream()
         self.max_queued = max_queued
         self.cancellation_check_s = cancellation_check_s
+        if not 0 < cancellation_lock_share <= 1:
+            raise ValueError(f"cancellation_lock_share must be above 0 and at most 1, got {cancellation_lock_share}")
+        self.cancellation_lock_share = cancellation_lock_share
         self.metrics = metrics
         self.clock = clock
         self.chunk_trace = chunk_trace
@@ -273,16 +278,18 @@ class TTSService:
         A check is a round trip to the server process that drops the GIL, and taking the GIL back
         beside a thread running Python waits about the switch interval (5 ms; benchmarks/bls_gil.py).
         So checks run under the service lock, where the threads that would compete for the GIL wait
-        on the lock instead: a burst of plain round trips (0.05 ms each), not a GIL handoff per stream.
-        The lock is let go every CHECKS_PER_HOLD checks, so a sweep over hundreds of streams never
-        holds up a frame step or a chunk for more than a couple of milliseconds.
+        on the lock instead: a burst of plain round trips, not a GIL handoff per stream. The lock is
+        let go every CHECKS_PER_HOLD checks, and then left alone long enough that the watcher holds it
+        at most `cancellation_lock_share` of the time: a round trip took 0.05 ms in session 5 and
+        0.33 ms in a CPU smoke run of session 22, and a sweep makes one per open stream. Streams still
+        generating or waiting for a row come first, as their cancellation frees a KV-cache row and
+        a share of every frame step; draining ones (generated, audio still owed) after them.
         """
+        pause_per_held_second = 1 / self.cancellation_lock_share - 1
         while not self._stopping.wait(self.cancellation_check_s):
             with self.lock:
-                streams = list(self.streams.values())
+                streams = sorted(self.streams.values(), key=lambda stream: stream.generated)  # (stable)
             for first in range(0, len(streams), CHECKS_PER_HOLD):
-                if self._stopping.is_set():
-                    return
                 with self.lock:
                     held_from = time.perf_counter()
                     checked = [s for s in streams[first: first + CHECKS_PER_HOLD] if not s.ended]
@@ -290,6 +297,8 @@ class TTSService:
                     held = time.perf_counter() - held_from
                 if self.metrics and checked:
                     self.metrics.cancellation_checks(len(checked), held)
+                if self._stopping.wait(held * pause_per_held_second):
+                    return
 
     def _end_cancelled(self, streams) -> None:
         """Check each stream and end those whose client is gone (under the service lock)."""
