@@ -3,15 +3,19 @@
     python benchmarks/gpu_check.py [--json OUT] [--min-tflops 450] [--min-gbps 2500] [--max-graph-kernel-us 8]
         [--max-python-ms 400]
 
-Device machines of one kind are not equally fast: sessions 21 and 22 got H200 machines whose
-server frame step took 57-60 ms at 512 rows where others took about 20. Those runs measured the
-machine, not the policies. This prints a bf16 matrix product's TFLOP/s, a device-to-device copy's
-GB/s (read plus write), the GPU time of one tiny kernel replayed in a CUDA graph (the code
-predictor's steps are made of such kernels), a fixed pure-Python loop's time (the engine thread
-is Python), the host's processor, the CPUs this process may use and its cgroup's CPU quota, and
-what nvidia-smi says of clocks, power and other processes on the GPU. It exits 1,
-naming each figure outside its bound, when the machine is slower than a bound, so a device call's
-script can stop before spending its time on goodput runs.
+A goodput run is only as good as the machine it ran on and the kernels it ran: in sessions 21
+and 22 a call script's variable named CC (the C compiler Triton builds its kernels with) turned
+every Triton kernel off, and the server's frame step took 57-60 ms where it takes about 20; and
+the engine thread's host time per step differed 1.4-5x between H200 hosts (goodput_h200.md).
+This prints whether each of voxtriton's Triton kernels passes its check on this GPU
+(`voxtriton.kernels.check_kernels`, as the server runs it), a bf16 matrix product's TFLOP/s, a
+device-to-device copy's GB/s (read plus write), the GPU time of one tiny kernel replayed in a
+CUDA graph (the code predictor's steps are made of such kernels), a fixed pure-Python loop's time
+(the engine thread is Python), the host's processor, the CPUs this process may use and its
+cgroup's CPU quota, and what nvidia-smi says of clocks, power and the processes on the GPU (this
+one's pid is in the output). It exits 1, naming each figure outside its bound, when a kernel
+fails its check or the machine is slower than a bound, so a device call's script can stop before
+spending its time on goodput runs.
 """
 
 from __future__ import annotations
@@ -77,8 +81,8 @@ def python_loop_ms(iterations: int = 2_000_000) -> float:
 
 def host() -> dict:
     """The processor model, the CPUs this process may run on, the cgroup's CPU quota ("max" for
-    none) and the load average: the engine thread's time per step varied 2-4x between machines
-    of one kind (sessions 20-22) while this Python loop's did not."""
+    none) and the load average: the engine thread's time per step varied 1.4-5x between machines
+    of one kind (sessions 20-22), and nothing recorded then says how the hosts differed."""
     def first_line(path: str, prefix: str = "") -> str | None:
         try:
             with open(path) as handle:
@@ -115,20 +119,29 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 1
-    figures = {"device": torch.cuda.get_device_name(0), "matmul_tflops": round(matmul_tflops(), 1),
+    from voxtriton.kernels import check_kernels  # the checkout's package (setup_env.sh puts it on the path)
+
+    kernels = check_kernels(torch.device("cuda", 0))
+    figures = {"device": torch.cuda.get_device_name(0), "pid": os.getpid(),
+               "kernels_failing_their_check": sorted(name for name, usable in kernels.items() if not usable),
+               "matmul_tflops": round(matmul_tflops(), 1),
                "copy_gbps": round(copy_gbps(), 1), "graph_kernel_us": round(graph_kernel_us(), 2),
                "python_loop_ms": round(python_loop_ms(), 1), "host": host(), "nvidia_smi": nvidia_smi()}
     print(json.dumps(figures, indent=1))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=1)
-    slow = [name for name, bad in (
-        ("matmul_tflops", figures["matmul_tflops"] < args.min_tflops),
-        ("copy_gbps", figures["copy_gbps"] < args.min_gbps),
-        ("graph_kernel_us", figures["graph_kernel_us"] > args.max_graph_kernel_us),
-        ("python_loop_ms", figures["python_loop_ms"] > args.max_python_ms)) if bad]
+    slow = [text for text, bad in (
+        (f"matmul_tflops {figures['matmul_tflops']} < {args.min_tflops}", figures["matmul_tflops"] < args.min_tflops),
+        (f"copy_gbps {figures['copy_gbps']} < {args.min_gbps}", figures["copy_gbps"] < args.min_gbps),
+        (f"graph_kernel_us {figures['graph_kernel_us']} > {args.max_graph_kernel_us}",
+         figures["graph_kernel_us"] > args.max_graph_kernel_us),
+        (f"python_loop_ms {figures['python_loop_ms']} > {args.max_python_ms}",
+         figures["python_loop_ms"] > args.max_python_ms),
+        (f"Triton kernels failing their check: {', '.join(figures['kernels_failing_their_check'])}",
+         bool(figures["kernels_failing_their_check"]))) if bad]
     if slow:
-        print(f"gpu_check: slower than the bounds: {', '.join(slow)}", file=sys.stderr)
+        print(f"gpu_check: {'; '.join(slow)}", file=sys.stderr)
         return 1
     return 0
 

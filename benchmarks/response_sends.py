@@ -14,7 +14,7 @@ hold of the service lock (`CHECKS_PER_HOLD` of them), and times one batch:
   Python gives up meanwhile (its speed as a share of its speed alone).
 
     python benchmarks/response_sends.py --chunks 6 --batches 50 --switch-intervals-ms 5,0.5,0.1
-    python benchmarks/response_sends.py --chunks 32 --batches 20   # 32: a watcher's hold
+    python benchmarks/response_sends.py --chunks 32 --batches 20   # 32: four of the watcher's holds (CHECKS_PER_HOLD 8)
 """
 
 from __future__ import annotations

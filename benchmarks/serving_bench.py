@@ -284,8 +284,8 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
                                      for part in ("admit", "decode", "other")},
         # The engine thread's CPU time per step outside the decode: admit and other beyond it were waits
         # (for the GIL, the service lock, a CPU).
-        "frame_step_host_cpu_ms_mean": (round(delta.get("voxtriton_frame_step_host_cpu_seconds_total", 0.0) / steps * 1e3, 3)
-                                        if steps else None),
+        "frame_step_host_cpu_ms_mean": (round(delta["voxtriton_frame_step_host_cpu_seconds_total"] / steps * 1e3, 3)
+                                        if steps and "voxtriton_frame_step_host_cpu_seconds_total" in delta else None),
         # The engine thread's wall time and the GPU's time (before the decode) per admitted request.
         "admit_ms_per_request": per_admission('voxtriton_frame_step_part_seconds_total{part="admit"}'),
         "prefill_device_ms_per_request": per_admission("voxtriton_prefill_device_seconds_total"),
@@ -311,11 +311,12 @@ def cancellation_watcher(delta: dict, server_seconds: float) -> dict:
     """The cancellation watcher's checks per second and per server, the microseconds each took
     (holding the service lock), and the share of the measurement it held that lock: the engine
     thread and the codec lanes wait for it meanwhile."""
-    checks = delta.get("voxtriton_cancellation_checks_total", 0.0)
-    held = delta.get("voxtriton_cancellation_lock_seconds_total", 0.0)
-    return {"checks_per_s": round(checks / server_seconds, 1) if server_seconds else None,
-            "us_per_check": round(held / checks * 1e6, 1) if checks else None,
-            "lock_share": round(held / server_seconds, 4) if server_seconds else None}
+    if "voxtriton_cancellation_checks_total" not in delta or not server_seconds:  # (a server without them)
+        return {"checks_per_s": None, "us_per_check": None, "lock_share": None}
+    checks = delta["voxtriton_cancellation_checks_total"]
+    held = delta["voxtriton_cancellation_lock_seconds_total"]
+    return {"checks_per_s": round(checks / server_seconds, 1), "us_per_check": round(held / checks * 1e6, 1) if checks else None,
+            "lock_share": round(held / server_seconds, 6)}
 
 
 def triton_codec_models(delta: dict) -> dict:

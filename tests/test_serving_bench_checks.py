@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from serving_bench import kernel_fallbacks  # noqa: E402
@@ -24,3 +27,16 @@ def test_a_gpu_kernel_that_failed_its_check_is_found_in_the_server_log():
 
 def test_a_log_without_fallbacks_gives_none():
     assert kernel_fallbacks("\n".join([GREEN_CONTEXT, GRAPHS])) == []
+
+
+def test_a_gpu_without_the_triton_package_logs_every_kernel_as_a_fallback(monkeypatch, caplog):
+    """Without triton the kernels fall back too: each says so in the log, which the benchmark reads.
+    (check_kernels touches no GPU before it finds triton missing, so this runs on CPU.)"""
+    import voxtriton.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton", None)
+    with caplog.at_level(logging.WARNING, logger=kernels.log.name):
+        usable = kernels.check_kernels(torch.device("cuda", 0))
+    assert usable and not any(usable.values())
+    found = kernel_fallbacks("\n".join(record.getMessage() for record in caplog.records))
+    assert len(found) == len(usable) and all("cannot be imported" in line for line in found)

@@ -251,6 +251,9 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     steps = [r for r in lines if r["kind"] == "step"]
     assert sum(r["frames"] for r in steps) == 13 and sum(r["admitted"] for r in steps) == 1
     assert all(r["period"] >= r["admit_s"] + r["decode_s"] for r in steps)
+    # The engine thread's CPU time outside the decode is at most that part's wall time (1 ms for the
+    # clocks being read apart).
+    assert all(0 <= r["host_cpu_s"] <= r["period"] - r["decode_s"] + 1e-3 for r in steps)
     assert [(r["index"], r["frames"], r["batch"]) for r in records] == [(i, n, 1) for i, n in enumerate([2, 2, 4, 4, 1])]
     assert {r["lane"] for r in records} == {"inline" if policy == "serial" else "urgent"}
     for previous, record in zip([None] + records, records):

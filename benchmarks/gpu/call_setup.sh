@@ -14,7 +14,7 @@ cat .carry/HEAD >> "$S" 2>/dev/null || echo "no .carry/HEAD: the tree is not rec
 source benchmarks/gpu/common.sh
 stamp() { echo "$(date +%T) $*" >> "$S"; }
 stamp start
-$PY benchmarks/gpu_check.py --json "$OUT/gpu_check.json" >> "$S" 2>&1 || stamp "gpu_check: slower than its bounds"
+$PY benchmarks/gpu_check.py --json "$OUT/gpu_check.json" >> "$S" 2>&1 || stamp "gpu_check: a kernel failed its check, the machine is slower than a bound, or no GPU (see above)"
 for preset in "$@"; do checkpoint "$preset" > /dev/null 2>&1; stamp "checkpoint $preset"; done
 export D=${D:-20} W=${W:-0}
 R=benchmarks/gpu/run_serving.sh

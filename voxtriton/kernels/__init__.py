@@ -45,7 +45,12 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
     warning says why. The model and codec runners call this when they are made, before any graph
     capture.
     """
-    if triton is None or device.type != "cuda":
+    if device.type != "cuda":
+        return dict.fromkeys(KERNEL_CHECKS, False)
+    if triton is None:  # said per kernel, as a failed check is: benchmarks look for these lines
+        for name in KERNEL_CHECKS:
+            log.warning("Triton kernel %s unavailable on %s (ImportError: the triton package cannot be "
+                        "imported); using its slower PyTorch formula", name, device)
         return dict.fromkeys(KERNEL_CHECKS, False)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _usable:

@@ -113,11 +113,11 @@ class TTSSettings:
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.2  # a sweep makes one round trip per open stream
     # The largest share of time the cancellation watcher may hold the service lock: after each hold
-    # it lets go for as long again times (1 / share - 1). A sweep over N streams holds it N round
-    # trips long, and a round trip's cost varies with the host and its load (0.05 ms assumed in
-    # session 5, 0.33 ms in a CPU smoke run of session 22): at 1400 streams and 0.2 s sweeps the
-    # unpaced watcher could hold the lock most of the time, which the engine thread and the lanes
-    # wait out. Generating and queued streams are checked before draining ones, so those holding a
+    # it lets go for (1 / share - 1) times as long as it held it. A sweep over N streams holds it N
+    # round trips long, and a round trip's cost varies with the host and its load (0.05 ms assumed
+    # in session 5, 0.11-0.13 ms on CPU in session 22): at 1400 streams and 0.2 s sweeps the unpaced
+    # watcher could hold the lock about half the time, which the engine thread and the lanes wait
+    # out. Generating and queued streams are checked before draining ones, so those holding a
     # KV-cache row or waiting for one are found first. 1 turns the pacing off.
     cancellation_lock_share: float = 0.1
     chunk_trace_path: str = ""  # append one JSON line per chunk sent and per frame step ("" = off); for diagnosis

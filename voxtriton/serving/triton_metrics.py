@@ -62,7 +62,8 @@ class TritonMetrics:
         self.step_host_cpu = _family("voxtriton_frame_step_host_cpu_seconds_total",
                                      "CPU time the engine thread used in its frame steps outside the decode (admitting, "
                                      "the service's per-frame work): the admit and other parts' wall time beyond it was "
-                                     "spent waiting (for the GIL, the service lock, or a CPU)", counter).Metric(labels={})
+                                     "spent waiting (for the GIL, the service lock, or a CPU). This thread's only: a GPU "
+                                     "wait that spins counts, PyTorch's CPU threads do not", counter).Metric(labels={})
         self.admitted = _family("voxtriton_admitted_requests_total", "Requests admitted into the frame steps "
                                 "(prompts prefilled): with the admit part above, the engine thread's time per admission",
                                 counter).Metric(labels={})
@@ -88,8 +89,9 @@ class TritonMetrics:
                                             "Streams the cancellation watcher checked (a round trip to the server "
                                             "process each)", counter).Metric(labels={})
         self.cancellation_held = _family("voxtriton_cancellation_lock_seconds_total",
-                                         "Time the cancellation watcher held the service lock for its checks: the "
-                                         "engine thread and the codec lanes wait for it meanwhile", counter).Metric(labels={})
+                                         "Time the cancellation watcher held the service lock for its checks (getting "
+                                         "the GIL back after each included): the engine thread and the codec lanes wait "
+                                         "for it meanwhile", counter).Metric(labels={})
         self.rejected_total = _family("voxtriton_rejected_requests_total", "Requests refused by admission control (server busy)",
                                       counter).Metric(labels={})
         self.misses = _family("voxtriton_deadline_misses_total",

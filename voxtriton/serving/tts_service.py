@@ -37,7 +37,9 @@ from ..scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk, ChunkScheduler
 log = logging.getLogger(__name__)
 
 LANE_CODES = {URGENT: 0, BACKGROUND: 1, INLINE: 2}
-CHECKS_PER_HOLD = 32  # cancellation checks per hold of the service lock (about 1.6 ms at 0.05 ms each)
+# Cancellation checks per hold of the service lock: about 1 ms at the 0.11-0.13 ms a check took on
+# CPU (benchmarks/response_sends.py, session 22), which the engine thread or a lane may wait out.
+CHECKS_PER_HOLD = 8
 
 
 class CodecLane(Protocol):
@@ -225,10 +227,10 @@ class TTSService:
                 self._fail_all_running(f"generation failed: {error}")
 
     def _engine_iteration(self) -> None:
-        # The pass's wall time includes waiting for the lock, which lane workers hold while sending.
-        # Its CPU time on this thread, next to the wall time outside the decode, tells waiting (for
-        # the GIL, the lock, a CPU) from work: hosts of one kind differed 2-4x in those parts
-        # (goodput_h200.md, session 22).
+        # The pass's wall time includes waiting for the lock, which lane workers and the cancellation
+        # watcher hold. Its CPU time on this thread, next to the wall time outside the decode, tells
+        # waiting (for the GIL, the lock, a CPU) from work: the H200 hosts of sessions 20-22 differed
+        # 1.4-5x in those parts (goodput_h200.md, session 22).
         started, cpu_started = time.perf_counter(), time.thread_time()
         with self.lock:
             while self.running and not self.incoming and not self.engine.has_work:
@@ -254,12 +256,13 @@ class TTSService:
         if self.scheduler.config.policy == "serial":
             self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
         period, timing = time.perf_counter() - started, self.engine.last_timing
+        host_cpu = time.thread_time() - cpu_started - timing.decode_cpu_s
         if self.metrics and outputs:
-            self.metrics.frame_step(period, len(outputs), timing, time.thread_time() - cpu_started - timing.decode_cpu_s)
+            self.metrics.frame_step(period, len(outputs), timing, host_cpu)
         if self.chunk_trace and (outputs or timing.batch):  # with overlap, a first launch returns nothing
             with self.lock:
                 self._write_trace({"kind": "step", "end": self.clock(), "period": period, "frames": len(outputs),
-                                   **dataclasses.asdict(timing)})
+                                   "host_cpu_s": host_cpu, **dataclasses.asdict(timing)})
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
@@ -280,8 +283,9 @@ class TTSService:
         So checks run under the service lock, where the threads that would compete for the GIL wait
         on the lock instead: a burst of plain round trips, not a GIL handoff per stream. The lock is
         let go every CHECKS_PER_HOLD checks, and then left alone long enough that the watcher holds it
-        at most `cancellation_lock_share` of the time: a round trip took 0.05 ms in session 5 and
-        0.33 ms in a CPU smoke run of session 22, and a sweep makes one per open stream. Streams still
+        at most `cancellation_lock_share` of the time: a check took 0.05 ms in session 5 and
+        0.11-0.13 ms on CPU in session 22 (benchmarks/response_sends.py), and a sweep makes one per
+        open stream. A hold's time includes getting the GIL back after each check. Streams still
         generating or waiting for a row come first, as their cancellation frees a KV-cache row and
         a share of every frame step; draining ones (generated, audio still owed) after them.
         """
