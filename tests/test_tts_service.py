@@ -139,7 +139,18 @@ class SlowCheckSink(CancellableSink):
         return self.cancel
 
 
-class HoldRecorder:
+class DroppedMetrics:
+    """Service metrics that drop every update; the recorders below keep the ones their tests read."""
+
+    def chunk_sent(self, *args): ...
+    def codec_call(self, *args): ...
+    def rejected(self): ...
+    def cancellation_checks(self, *args): ...
+    def frame_step(self, *args): ...
+    def gauges(self, *args): ...
+
+
+class HoldRecorder(DroppedMetrics):
     """Service metrics that keep the cancellation watcher's holds of the lock: (streams checked,
     seconds held, when it reported, checks made by then)."""
 
@@ -148,12 +159,6 @@ class HoldRecorder:
 
     def cancellation_checks(self, streams, seconds):
         self.holds.append((streams, seconds, time.perf_counter(), len(self.checks)))
-
-    def chunk_sent(self, *args): ...
-    def codec_call(self, *args): ...
-    def rejected(self): ...
-    def frame_step(self, *args): ...
-    def gauges(self, *args): ...
 
 
 def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_last(tiny_checkpoint):
@@ -169,7 +174,7 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
     try:
         inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
                   "ignore_eos": np.array([True])}
-        names = [f"r{index}" for index in range(2 * CHECKS_PER_HOLD + 5)]  # three holds a sweep: 32, 32, 5
+        names = [f"r{index}" for index in range(2 * CHECKS_PER_HOLD + 5)]  # three holds a sweep: 8, 8, 5
         for name in names:
             service.submit(parser.parse(name, inputs), SlowCheckSink(name, checks))
         wait_for(lambda: service.draining >= 2)  # the first two have generated theirs (two rows)
@@ -464,7 +469,7 @@ def test_a_failing_chunk_trace_turns_itself_off_and_the_stream_completes(tiny_ch
         service.shutdown()
 
 
-class GaugeRecorder:
+class GaugeRecorder(DroppedMetrics):
     """Service metrics that keep the gauges' history (the rest is dropped)."""
 
     def __init__(self):
@@ -472,12 +477,6 @@ class GaugeRecorder:
 
     def gauges(self, active, rows, waiting, draining, queues, deadline_misses):
         self.gauge_calls.append((active, rows, waiting, draining))
-
-    def chunk_sent(self, *args): ...
-    def codec_call(self, *args): ...
-    def rejected(self): ...
-    def cancellation_checks(self, *args): ...
-    def frame_step(self, *args): ...
 
 
 def test_the_waiting_gauge_counts_requests_no_row_was_free_for(tiny_checkpoint):

@@ -25,6 +25,10 @@ def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
     return torch.cuda.device(tensor.device if tensor.is_cuda else -1)
 
 
+# A kernel that falls back says so in this form (benchmarks/serving_bench.py looks for these lines).
+FALLBACK_WARNING = "Triton kernel %s unavailable on %s (%s: %s); using its slower PyTorch formula"
+
+
 def triton_usable(device: torch.device, kernel: str) -> bool:
     """Whether the Triton kernel `kernel` (a name in `checks.KERNEL_CHECKS`) runs on this device;
     see `check_kernels`."""
@@ -49,8 +53,7 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
         return dict.fromkeys(KERNEL_CHECKS, False)
     if triton is None:  # said per kernel, as a failed check is: benchmarks look for these lines
         for name in KERNEL_CHECKS:
-            log.warning("Triton kernel %s unavailable on %s (ImportError: the triton package cannot be "
-                        "imported); using its slower PyTorch formula", name, device)
+            log.warning(FALLBACK_WARNING, name, device, "ImportError", "the triton package cannot be imported")
         return dict.fromkeys(KERNEL_CHECKS, False)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _usable:
@@ -72,7 +75,6 @@ def run_checks(device: torch.device, checks: dict) -> dict[str, bool]:
                     raise RuntimeError("it disagrees with its reference formula")
             usable[name] = True
         except Exception as error:  # a missing compiler or headers surfaces here as a compile error
-            log.warning("Triton kernel %s unavailable on %s (%s: %s); using its slower PyTorch formula",
-                        name, device, type(error).__name__, error)
+            log.warning(FALLBACK_WARNING, name, device, type(error).__name__, error)
             usable[name] = False
     return usable
