@@ -8,7 +8,14 @@ the other at those speeds. Near 1, no lane policy can add much: the lanes can on
 (kernels of both running on the GPU at once), not make either cheaper. The bound
 `R / (GPU seconds per second)` is the rate that would fill the GPU at those speeds.
 
+A second table bounds every policy at once: at each measured batch (the KV-cache rows in use), the
+request rate the backbone alone sustains with nothing else on the GPU (frames per second over frames
+per request), and the rate at which the backbone and the codec, run one after the other, fill it.
+A policy's goodput above the first needs a faster backbone, not better lanes; the second is what a
+perfect overlap of the two would have to beat. With --baseline-goodput each is also a ratio to it.
+
     python benchmarks/gpu_budget.py --model-speed MODEL_SPEED.json --codec-speed CODEC_SPEED.json RUN_DIR [...]
+        [--baseline-goodput REQ_PER_S]
 
 RUN_DIR: serving_bench outputs (results.json); only probes of the model_speed preset are used.
 """
@@ -65,11 +72,23 @@ def budget(probe: dict, model_speed: dict, codec_per_audio_s: float) -> dict:
             "gpu_s_per_s": gpu_s_per_s, "rate_filling_gpu": probe["rate"] / gpu_s_per_s}
 
 
+def ceilings(model_speed: dict, codec_per_audio_s: float, audio_per_request: float) -> list[dict]:
+    """Per measured batch: the request rates the backbone alone, and backbone then codec, sustain."""
+    rows = []
+    for row in sorted(model_speed["rows"], key=lambda r: r["batch"]):
+        backbone = backbone_ms_per_audio_s(model_speed, row["batch"])
+        rows.append({"batch": row["batch"], "frame_step_ms": row["frame_step_ms"],
+                     "backbone_alone": 1e3 / (backbone * audio_per_request),
+                     "backbone_then_codec": 1e3 / ((backbone + codec_per_audio_s) * audio_per_request)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--model-speed", type=Path, required=True, help="model_speed.py --json output")
     parser.add_argument("--codec-speed", type=Path, required=True, help="codec_speed.py --json output")
+    parser.add_argument("--baseline-goodput", type=float, help="req/s: print each ceiling as a ratio to it too")
     args = parser.parse_args()
     model_speed = json.loads(args.model_speed.read_text())
     codec = codec_ms_per_audio_s(json.loads(args.codec_speed.read_text()))
@@ -90,6 +109,17 @@ def main() -> None:
               f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | {b['demand_audio_s_per_s']:.0f} | "
               f"{probe['frame_step_batch']:.0f} | {b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
               f"{b['gpu_s_per_s']:.2f} | {b['rate_filling_gpu']:.0f} |")
+    audio_per_request = sum(p["audio_s"] for p in usable) / sum(p["completed"] for p in usable)
+    meta = model_speed["meta"]
+    print(f"\nCeilings for any policy at {audio_per_request:.2f} s of audio per request (the probes' mean), "
+          f"model speed at a context of {meta.get('context')}{' (rows spread over it)' if meta.get('spread') else ''}:")
+    against = f" (x {args.baseline_goodput:g} req/s)" if args.baseline_goodput else ""
+    print(f"| rows | frame step ms | backbone alone, req/s{against} | backbone then codec, req/s{against} |")
+    print("|---|---|---|---|")
+    for c in ceilings(model_speed, codec[best_shape], audio_per_request):
+        cells = [f"{c[key]:.0f}" + (f" ({c[key] / args.baseline_goodput:.2f}x)" if args.baseline_goodput else "")
+                 for key in ("backbone_alone", "backbone_then_codec")]
+        print(f"| {c['batch']} | {c['frame_step_ms']:.2f} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,17 @@ def test_component_costs_per_second_of_audio():
     assert gpu_budget.codec_ms_per_audio_s(CODEC_SPEED) == pytest.approx({"1x2": 6.25, "10x25": 0.25})
 
 
+def test_ceilings_for_any_policy_at_each_measured_batch():
+    """10 s requests are 125 frames. At batch 100, 10 ms steps make 10,000 frames/s (80 req/s); with
+    the codec's 0.25 ms per audio second after them, 1.25 + 0.25 ms per audio second (66.7 req/s)."""
+    rows = gpu_budget.ceilings(MODEL_SPEED, 0.25, 10.0)
+    assert [row["batch"] for row in rows] == [100, 200]
+    assert rows[0]["backbone_alone"] == pytest.approx(80.0)
+    assert rows[0]["backbone_then_codec"] == pytest.approx(1e3 / 15.0)
+    assert rows[1]["backbone_alone"] == pytest.approx(100.0)  # 16 ms for 200 frames: 1.0 ms per audio second
+    assert rows[1]["backbone_then_codec"] == pytest.approx(80.0)
+
+
 def test_the_command_line_budgets_each_probe_of_the_preset(tmp_path):
     """50 req/s of 10 s requests ask for 500 s of audio a second; at 13/12 + 0.25 ms per audio second
     that is 2/3 of the GPU, which 75 req/s would fill. A probe of another preset is left out."""
@@ -59,12 +70,15 @@ def test_the_command_line_budgets_each_probe_of_the_preset(tmp_path):
     (tmp_path / "codec.json").write_text(json.dumps(CODEC_SPEED))
     completed = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_budget.py"), "--model-speed", str(tmp_path / "model.json"),
-         "--codec-speed", str(tmp_path / "codec.json"), str(tmp_path / "run"), str(tmp_path / "other")],
+         "--codec-speed", str(tmp_path / "codec.json"), str(tmp_path / "run"), str(tmp_path / "other"),
+         "--baseline-goodput", "40"],
         capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     rows = [line for line in completed.stdout.splitlines() if line.startswith("| 1.7b")]
     assert rows == ["| 1.7b | voxserve | run | 50 | yes | 10.00 | 500 | 150 | 1.083 | 0.250 | 0.67 | 75 |"]
     assert "0.6b" not in completed.stdout and "the budget uses the best, 10x25" in completed.stdout
+    assert "| 100 | 10.00 | 80 (2.00x) | 67 (1.67x) |" in completed.stdout.splitlines()
+    assert "| 200 | 16.00 | 100 (2.50x) | 80 (2.00x) |" in completed.stdout.splitlines()
 
 
 def frame_step_flops(talker, span: int) -> int:
