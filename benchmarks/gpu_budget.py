@@ -111,8 +111,9 @@ def main() -> None:
               f"{b['gpu_s_per_s']:.2f} | {b['rate_filling_gpu']:.0f} |")
     audio_per_request = sum(p["audio_s"] for p in usable) / sum(p["completed"] for p in usable)
     meta = model_speed["meta"]
-    print(f"\nCeilings for any policy at {audio_per_request:.2f} s of audio per request (the probes' mean), "
-          f"model speed at a context of {meta.get('context')}{' (rows spread over it)' if meta.get('spread') else ''}:")
+    context = f", model speed at a context of {meta['context']}" if "context" in meta else ""
+    print(f"\nCeilings for any policy at {audio_per_request:.2f} s of audio per request (the probes' mean)"
+          f"{context}{' (rows spread over it)' if meta.get('spread') else ''}:")
     against = f" (x {args.baseline_goodput:g} req/s)" if args.baseline_goodput else ""
     print(f"| rows | frame step ms | backbone alone, req/s{against} | backbone then codec, req/s{against} |")
     print("|---|---|---|---|")

@@ -3,7 +3,7 @@ streams? A real tritonserver runs one throwaway decoupled Python model. The clie
 streaming request per chunk of a batch, as a codec call decodes one chunk for each of several
 streams; the model then sends batches of responses (one chunk of audio to each request), as a lane
 worker does after a codec call, or checks each request for cancellation, as the watcher does in a
-hold of the service lock (`CHECKS_PER_HOLD` of them), and times one batch:
+hold of the service lock (a few of them: a hold lasts about `MAX_HOLD_S`, 1 ms), and times one batch:
 - alone, or beside a thread that runs Python (as the engine thread does, handling every frame
   step's frames);
 - one send after the other (each a round trip to the server process that drops the GIL, and beside
@@ -14,7 +14,7 @@ hold of the service lock (`CHECKS_PER_HOLD` of them), and times one batch:
   Python gives up meanwhile (its speed as a share of its speed alone).
 
     python benchmarks/response_sends.py --chunks 6 --batches 50 --switch-intervals-ms 5,0.5,0.1
-    python benchmarks/response_sends.py --chunks 32 --batches 20   # 32: four of the watcher's holds (CHECKS_PER_HOLD 8)
+    python benchmarks/response_sends.py --chunks 32 --batches 20   # 32 checks: several of the watcher's holds
 """
 
 from __future__ import annotations

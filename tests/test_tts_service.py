@@ -23,7 +23,8 @@ from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
 from voxtriton.serving.settings import CodecSettings, TTSSettings
 from voxtriton.serving.state_pool import CodecStatePool
-from voxtriton.serving.tts_service import CHECKS_PER_HOLD, TTSService, codec_slots
+from voxtriton.serving import tts_service
+from voxtriton.serving.tts_service import MAX_HOLD_S, TTSService, codec_slots
 
 
 class LaneThatFailsAfterCancellation:
@@ -101,18 +102,22 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
         service.shutdown()
 
 
-def test_the_cancellation_sweep_reaches_streams_beyond_one_hold_of_the_lock(tiny_checkpoint):
-    """More open streams than one hold of the lock checks: a cancelled stream far down the list is
-    still ended, with the error, and only that one."""
+def test_the_watcher_lets_the_lock_go_after_max_hold_s_and_its_sweep_still_reaches_every_stream(tiny_checkpoint):
+    """Checks of a millisecond, no shorter than MAX_HOLD_S: every hold of the lock is one check, and
+    a cancelled stream at the end of the list, many holds into a sweep, is still ended, with the
+    error, and only that one."""
+    assert MAX_HOLD_S <= 0.001
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
     lane = LaneThatFailsAfterCancellation()  # holds the first chunk: nothing finishes meanwhile
+    checks = []
+    metrics = HoldRecorder(checks)
+    count = 12
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane},
-                         max_queued=3 * CHECKS_PER_HOLD, cancellation_check_s=0.01)
+                         max_queued=count, cancellation_check_s=0.01, metrics=metrics)
     try:
         inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
                   "ignore_eos": np.array([True])}
-        count = 2 * CHECKS_PER_HOLD + 5
-        sinks = [CancellableSink() for _ in range(count)]
+        sinks = [SlowCheckSink(f"r{index}", checks) for index in range(count)]
         for index, sink in enumerate(sinks):
             service.submit(parser.parse(f"r{index}", inputs), sink)
         last = f"r{count - 1}"
@@ -120,6 +125,7 @@ def test_the_cancellation_sweep_reaches_streams_beyond_one_hold_of_the_lock(tiny
         wait_for(lambda: last not in service.streams)
         assert sinks[-1].errors == ["request cancelled"]
         assert len(service.streams) == count - 1 and not any(sink.errors for sink in sinks[:-1])
+        assert len(metrics.holds) >= count - 1 and {streams for streams, *_ in metrics.holds} == {1}
     finally:
         lane.release.set()
         service.shutdown()
@@ -161,32 +167,33 @@ class HoldRecorder(DroppedMetrics):
         self.holds.append((streams, seconds, time.perf_counter(), len(self.checks)))
 
 
-def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_last(tiny_checkpoint):
+def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_last(tiny_checkpoint, monkeypatch):
     """With cancellation_lock_share 0.25, the watcher lets the lock go for at least three times each
     hold before the next (so it holds it at most a quarter of the time), and a sweep checks the
-    streams still generating or queued before those that have generated all their frames."""
+    streams still generating or queued before those that have generated all their frames. Holds
+    of up to a second make each sweep one hold, so the holds tell the sweeps apart."""
+    monkeypatch.setattr(tts_service, "MAX_HOLD_S", 1.0)
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
     lane = LaneThatFailsAfterCancellation()  # holds the first chunk: no stream ends meanwhile
     checks = []
     metrics = HoldRecorder(checks)
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=3 * CHECKS_PER_HOLD,
+    names = [f"r{index}" for index in range(21)]
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=len(names),
                          cancellation_check_s=0.01, metrics=metrics, cancellation_lock_share=0.25)
     try:
         inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
                   "ignore_eos": np.array([True])}
-        names = [f"r{index}" for index in range(2 * CHECKS_PER_HOLD + 5)]  # three holds a sweep: 8, 8, 5
         for name in names:
             service.submit(parser.parse(name, inputs), SlowCheckSink(name, checks))
         wait_for(lambda: service.draining >= 2)  # the first two have generated theirs (two rows)
         seen = len(metrics.holds)
-        wait_for(lambda: len(metrics.holds) >= seen + 6)  # a whole sweep among them
+        wait_for(lambda: len(metrics.holds) >= seen + 3)  # two whole sweeps after that
         holds = metrics.holds[seen:]
+        assert [streams for streams, *_ in holds] == [len(names)] * len(holds)
         for (_, held, reported, _), (_, next_held, next_reported, _) in zip(holds, holds[1:]):
             next_started = next_reported - next_held
             assert next_started - reported >= 0.9 * 3 * held  # (0.9: the report comes a little after the hold)
-        last_of_sweep = next(index for index, hold in enumerate(holds) if hold[0] == 5)
-        sweep_from, sweep_to = holds[last_of_sweep][3], holds[last_of_sweep + 3][3]
-        sweep = checks[sweep_from:sweep_to]
+        sweep = checks[holds[1][3] - len(names):holds[1][3]]
         assert sorted(sweep) == sorted(names)  # every stream once
         generated = len(sweep) - sweep.index("r0")  # the streams checked from r0 on
         assert 2 <= generated < len(names)
