@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
 from voxtriton_client import simulate_playback  # noqa: E402
+from voxtriton.kernels import FALLBACK_WARNING  # noqa: E402
 from voxtriton.serving.gateway import Router  # noqa: E402
 from voxtriton.serving.launcher import TritonServer, parse_params  # noqa: E402
 from voxtriton.serving.tts_service import LANE_CODES  # noqa: E402
@@ -394,12 +395,17 @@ class Fleet:
             server.cleanup()
 
 
+# The opening of voxtriton.kernels' fallback warning, for any kernel on a GPU: "Triton kernel NAME
+# unavailable on cuda..." (re.escape leaves its %s placeholders as they are).
+KERNEL_FALLBACK = re.compile(re.escape(FALLBACK_WARNING.split(" (")[0]) % (r"\w+", "cuda"))
+
+
 def kernel_fallbacks(server_log: str) -> list[str]:
     """The server log's lines saying a Triton kernel failed its check on a GPU (voxtriton.kernels).
     A device image exports CC, the C compiler Triton builds its launchers with; a call script that
     reused the name for its own argument made every kernel fall back, and the frame step took 58 ms
     instead of 20 (sessions 21 and 22, goodput_h200.md)."""
-    return [line.strip() for line in server_log.splitlines() if re.search(r"Triton kernel \w+ unavailable on cuda", line)]
+    return [line.strip() for line in server_log.splitlines() if KERNEL_FALLBACK.search(line)]
 
 
 class GaugeSampler:

@@ -25,7 +25,7 @@ def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
     return torch.cuda.device(tensor.device if tensor.is_cuda else -1)
 
 
-# A kernel that falls back says so in this form (benchmarks/serving_bench.py looks for these lines).
+# A kernel that falls back says so in this form (benchmarks/serving_bench.py finds these lines by it).
 FALLBACK_WARNING = "Triton kernel %s unavailable on %s (%s: %s); using its slower PyTorch formula"
 
 
