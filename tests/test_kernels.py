@@ -30,8 +30,8 @@ def on_device(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("history_length", [0, 1, 18])
-def test_snake_matches_the_reference(dtype, with_bias, history_length):
+@pytest.mark.parametrize("history_length, tail", [(0, 0), (1, 0), (18, 0), (18, 8), (0, 2)])
+def test_snake_matches_the_reference(dtype, with_bias, history_length, tail):
     generator = torch.Generator().manual_seed(history_length * 2 + with_bias)
     batch, channels, length = 2, 5, 1500  # two column blocks, the second partly masked
     # x as a strided view (every other channel of a wider tensor), as a trimmed convolution output is.
@@ -44,12 +44,14 @@ def test_snake_matches_the_reference(dtype, with_bias, history_length):
         packed = random(batch, 7 + channels * history_length, dtype=dtype, generator=generator)
         history = packed[:, 7:].view(batch, channels, history_length)
     to = lambda t: None if t is None else t.to(DEVICE)
-    fused = kernels.snake_triton(to(x), to(log_alpha), to(log_beta), to(bias), to(history))
+    fused = kernels.snake_triton(to(x), to(log_alpha), to(log_beta), to(bias), to(history), tail)
     expected = kernels.snake_reference(x.float(), log_alpha, log_beta, None if bias is None else bias.float(),
-                                       None if history is None else history.float())
-    assert fused.shape == (batch, channels, history_length + length) and fused.dtype == dtype
+                                       None if history is None else history.float(), tail)
+    assert fused.shape == (batch, channels, history_length + length + tail) and fused.dtype == dtype
     if history_length:  # the history is copied exactly
         assert torch.equal(fused[..., :history_length].cpu(), history)
+    if tail:  # the tail is zeros, whatever the bias (a dilated convolution's padding)
+        assert not fused[..., history_length + length:].cpu().any()
     tolerance = max(TOLERANCE[dtype], kernels.HARDWARE_SINE_TOLERANCE)
     torch.testing.assert_close(fused.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 

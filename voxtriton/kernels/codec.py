@@ -31,15 +31,18 @@ HARDWARE_SINE_TOLERANCE = 1e-4
 
 
 def snake_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
-                    bias: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, history: torch.Tensor | None = None,
+                    tail: int = 0) -> torch.Tensor:
     """x + bias -> y + sin(alpha y)^2 / beta per channel, with the checkpoint's log-scale alpha and beta
-    (rounded to x's dtype), prefixed along time by `history` [B, C, H] as it is."""
+    (rounded to x's dtype), prefixed along time by `history` [B, C, H] as it is and followed by `tail`
+    zero columns."""
     alpha = torch.exp(log_alpha.float()).to(x.dtype)[:, None]
     inverse_beta = (1.0 / (torch.exp(log_beta.float()) + 1e-9)).to(x.dtype)[:, None]
     if bias is not None:
         x = x + bias.to(x.dtype)[:, None]
     y = x + inverse_beta * torch.pow(torch.sin(x * alpha), 2)
-    return y if history is None else torch.cat((history, y), dim=-1)
+    parts = ([] if history is None else [history]) + [y] + ([y.new_zeros(*y.shape[:-1], tail)] if tail else [])
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else y
 
 
 def add_channel_bias_reference(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,11 +50,11 @@ def add_channel_bias_reference(x: torch.Tensor, bias: torch.Tensor, residual: to
     return out if residual is None else out + residual
 
 
-def snake(x, log_alpha, log_beta, bias=None, history=None):
-    """SnakeBeta [B, C, T] -> [B, C, H + T]; see `snake_reference`."""
+def snake(x, log_alpha, log_beta, bias=None, history=None, tail=0):
+    """SnakeBeta [B, C, T] -> [B, C, H + T + tail]; see `snake_reference`."""
     if triton_usable(x.device, "snake"):
-        return snake_triton(x, log_alpha, log_beta, bias, history)
-    return snake_reference(x, log_alpha, log_beta, bias, history)
+        return snake_triton(x, log_alpha, log_beta, bias, history, tail)
+    return snake_reference(x, log_alpha, log_beta, bias, history, tail)
 
 
 def add_channel_bias(x, bias, residual=None):
@@ -65,19 +68,19 @@ def _time_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def snake_triton(x, log_alpha, log_beta, bias=None, history=None):
+def snake_triton(x, log_alpha, log_beta, bias=None, history=None, tail=0):
     x = _time_contiguous(x)
     batch, channels, length = x.shape
     history_length = 0 if history is None else history.shape[-1]
     if history is not None:
         history = _time_contiguous(history)
-    out = torch.empty(batch, channels, history_length + length, device=x.device, dtype=x.dtype)
-    grid = (batch * channels, triton.cdiv(history_length + length, BLOCK))
+    out = torch.empty(batch, channels, history_length + length + tail, device=x.device, dtype=x.dtype)
+    grid = (batch * channels, triton.cdiv(out.shape[-1], BLOCK))
     with launch_device(x):
         _snake_kernel[grid](
             x, x.stride(0), x.stride(1), length,
             history if history is not None else x, *(history.stride()[:2] if history is not None else (0, 0)),
-            history_length, log_alpha, log_beta, bias if bias is not None else log_alpha, out, channels,
+            history_length, log_alpha, log_beta, bias if bias is not None else log_alpha, out, channels, tail,
             HAS_BIAS=bias is not None, HARDWARE_SINE=x.is_cuda, BLOCK=BLOCK)
     return out
 
@@ -101,15 +104,15 @@ if triton is not None:
     @triton.jit
     def _snake_kernel(x_ptr, x_batch_stride, x_channel_stride, length,
                       history_ptr, history_batch_stride, history_channel_stride, history_length,
-                      log_alpha_ptr, log_beta_ptr, bias_ptr, out_ptr, channels,
+                      log_alpha_ptr, log_beta_ptr, bias_ptr, out_ptr, channels, tail,
                       HAS_BIAS: tl.constexpr, HARDWARE_SINE: tl.constexpr, BLOCK: tl.constexpr):
-        # One program: BLOCK output columns of one (batch, channel) row.
+        # One program: BLOCK output columns of one (batch, channel) row: history, then x, then zeros.
         row = tl.program_id(0).to(tl.int64)  # row * width passes 2**31 at large batches
         batch, channel = row // channels, row % channels
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        width = history_length + length
+        width = history_length + length + tail
         from_history = columns < history_length
-        from_x = (columns >= history_length) & (columns < width)
+        from_x = (columns >= history_length) & (columns < history_length + length)
         past = tl.load(history_ptr + batch * history_batch_stride + channel * history_channel_stride + columns,
                        mask=from_history, other=0.0)
         value = tl.load(x_ptr + batch * x_batch_stride + channel * x_channel_stride + (columns - history_length),
@@ -127,7 +130,7 @@ if triton is not None:
             wave = libdevice.fast_sinf(value * alpha)
         else:
             wave = tl.sin(value * alpha)
-        result = tl.where(from_history, past.to(tl.float32), value + inverse_beta * wave * wave)
+        result = tl.where(from_history, past.to(tl.float32), tl.where(from_x, value + inverse_beta * wave * wave, 0.0))
         tl.store(out_ptr + row * width + columns, result.to(out_type), mask=columns < width)
 
     @triton.jit
