@@ -4,13 +4,15 @@
     python benchmarks/codec_layers.py --checkpoint /tmp/ck-1.7b --cudnn-benchmark --json autotuned.json
 
 For each call shape (batch x frames) it decodes one chunk eagerly, records the arguments of every
-`F.conv1d` / `F.conv_transpose1d` the decoder makes, and times each distinct layer. cuDNN picks each
+`F.conv1d` / `F.conv2d` (the dilated layers) / `F.conv_transpose1d` the decoder makes, and times each
+distinct layer. cuDNN picks each
 layer's algorithm by its heuristic, or with `--cudnn-benchmark` by timing them. Compare the two in
 separate processes: PyTorch caches one plan per convolution shape whichever way it was chosen, so
 within one process the first choice sticks. With `--channels-last` each layer is also timed with its
 activation and weight stored channels-last ([batch, time, channels] in memory, the same logical
 shape), the layout cuDNN's NHWC kernels want: its output must match and its time shows what the
-NCW layout's transposes cost. The checkpoint is random-weight (`voxtriton
+NCW layout's transposes cost (1-D layers only; a layer without it counts at its own time in the
+channels-last total). The checkpoint is random-weight (`voxtriton
 make-checkpoint`): timings are real, the audio is noise.
 """
 
@@ -35,7 +37,8 @@ from codec_speed import call_shape, mean_ms  # noqa: E402
 def record_layers(codec, batch: int, frames: int) -> list[dict]:
     """Every convolution of one eager decode: one entry per distinct call shape, with its count."""
     layers: dict[tuple, dict] = {}
-    originals = {"conv1d": F.conv1d, "conv_transpose1d": F.conv_transpose1d}
+    # conv2d: the dilated layers, which the decoder runs as dense convolutions over a [time / d, d] view.
+    originals = {"conv1d": F.conv1d, "conv2d": F.conv2d, "conv_transpose1d": F.conv_transpose1d}
 
     def recorder(name):
         def record(x, weight, bias=None, *positional, **options):
@@ -48,12 +51,14 @@ def record_layers(codec, batch: int, frames: int) -> list[dict]:
             return originals[name](x, weight, bias, *positional, **options)
         return record
 
-    F.conv1d, F.conv_transpose1d = recorder("conv1d"), recorder("conv_transpose1d")
+    for name in originals:
+        setattr(F, name, recorder(name))
     try:
         codes = torch.randint(0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device="cuda")
         codec.decode(codes, torch.zeros(batch, dtype=torch.long, device="cuda"), codec.new_state(batch))
     finally:
-        F.conv1d, F.conv_transpose1d = originals["conv1d"], originals["conv_transpose1d"]
+        for name, original in originals.items():
+            setattr(F, name, original)
     return list(layers.values())
 
 
@@ -98,9 +103,9 @@ def main() -> None:
             row = {"op": layer["op"], "x": list(layer["x"].shape), "weight": list(layer["weight"].shape),
                    "arguments": [*map(str, layer["positional"]), *(f"{k}={v}" for k, v in layer["options"].items())],
                    "count": layer["count"], "ms": round(ms, 4)}
-            if args.channels_last:
+            if args.channels_last and layer["x"].dim() == 3:
                 row.update(channels_last_timing(op, layer))
-                total_channels_last += layer["count"] * row["channels_last_ms"]
+            total_channels_last += layer["count"] * row.get("channels_last_ms", ms)
             rows.append(row)
             print(json.dumps({"shape": shape, **row}), flush=True)
         totals = {"total_ms": round(total, 3)}
