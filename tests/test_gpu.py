@@ -112,7 +112,10 @@ print(json.dumps({{"usable": check_kernels(test_gpu.DEVICE), **compiled}}))
     assert result["before"] and result["after"] == [], result["after"]
 
 
-def test_codec_graphs_match_eager(tiny_checkpoint):
+def test_codec_graphs_match_eager(tiny_checkpoint, monkeypatch):
+    # Full fp32 convolutions: with TF32 (PyTorch's cuDNN default) the padded graph batch and the
+    # eager one may get algorithms that round differently (1.4e-4 apart on the H200, session 24).
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     codec = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
     runner = CodecRunner(codec, batch_buckets=[1, 2, 4], frame_sizes=[4, 25])
     codes = torch.randint(0, 2048, (3, 29, 16), device=DEVICE)
