@@ -23,8 +23,6 @@ from ..kernels import codec as kernels
 from .config import CodecConfig
 from .layers import DecoderStack
 
-MIN_OUT_CHANNELS = 8  # a dense convolution with fewer output channels runs padded to this many
-
 
 @dataclass(frozen=True)
 class StateSlot:
@@ -105,20 +103,13 @@ class CausalConv(StreamingModule):
         dilation = conv.dilation[0]
         if dilation == 1 or not self.context:
             x = self._input(x, state, self.context, activation)
-            if conv.out_channels >= MIN_OUT_CHANNELS or conv.groups > 1:
-                return F.conv1d(x, conv.weight, bias, dilation=conv.dilation, groups=conv.groups)
-            # The last layer (96 channels to 1): cuDNN took 4.6 ms at 256x25 (session 19) for a
-            # layer that reads 2.4 GB, about 0.6 ms at the HBM's rate. Zero output channels up to
-            # MIN_OUT_CHANNELS give it a tensor-core shape; their outputs are dropped.
-            pad = MIN_OUT_CHANNELS - conv.out_channels
-            weight = F.pad(conv.weight, (0, 0, 0, 0, 0, pad))
-            bias = None if bias is None else F.pad(bias, (0, pad))
-            return F.conv1d(x, weight, bias)[:, : conv.out_channels]
+            return F.conv1d(x, conv.weight, bias, dilation=conv.dilation, groups=conv.groups)
         # A dilated convolution as a dense one: time viewed as [length / d, d] (no copy) makes each
         # of the d interleaved phases a dilation-1 convolution along the first axis. cuDNN's dilated
-        # kernels ran these layers at 0.6-0.8x their dilation-1 twins' speed (session 19). The view
-        # needs a length divisible by d: zero columns after the input make it so, and the outputs
-        # they add are dropped.
+        # kernels ran these layers at 0.6-0.8x their dilation-1 twins' speed (session 19); this form
+        # took an autotuned 256x25 call from 162 to 151 ms and 128x25 from 81 to 73 on the H200
+        # (session 24). The view needs a length divisible by d: zero columns after the input make it
+        # so, and the outputs they add are dropped.
         frames = x.shape[-1]
         x = self._input(x, state, self.context, activation, tail=-frames % dilation)
         batch, channels, length = x.shape
