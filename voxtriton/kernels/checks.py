@@ -36,23 +36,6 @@ def check_channel_bias(device: torch.device) -> list[Comparison]:
              add_channel_bias_reference(x, bias, residual), 1e-5)]
 
 
-def check_snake_pointwise(device: torch.device) -> list[Comparison]:
-    from .codec import HARDWARE_SINE_TOLERANCE, snake_pointwise_reference, snake_pointwise_triton
-
-    generator = torch.Generator().manual_seed(7)
-    comparisons = []
-    # 40 input channels: a partial block of 32; 20 output channels: a partial block of 32.
-    for dtype, tolerance in ((torch.float32, 10 * HARDWARE_SINE_TOLERANCE), (torch.bfloat16, 3e-2)):
-        x, residual = torch.randn(2, 40, 150, generator=generator), torch.randn(2, 20, 150, generator=generator)
-        weight = torch.randn(20, 40, generator=generator) / 40 ** 0.5
-        params = [torch.randn(size, generator=generator) * 0.5 for size in (40, 40, 40, 20)]
-        x_bias, log_alpha, log_beta, bias = params
-        inputs = [x.to(dtype), x_bias, log_alpha, log_beta, weight.to(dtype), bias, residual.to(dtype)]
-        comparisons.append((snake_pointwise_triton(*(t.to(device) for t in inputs)),
-                            snake_pointwise_reference(*(t.float() for t in inputs)), tolerance))
-    return comparisons
-
-
 def check_decode_attention(device: torch.device) -> list[Comparison]:
     from .attention import decode_attention, decode_attention_reference
 
@@ -116,7 +99,6 @@ def check_silu_and_mul(device: torch.device) -> list[Comparison]:
 
 
 KERNEL_CHECKS: dict[str, Callable[[torch.device], list[Comparison]]] = {
-    "snake": check_snake, "channel_bias": check_channel_bias, "snake_pointwise": check_snake_pointwise,
-    "decode_attention": check_decode_attention,
+    "snake": check_snake, "channel_bias": check_channel_bias, "decode_attention": check_decode_attention,
     "rotary": check_rotary, "sampling": check_sampling, "add_rms_norm": check_add_rms_norm,
     "silu_and_mul": check_silu_and_mul}

@@ -8,10 +8,7 @@ add. On the H200 those passes were about 60% of a codec call. Here they become t
 
 - `snake`: SnakeBeta of (x + the previous convolution's bias), written after the causal history the
   next convolution needs, so the padded input comes out of the same pass;
-- `add_channel_bias`: a convolution's bias (+ the residual), into a contiguous tensor;
-- `snake_pointwise`: the second half of a residual unit, SnakeBeta of the dilated convolution's
-  output then the kernel-size-1 convolution, its bias and the residual, in one pass: the SnakeBeta
-  output and the matrix product's never reach memory.
+- `add_channel_bias`: a convolution's bias (+ the residual), into a contiguous tensor.
 
 Both compute in fp32. The Triton versions run for CUDA tensors; the reference formulas below run
 everywhere else and are what the kernels are tested against.
@@ -28,7 +25,6 @@ if triton is not None:
     from triton.language.extra import libdevice
 
 BLOCK = 1024
-POINTWISE_BLOCK_TIME = 128
 # How far the fp32 snake on a GPU may differ from the reference: the hardware sine's ~1e-6 error,
 # scaled by 1/beta and doubled by the square.
 HARDWARE_SINE_TOLERANCE = 1e-4
@@ -52,19 +48,6 @@ def snake_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Te
 def add_channel_bias_reference(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     out = x + bias.to(x.dtype)[:, None]
     return out if residual is None else out + residual
-
-
-def snake_pointwise_reference(x, x_bias, log_alpha, log_beta, weight, bias, residual):
-    """residual + bias + weight @ SnakeBeta(x + x_bias): x [B, Cin, T], weight [Cout, Cin]."""
-    activation = snake_reference(x, log_alpha, log_beta, x_bias)
-    return add_channel_bias_reference(torch.matmul(weight.to(x.dtype), activation), bias, residual)
-
-
-def snake_pointwise(x, x_bias, log_alpha, log_beta, weight, bias, residual):
-    """See `snake_pointwise_reference`."""
-    if triton_usable(x.device, "snake_pointwise"):
-        return snake_pointwise_triton(x, x_bias, log_alpha, log_beta, weight, bias, residual)
-    return snake_pointwise_reference(x, x_bias, log_alpha, log_beta, weight, bias, residual)
 
 
 def snake(x, log_alpha, log_beta, bias=None, history=None, tail=0):
@@ -117,67 +100,7 @@ def add_channel_bias_triton(x, bias, residual=None):
     return out
 
 
-def snake_pointwise_triton(x, x_bias, log_alpha, log_beta, weight, bias, residual):
-    x, residual = _time_contiguous(x), _time_contiguous(residual)
-    batch, in_channels, length = x.shape
-    out_channels = weight.shape[0]
-    weight = weight.contiguous()
-    out = torch.empty(batch, out_channels, length, device=x.device, dtype=x.dtype)
-    block_out = min(128, max(16, triton.next_power_of_2(out_channels)))
-    grid = (batch * triton.cdiv(length, POINTWISE_BLOCK_TIME), triton.cdiv(out_channels, block_out))
-    with launch_device(x):
-        _snake_pointwise_kernel[grid](
-            x, x.stride(0), x.stride(1), x_bias, log_alpha, log_beta, weight, bias,
-            residual, residual.stride(0), residual.stride(1), out, in_channels, out_channels, length,
-            BLOCK_OUT=block_out, BLOCK_IN=32, BLOCK_TIME=POINTWISE_BLOCK_TIME,
-            # fp32 stays fp32 (tl.dot would round fp32 inputs to tf32).
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", HARDWARE_SINE=x.is_cuda,
-            num_warps=8 if block_out * POINTWISE_BLOCK_TIME >= 128 * 128 else 4)
-    return out
-
-
 if triton is not None:
-    @triton.jit
-    def _snake_pointwise_kernel(x_ptr, x_batch_stride, x_channel_stride, x_bias_ptr, log_alpha_ptr, log_beta_ptr,
-                                weight_ptr, bias_ptr, residual_ptr, residual_batch_stride, residual_channel_stride,
-                                out_ptr, in_channels, out_channels, length,
-                                BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_TIME: tl.constexpr,
-                                PRECISION: tl.constexpr, HARDWARE_SINE: tl.constexpr):
-        # One program: BLOCK_OUT output channels x BLOCK_TIME columns of one batch row. The input
-        # channels go by in blocks of BLOCK_IN: SnakeBeta in fp32 on each [BLOCK_IN, BLOCK_TIME]
-        # tile as it is loaded, rounded to the activation's dtype as the unfused pass stores it, then
-        # one matrix product into the fp32 accumulator.
-        time_blocks = tl.cdiv(length, BLOCK_TIME)
-        batch = (tl.program_id(0) // time_blocks).to(tl.int64)
-        columns = (tl.program_id(0) % time_blocks) * BLOCK_TIME + tl.arange(0, BLOCK_TIME)
-        outs = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-        in_time, in_out = columns < length, outs < out_channels
-        act_type = out_ptr.dtype.element_ty
-        acc = tl.zeros((BLOCK_OUT, BLOCK_TIME), dtype=tl.float32)
-        for start in range(0, in_channels, BLOCK_IN):
-            ins = start + tl.arange(0, BLOCK_IN)
-            in_in = ins < in_channels
-            value = tl.load(x_ptr + batch * x_batch_stride + ins[:, None] * x_channel_stride + columns[None, :],
-                            mask=in_in[:, None] & in_time[None, :], other=0.0).to(tl.float32)
-            value += tl.load(x_bias_ptr + ins, mask=in_in, other=0.0).to(tl.float32)[:, None]
-            alpha = tl.exp(tl.load(log_alpha_ptr + ins, mask=in_in, other=0.0).to(tl.float32)).to(act_type).to(tl.float32)
-            inverse_beta = (1.0 / (tl.exp(tl.load(log_beta_ptr + ins, mask=in_in, other=0.0).to(tl.float32)) + 1e-9)
-                            ).to(act_type).to(tl.float32)
-            if HARDWARE_SINE:  # see _snake_kernel
-                wave = libdevice.fast_sinf(value * alpha[:, None])
-            else:
-                wave = tl.sin(value * alpha[:, None])
-            activation = (value + inverse_beta[:, None] * wave * wave).to(act_type)
-            weight = tl.load(weight_ptr + outs[:, None] * in_channels + ins[None, :],
-                             mask=in_out[:, None] & in_in[None, :], other=0.0).to(act_type)
-            acc = tl.dot(weight, activation, acc, input_precision=PRECISION)
-        acc += tl.load(bias_ptr + outs, mask=in_out, other=0.0).to(tl.float32)[:, None]
-        inside = in_out[:, None] & in_time[None, :]
-        acc += tl.load(residual_ptr + batch * residual_batch_stride + outs[:, None] * residual_channel_stride
-                       + columns[None, :], mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + batch * out_channels * length + outs[:, None] * length + columns[None, :],
-                 acc.to(act_type), mask=inside)
-
     @triton.jit
     def _snake_kernel(x_ptr, x_batch_stride, x_channel_stride, length,
                       history_ptr, history_batch_stride, history_channel_stride, history_length,
