@@ -4,16 +4,15 @@
     python benchmarks/codec_layers.py --checkpoint /tmp/ck-1.7b --cudnn-benchmark --json autotuned.json
 
 For each call shape (batch x frames) it decodes one chunk eagerly, records the arguments of every
-`F.conv1d` / `F.conv2d` (the dilated layers) / `F.conv_transpose1d` the decoder makes, and times each
-distinct layer. cuDNN picks each
-layer's algorithm by its heuristic, or with `--cudnn-benchmark` by timing them. Compare the two in
-separate processes: PyTorch caches one plan per convolution shape whichever way it was chosen, so
-within one process the first choice sticks. With `--channels-last` each layer is also timed with its
-activation and weight stored channels-last ([batch, time, channels] in memory, the same logical
-shape), the layout cuDNN's NHWC kernels want: its output must match and its time shows what the
-NCW layout's transposes cost (1-D layers only; a layer without it counts at its own time in the
-channels-last total). The checkpoint is random-weight (`voxtriton
-make-checkpoint`): timings are real, the audio is noise.
+`F.conv1d` / `F.conv2d` (the dilated layers) / `F.conv_transpose1d` the decoder makes, and times
+each distinct layer. cuDNN picks each layer's algorithm by its heuristic, or with
+`--cudnn-benchmark` by timing them. Compare the two in separate processes: PyTorch caches one plan
+per convolution shape whichever way it was chosen, so within one process the first choice sticks.
+With `--channels-last` each 1-D layer is also timed with its activation and weight stored
+channels-last ([batch, time, channels] in memory, the same logical shape), the layout cuDNN's NHWC
+kernels want: its output must match and its time shows what the NCW layout's transposes cost (the
+channels-last total counts the other layers at their own time). The checkpoint is random-weight
+(`voxtriton make-checkpoint`): timings are real, the audio is noise.
 """
 
 from __future__ import annotations
