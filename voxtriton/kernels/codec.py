@@ -30,6 +30,12 @@ BLOCK = 1024
 HARDWARE_SINE_TOLERANCE = 1e-4
 
 
+def pad_time(y: torch.Tensor, history: torch.Tensor | None = None, tail: int = 0) -> torch.Tensor:
+    """[history | y | `tail` zero columns] along time; y itself when there is nothing to add."""
+    parts = ([] if history is None else [history]) + [y] + ([y.new_zeros(*y.shape[:-1], tail)] if tail else [])
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else y
+
+
 def snake_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
                     bias: torch.Tensor | None = None, history: torch.Tensor | None = None,
                     tail: int = 0) -> torch.Tensor:
@@ -41,8 +47,7 @@ def snake_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Te
     if bias is not None:
         x = x + bias.to(x.dtype)[:, None]
     y = x + inverse_beta * torch.pow(torch.sin(x * alpha), 2)
-    parts = ([] if history is None else [history]) + [y] + ([y.new_zeros(*y.shape[:-1], tail)] if tail else [])
-    return torch.cat(parts, dim=-1) if len(parts) > 1 else y
+    return pad_time(y, history, tail)
 
 
 def add_channel_bias_reference(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -63,7 +63,7 @@ class StreamingModule(nn.Module):
         if activation is not None:
             padded = activation(x, history=history, tail=tail)
         else:
-            padded = torch.cat((history, x, x.new_zeros(*x.shape[:-1], tail)), dim=-1)
+            padded = kernels.pad_time(x, history, tail)
         end = padded.shape[-1] - tail
         state.put(self.state_name, padded[..., end - keep:end])
         return padded
