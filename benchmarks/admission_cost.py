@@ -62,6 +62,7 @@ class CallCounter(TorchFunctionMode):
                 return method(*args, **kwargs)
             finally:
                 self.inside -= 1
+
         return call
 
     def __enter__(self):
@@ -101,9 +102,13 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", choices=("tiny", "0.6b", "1.7b"))
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--graphs", action="store_true", help="CUDA graphs and a prefill stream, as the server (GPU)")
+    parser.add_argument(
+        "--graphs", action="store_true", help="CUDA graphs and a prefill stream, as the server (GPU)"
+    )
     parser.add_argument("--groups", default="1,2,4", help="requests admitted together")
-    parser.add_argument("--switch-ms", default="5,0.5", help="switch intervals to time beside a Python thread")
+    parser.add_argument(
+        "--switch-ms", default="5,0.5", help="switch intervals to time beside a Python thread"
+    )
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -120,8 +125,12 @@ def main() -> None:
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
     groups = [int(g) for g in args.groups.split(",")]
     stream = torch.cuda.Stream(device) if args.graphs else None
-    runner = ModelRunner(backbone, max_rows=max(groups), max_positions=256, max_text_tokens=64, prefill_stream=stream)
-    buckets = dict(batch_sizes=[1], spans=[256], prefill_batch_sizes=[1, 2, 4, 8], prefill_lengths=[32, 64, 128])
+    runner = ModelRunner(
+        backbone, max_rows=max(groups), max_positions=256, max_text_tokens=64, prefill_stream=stream
+    )
+    buckets = dict(
+        batch_sizes=[1], spans=[256], prefill_batch_sizes=[1, 2, 4, 8], prefill_lengths=[32, 64, 128]
+    )
     if args.graphs:
         runner.capture_graphs(**buckets)
     else:
@@ -131,7 +140,10 @@ def main() -> None:
 
     def admit(group: int) -> float:
         """Wall time of one admission on this thread; the device's work is waited for outside it."""
-        requests = [Request(f"r{i}", prompt, GenerationParams.create(config.generation, 400, seed=i)) for i in range(group)]
+        requests = [
+            Request(f"r{i}", prompt, GenerationParams.create(config.generation, 400, seed=i))
+            for i in range(group)
+        ]
         started = time.perf_counter()
         runner.prefill(requests, 0)
         elapsed = time.perf_counter() - started
@@ -149,7 +161,11 @@ def main() -> None:
         move = lambda: runner.move_row(group - 1, 0, 40)  # noqa: E731 (the last admitted row into row 0)
         for _ in range(3):
             admit(group)
-        row = {"group": group, "torch_calls": calls(lambda: admit(group)), "move_row_torch_calls": calls(move)}
+        row = {
+            "group": group,
+            "torch_calls": calls(lambda: admit(group)),
+            "move_row_torch_calls": calls(move),
+        }
         if not args.graphs:
             row["torch_calls_graph_path"] = calls(lambda: admit(group), GRAPHED)
             row["move_row_torch_calls_graph_path"] = calls(move, GRAPHED)
@@ -157,13 +173,26 @@ def main() -> None:
         for switch_ms in (float(s) for s in args.switch_ms.split(",")):
             sys.setswitchinterval(switch_ms / 1e3)
             with PythonBeside():
-                row[f"beside_python_{switch_ms:g}ms_ms"] = statistics.median(admit(group) for _ in range(args.repeat)) * 1e3
+                row[f"beside_python_{switch_ms:g}ms_ms"] = (
+                    statistics.median(admit(group) for _ in range(args.repeat)) * 1e3
+                )
         sys.setswitchinterval(default_interval)
         rows.append(row)
-        print(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    meta = {"preset": args.preset, "device": str(device), "graphs": args.graphs, "prompt_tokens": len(prompt.text_ids),
-            "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "date": time.strftime("%Y-%m-%d")}
+        print(
+            ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+            flush=True,
+        )
+    meta = {
+        "preset": args.preset,
+        "device": str(device),
+        "graphs": args.graphs,
+        "prompt_tokens": len(prompt.text_ids),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     print(json.dumps(meta))
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

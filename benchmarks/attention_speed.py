@@ -37,8 +37,13 @@ CALLS_PER_SAMPLE = 20  # one call can take a few microseconds: too short to time
 HEADS, KV_HEADS, DIM = 16, 8, 128  # both Qwen3-TTS presets, talker and code predictor alike
 # name -> (rows, span, where the rows' last positions are): "full" every row at span - 1 (model_speed's
 # case), "spread" evenly over 0..span - 1 (a serving batch's mix of young and old streams).
-CASES = {"talker_256_full": (256, 512, "full"), "talker_256_spread": (256, 512, "spread"),
-         "talker_16_full": (16, 512, "full"), "predictor_256": (256, 16, "full"), "predictor_16": (16, 16, "full")}
+CASES = {
+    "talker_256_full": (256, 512, "full"),
+    "talker_256_spread": (256, 512, "spread"),
+    "talker_16_full": (16, 512, "full"),
+    "predictor_256": (256, 16, "full"),
+    "predictor_16": (16, 16, "full"),
+}
 
 
 def case_inputs(rows: int, span: int, where: str, device: torch.device, dtype: torch.dtype):
@@ -46,8 +51,9 @@ def case_inputs(rows: int, span: int, where: str, device: torch.device, dtype: t
     generator = torch.Generator(device).manual_seed(0)
     q = torch.randn(rows, HEADS, 1, DIM, device=device, generator=generator).to(dtype)
     cache = torch.randn(2, rows, KV_HEADS, span + 64, DIM, device=device, generator=generator).to(dtype)
-    last = (torch.full((rows,), span - 1) if where == "full"
-            else torch.linspace(0, span - 1, rows).round().long())
+    last = (
+        torch.full((rows,), span - 1) if where == "full" else torch.linspace(0, span - 1, rows).round().long()
+    )
     return q, cache[0, :, :, :span], cache[1, :, :, :span], last[:, None].to(device)
 
 
@@ -57,21 +63,31 @@ def kv_bytes(positions: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     parser.add_argument("--rows", type=int, help="rows of every case (default: each case's own)")
     parser.add_argument("--block-keys", default="16,32,64,128")
     parser.add_argument("--warps", default="2,4,8")
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--repeat", type=int, default=200, help="calls timed per shape, in samples of 20")
-    parser.add_argument("--device", default="cuda", help="cpu: a smoke run in Triton's interpreter (TRITON_INTERPRET=1), fp32")
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a smoke run in Triton's interpreter (TRITON_INTERPRET=1), fp32"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--device cpu runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
-    sweep = list(itertools.product(*(map(int, option.split(",")) for option in (args.block_keys, args.warps, args.stages))))
+    dtype = (
+        torch.bfloat16 if device.type == "cuda" else torch.float32
+    )  # the interpreter's bf16 tl.dot is wrong
+    sweep = list(
+        itertools.product(
+            *(map(int, option.split(",")) for option in (args.block_keys, args.warps, args.stages))
+        )
+    )
     results = []
     for name in args.cases.split(","):
         rows, span, where = CASES[name]
@@ -79,8 +95,12 @@ def main() -> None:
         q, keys, values, positions = case_inputs(rows, span, where, device, dtype)
         shipped = launch_shape(span)
         shipped_out = decode_attention(q, keys, values, positions, 0.1)
-        torch.testing.assert_close(shipped_out.float(), decode_attention_reference(q, keys, values, positions, 0.1),
-                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            shipped_out.float(),
+            decode_attention_reference(q, keys, values, positions, 0.1),
+            rtol=2e-2,
+            atol=2e-2,
+        )
         timings = {}
         for launch in [shipped] + [s for s in sweep if s != shipped]:
             try:
@@ -89,25 +109,55 @@ def main() -> None:
                 timings[launch] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
                 continue
             torch.testing.assert_close(out, shipped_out, rtol=2e-2, atol=2e-2)
-            calls = graphed(lambda: [decode_attention(q, keys, values, positions, 0.1, launch=launch)
-                                     for _ in range(CALLS_PER_SAMPLE)], device)
+            calls = graphed(
+                lambda: [
+                    decode_attention(q, keys, values, positions, 0.1, launch=launch)
+                    for _ in range(CALLS_PER_SAMPLE)
+                ],
+                device,
+            )
             timings[launch] = timed(calls, device, max(1, args.repeat // CALLS_PER_SAMPLE)) / CALLS_PER_SAMPLE
         best = min((t, launch) for launch, t in timings.items() if isinstance(t, float))
-        row = {"case": name, "rows": rows, "span": span, "positions": where, "kv_mb": kv_bytes(positions, dtype) / 1e6,
-               "shipped": list(shipped), "shipped_us": timings[shipped] * 1e6,
-               "best": list(best[1]), "best_us": best[0] * 1e6,
-               "all": {"x".join(map(str, launch)): (t * 1e6 if isinstance(t, float) else t) for launch, t in timings.items()}}
+        row = {
+            "case": name,
+            "rows": rows,
+            "span": span,
+            "positions": where,
+            "kv_mb": kv_bytes(positions, dtype) / 1e6,
+            "shipped": list(shipped),
+            "shipped_us": timings[shipped] * 1e6,
+            "best": list(best[1]),
+            "best_us": best[0] * 1e6,
+            "all": {
+                "x".join(map(str, launch)): (t * 1e6 if isinstance(t, float) else t)
+                for launch, t in timings.items()
+            },
+        }
         row["shipped_gb_s"] = row["kv_mb"] / 1e3 / (row["shipped_us"] / 1e6)
         row["best_gb_s"] = row["kv_mb"] / 1e3 / (row["best_us"] / 1e6)
         results.append(row)
-        print(f"{name}: shipped {shipped} {row['shipped_us']:.1f} us ({row['shipped_gb_s']:.0f} GB/s), "
-              f"best {best[1]} {row['best_us']:.1f} us ({row['best_gb_s']:.0f} GB/s)", flush=True)
-    print("\n| case | KV MB | shipped (keys, warps, stages) | us | GB/s | best | us | GB/s |\n|---|---|---|---|---|---|---|---|")
+        print(
+            f"{name}: shipped {shipped} {row['shipped_us']:.1f} us ({row['shipped_gb_s']:.0f} GB/s), "
+            f"best {best[1]} {row['best_us']:.1f} us ({row['best_gb_s']:.0f} GB/s)",
+            flush=True,
+        )
+    print(
+        "\n| case | KV MB | shipped (keys, warps, stages) | us | GB/s | best | us | GB/s |\n|---|---|---|---|---|---|---|---|"
+    )
     for r in results:
-        print(f"| {r['case']} | {r['kv_mb']:.1f} | {tuple(r['shipped'])} | {r['shipped_us']:.1f} | {r['shipped_gb_s']:.0f} "
-              f"| {tuple(r['best'])} | {r['best_us']:.1f} | {r['best_gb_s']:.0f} |")
-    meta = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d"), "heads": HEADS, "kv_heads": KV_HEADS, "dim": DIM, "dtype": str(dtype)}
+        print(
+            f"| {r['case']} | {r['kv_mb']:.1f} | {tuple(r['shipped'])} | {r['shipped_us']:.1f} | {r['shipped_gb_s']:.0f} "
+            f"| {tuple(r['best'])} | {r['best_us']:.1f} | {r['best_gb_s']:.0f} |"
+        )
+    meta = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "dim": DIM,
+        "dtype": str(dtype),
+    }
     print(json.dumps(meta))
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))

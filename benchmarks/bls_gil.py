@@ -129,19 +129,32 @@ def main() -> None:
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        server = TritonServer(repository=write_repository(Path(tmp)), tritonserver=args.tritonserver, use_mps=False)
+        server = TritonServer(
+            repository=write_repository(Path(tmp)), tritonserver=args.tritonserver, use_mps=False
+        )
         with server:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             x = grpcclient.InferInput("X", [1], "FP32")
             x.set_data_from_numpy(np.array([args.seconds], np.float32))
             for _ in range(args.repeat):
-                (sleeping, waiting, spinning, checking, update_alone, update_beside, check_alone,
-                 check_beside) = client.infer("caller", [x]).as_numpy("RATES")
-                print(f"counter thread, iterations/s: beside a sleep {sleeping:.3g}, beside a BLS wait "
-                      f"{waiting:.3g}, beside a spinning thread {spinning:.3g}, beside a loop of cancellation "
-                      f"checks {checking:.3g}; one metric update: {update_alone * 1e3:.3f} ms alone, "
-                      f"{update_beside * 1e3:.2f} ms beside a spinning thread; one cancellation check: "
-                      f"{check_alone * 1e3:.3f} ms alone, {check_beside * 1e3:.2f} ms beside a spinning thread")
+                (
+                    sleeping,
+                    waiting,
+                    spinning,
+                    checking,
+                    update_alone,
+                    update_beside,
+                    check_alone,
+                    check_beside,
+                ) = client.infer("caller", [x]).as_numpy("RATES")
+                print(
+                    f"counter thread, iterations/s: beside a sleep {sleeping:.3g}, beside a BLS wait "
+                    f"{waiting:.3g}, beside a spinning thread {spinning:.3g}, beside a loop of cancellation "
+                    f"checks {checking:.3g}; one metric update: {update_alone * 1e3:.3f} ms alone, "
+                    f"{update_beside * 1e3:.2f} ms beside a spinning thread; one cancellation check: "
+                    f"{check_alone * 1e3:.3f} ms alone, {check_beside * 1e3:.2f} ms beside a spinning thread"
+                )
+
 
 if __name__ == "__main__":
     main()

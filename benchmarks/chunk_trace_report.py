@@ -60,18 +60,26 @@ def step_windows(steps: list[dict], origin: float, window_s: float) -> dict:
     for step in steps:
         if step["frames"]:
             windows[int((step["end"] - origin) // window_s)].append(step)
-    mean_ms = lambda values: round(statistics.fmean(values) * 1e3, 1) if values else None
+
+    def mean_ms(values):
+        return round(statistics.fmean(values) * 1e3, 1) if values else None
+
     table = {}
     for key, group in sorted(windows.items()):
         table[f"{key * window_s:g}s"] = {
-            "steps": len(group), "period_ms_p50": round(statistics.median(s["period"] for s in group) * 1e3, 1),
+            "steps": len(group),
+            "period_ms_p50": round(statistics.median(s["period"] for s in group) * 1e3, 1),
             "frames_p50": statistics.median(s["frames"] for s in group),
-            "admit_ms": mean_ms([s["admit_s"] for s in group]), "decode_ms": mean_ms([s["decode_s"] for s in group]),
+            "admit_ms": mean_ms([s["admit_s"] for s in group]),
+            "decode_ms": mean_ms([s["decode_s"] for s in group]),
             "other_ms": mean_ms([s["period"] - s["admit_s"] - s["decode_s"] for s in group]),
             "device_ms": mean_ms([s["decode_device_s"] for s in group if s["decode_device_s"] is not None]),
             # per step, counting steps without a prefill as 0
-            "prefill_device_ms": mean_ms([s["prefill_device_s"] or 0.0 for s in group if s["decode_device_s"] is not None]),
-            "admitted": sum(s["admitted"] for s in group)}
+            "prefill_device_ms": mean_ms(
+                [s["prefill_device_s"] or 0.0 for s in group if s["decode_device_s"] is not None]
+            ),
+            "admitted": sum(s["admitted"] for s in group),
+        }
     return table
 
 
@@ -89,10 +97,17 @@ def lane_windows(records: list[dict], origin: float, window_s: float) -> dict:
     windows = collections.defaultdict(lambda: collections.defaultdict(list))
     for (lane, start, end), chunks in codec_calls(records).items():
         windows[int((start - origin) // window_s)][lane].append((end - start, len(chunks)))
-    return {f"{key * window_s:g}s": {lane: {"calls": len(group), "chunks_per_call": round(statistics.fmean(c for _, c in group), 1),
-                                            "busy": round(sum(d for d, _ in group) / window_s, 2)}
-                                     for lane, group in sorted(lanes.items())}
-            for key, lanes in sorted(windows.items())}
+    return {
+        f"{key * window_s:g}s": {
+            lane: {
+                "calls": len(group),
+                "chunks_per_call": round(statistics.fmean(c for _, c in group), 1),
+                "busy": round(sum(d for d, _ in group) / window_s, 2),
+            }
+            for lane, group in sorted(lanes.items())
+        }
+        for key, lanes in sorted(windows.items())
+    }
 
 
 def lane_gaps(records: list[dict]) -> dict:
@@ -105,7 +120,9 @@ def lane_gaps(records: list[dict]) -> dict:
     (promoted and taken chunks left out: they waited on the other lane first), with their sizes."""
     by_lane = collections.defaultdict(list)
     for (lane, start, end), chunks in codec_calls(records).items():
-        by_lane[lane].append((start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks), len(chunks)))
+        by_lane[lane].append(
+            (start, end, min(c["cut"] for c in chunks), max(c["sent"] for c in chunks), len(chunks))
+        )
     table = {}
     for lane, calls in sorted(by_lane.items()):
         calls.sort()
@@ -115,16 +132,25 @@ def lane_gaps(records: list[dict]) -> dict:
                 (working if first_cut <= free_at else idle).append(start - free_at)
             free_at = max(free_at, end)
         sending = [sent - end for _, end, _, sent, _ in calls]
-        backlog, sizes = lane_backlog([r for r in records if r["lane"] == lane and route(r) == lane],
-                                      [start for start, *_ in calls])
-        table[lane] = {"calls": len(calls), "call_ms_p50": quantile_ms([end - start for start, end, *_ in calls], 0.5),
-                       "gaps_with_work_waiting": len(working), "work_gap_ms_p50": quantile_ms(working, 0.5),
-                       "work_gap_ms_p90": quantile_ms(working, 0.9), "work_gaps_s": round(sum(working), 2),
-                       "idle_gaps": len(idle), "idle_gaps_s": round(sum(idle), 2),
-                       "send_after_call_ms_p50": quantile_ms(sending, 0.5), "send_after_call_ms_p90": quantile_ms(sending, 0.9),
-                       "chunks_per_call_p50": quantile([count for *_, count in calls], 0.5),
-                       "waiting_at_call_start_p50": quantile(backlog, 0.5), "waiting_at_call_start_p90": quantile(backlog, 0.9),
-                       "waiting_frames_mix": dict(sizes.most_common(5))}
+        backlog, sizes = lane_backlog(
+            [r for r in records if r["lane"] == lane and route(r) == lane], [start for start, *_ in calls]
+        )
+        table[lane] = {
+            "calls": len(calls),
+            "call_ms_p50": quantile_ms([end - start for start, end, *_ in calls], 0.5),
+            "gaps_with_work_waiting": len(working),
+            "work_gap_ms_p50": quantile_ms(working, 0.5),
+            "work_gap_ms_p90": quantile_ms(working, 0.9),
+            "work_gaps_s": round(sum(working), 2),
+            "idle_gaps": len(idle),
+            "idle_gaps_s": round(sum(idle), 2),
+            "send_after_call_ms_p50": quantile_ms(sending, 0.5),
+            "send_after_call_ms_p90": quantile_ms(sending, 0.9),
+            "chunks_per_call_p50": quantile([count for *_, count in calls], 0.5),
+            "waiting_at_call_start_p50": quantile(backlog, 0.5),
+            "waiting_at_call_start_p90": quantile(backlog, 0.9),
+            "waiting_frames_mix": dict(sizes.most_common(5)),
+        }
     return table
 
 
@@ -145,7 +171,9 @@ def lane_backlog(chunks: list[dict], starts: list[float]) -> tuple[list[int], co
 
 FIRST_CHUNK_PARTS = {  # the server's part of TTFA, in order
     "generate": lambda r: r["cut"] - r["arrived"],  # admission, prefill and the first chunk's frames
-    "lane_wait": lambda r: r["start"] - r["cut"],  # for a lane worker, and in Triton's queue behind the lane's other call
+    "lane_wait": lambda r: (
+        r["start"] - r["cut"]
+    ),  # for a lane worker, and in Triton's queue behind the lane's other call
     "codec": lambda r: r["end"] - r["start"],
     "send": lambda r: r["sent"] - r["end"],  # the sends of the call's chunks ahead of this one, and its own
     "total": lambda r: r["sent"] - r["arrived"],
@@ -159,16 +187,27 @@ def first_chunks(records: list[dict], origin: float, window_s: float) -> dict | 
     firsts = [r for r in records if r["index"] == 0]
     if not firsts:
         return None
-    parts = lambda group, q: {name: quantile_ms([part(r) for r in group], q) for name, part in FIRST_CHUNK_PARTS.items()}
-    slowest = sorted(firsts, key=FIRST_CHUNK_PARTS["total"])[-max(1, len(firsts) // 10):]
+
+    def parts(group, q):
+        return {name: quantile_ms([part(r) for r in group], q) for name, part in FIRST_CHUNK_PARTS.items()}
+
+    slowest = sorted(firsts, key=FIRST_CHUNK_PARTS["total"])[-max(1, len(firsts) // 10) :]
     windows = collections.defaultdict(list)
     for record in firsts:
         windows[int((record["arrived"] - origin) // window_s)].append(record)
-    return {"count": len(firsts), "p50_ms": parts(firsts, 0.5), "p90_ms": parts(firsts, 0.9),
-            "slowest_tenth_mean_ms": {name: round(statistics.fmean(part(r) for r in slowest) * 1e3, 1)
-                                      for name, part in FIRST_CHUNK_PARTS.items()},
-            "p90_ms_by_window": {f"{key * window_s:g}s": {"count": len(group), **parts(group, 0.9)}
-                                 for key, group in sorted(windows.items())}}
+    return {
+        "count": len(firsts),
+        "p50_ms": parts(firsts, 0.5),
+        "p90_ms": parts(firsts, 0.9),
+        "slowest_tenth_mean_ms": {
+            name: round(statistics.fmean(part(r) for r in slowest) * 1e3, 1)
+            for name, part in FIRST_CHUNK_PARTS.items()
+        },
+        "p90_ms_by_window": {
+            f"{key * window_s:g}s": {"count": len(group), **parts(group, 0.9)}
+            for key, group in sorted(windows.items())
+        },
+    }
 
 
 def report(lines: list[dict], window_s: float = 4.0) -> dict:
@@ -186,34 +225,52 @@ def report(lines: list[dict], window_s: float = 4.0) -> dict:
             continue
         cut = [(c["cut"] - first["sent"]) * 1e3 for first, c in chunks]
         wait = [(c["start"] - c["cut"]) * 1e3 for _, c in chunks]
-        by_index[index] = {"chunks": len(chunks), "cut_after_first_sent_ms_p50": round(quantile(cut, 0.5)),
-                           "cut_after_first_sent_ms_p99": round(quantile(cut, 0.99)),
-                           "lane_wait_ms_p50": round(quantile(wait, 0.5)), "lane_wait_ms_p99": round(quantile(wait, 0.99))}
+        by_index[index] = {
+            "chunks": len(chunks),
+            "cut_after_first_sent_ms_p50": round(quantile(cut, 0.5)),
+            "cut_after_first_sent_ms_p99": round(quantile(cut, 0.99)),
+            "lane_wait_ms_p50": round(quantile(wait, 0.5)),
+            "lane_wait_ms_p99": round(quantile(wait, 0.99)),
+        }
     # A fifth chunk cut well after the fourth was sent waited for its frames: one frame step each
     # since the fourth's cut (which, when it too waited for frames, came at its last frame).
     origin = min(r["arrived"] for r in records)
     periods = collections.defaultdict(list)
     for s in streams.values():
         if 3 in s and 4 in s and s[4]["cut"] - s[3]["sent"] > 0.005:
-            periods[int((s[3]["cut"] - origin) // window_s)].append((s[4]["cut"] - s[3]["cut"]) / s[4]["frames"] * 1e3)
-    return {"chunks": len(records), "late": len(late),
-            "late_by_index": dict(sorted(collections.Counter(r["index"] for r in late).items())),
-            "late_by_lane": dict(collections.Counter(r["lane"] for r in late)),
-            "chunks_by_route": dict(collections.Counter(map(route, records))),
-            "late_by_route": dict(collections.Counter(map(route, late))),
-            "late_arrived_s": [round(min(r["arrived"] for r in late) - origin, 1),
-                               round(max(r["arrived"] for r in late) - origin, 1)] if late else None,
-            "first_chunks": first_chunks(records, origin, window_s),
-            "by_index": by_index,
-            "frame_period_ms_by_window": {f"{k * window_s:g}s": round(statistics.median(v))
-                                          for k, v in sorted(periods.items()) if len(v) > 5},
-            "steps_by_window": step_windows(steps, origin, window_s) if steps else None,
-            "lanes_by_window": lane_windows(records, origin, window_s),
-            "lane_gaps": lane_gaps(records)}
+            periods[int((s[3]["cut"] - origin) // window_s)].append(
+                (s[4]["cut"] - s[3]["cut"]) / s[4]["frames"] * 1e3
+            )
+    return {
+        "chunks": len(records),
+        "late": len(late),
+        "late_by_index": dict(sorted(collections.Counter(r["index"] for r in late).items())),
+        "late_by_lane": dict(collections.Counter(r["lane"] for r in late)),
+        "chunks_by_route": dict(collections.Counter(map(route, records))),
+        "late_by_route": dict(collections.Counter(map(route, late))),
+        "late_arrived_s": [
+            round(min(r["arrived"] for r in late) - origin, 1),
+            round(max(r["arrived"] for r in late) - origin, 1),
+        ]
+        if late
+        else None,
+        "first_chunks": first_chunks(records, origin, window_s),
+        "by_index": by_index,
+        "frame_period_ms_by_window": {
+            f"{k * window_s:g}s": round(statistics.median(v))
+            for k, v in sorted(periods.items())
+            if len(v) > 5
+        },
+        "steps_by_window": step_windows(steps, origin, window_s) if steps else None,
+        "lanes_by_window": lane_windows(records, origin, window_s),
+        "lane_gaps": lane_gaps(records),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("trace", type=Path)
     parser.add_argument("--window", type=float, default=4.0, help="seconds per frame-period window")
     args = parser.parse_args()

@@ -45,15 +45,25 @@ def record_layers(codec, batch: int, frames: int) -> list[dict]:
             if key in layers:
                 layers[key]["count"] += 1
             else:
-                layers[key] = {"op": name, "x": x.clone(), "weight": weight, "bias": bias, "positional": positional,
-                               "options": options, "count": 1}
+                layers[key] = {
+                    "op": name,
+                    "x": x.clone(),
+                    "weight": weight,
+                    "bias": bias,
+                    "positional": positional,
+                    "options": options,
+                    "count": 1,
+                }
             return originals[name](x, weight, bias, *positional, **options)
+
         return record
 
     for name in originals:
         setattr(F, name, recorder(name))
     try:
-        codes = torch.randint(0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device="cuda")
+        codes = torch.randint(
+            0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device="cuda"
+        )
         codec.decode(codes, torch.zeros(batch, dtype=torch.long, device="cuda"), codec.new_state(batch))
     finally:
         for name, original in originals.items():
@@ -73,35 +83,65 @@ def channels_last_timing(op, layer: dict) -> dict:
     run = lambda: op(x, weight, layer["bias"], *layer["positional"], **layer["options"])  # noqa: E731
     expected = op(layer["x"], layer["weight"], layer["bias"], *layer["positional"], **layer["options"])
     out = run()
-    return {"channels_last_ms": round(mean_ms(run, 10), 4), "channels_last_output": out.stride(1) == 1,
-            "channels_last_max_error": float((out.float() - expected.float()).abs().max())}
+    return {
+        "channels_last_ms": round(mean_ms(run, 10), 4),
+        "channels_last_output": out.stride(1) == 1,
+        "channels_last_max_error": float((out.float() - expected.float()).abs().max()),
+    }
 
 
 @torch.inference_mode()
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--shapes", default="8x2,16x4,128x25", help="comma-separated BATCHxFRAMES")
-    parser.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time its algorithms per shape")
-    parser.add_argument("--channels-last", action="store_true", help="also time each layer stored channels-last")
+    parser.add_argument(
+        "--cudnn-benchmark", action="store_true", help="let cuDNN time its algorithms per shape"
+    )
+    parser.add_argument(
+        "--channels-last", action="store_true", help="also time each layer stored channels-last"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    codec = load_codec(args.checkpoint, load_config(args.checkpoint), device=torch.device("cuda"), dtype=torch.bfloat16)
+    codec = load_codec(
+        args.checkpoint, load_config(args.checkpoint), device=torch.device("cuda"), dtype=torch.bfloat16
+    )
     torch.manual_seed(0)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-              "cudnn_benchmark": args.cudnn_benchmark, "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "cudnn_benchmark": args.cudnn_benchmark,
+        "date": time.strftime("%Y-%m-%d"),
+        "shapes": {},
+    }
     for shape in args.shapes.split(","):
         batch, frames = call_shape(shape)
         rows, total, total_channels_last = [], 0.0, 0.0
         for layer in record_layers(codec, batch, frames):
             op = getattr(F, layer["op"])
-            ms = mean_ms(lambda: op(layer["x"], layer["weight"], layer["bias"], *layer["positional"], **layer["options"]), 10)
+            ms = mean_ms(
+                lambda: op(
+                    layer["x"], layer["weight"], layer["bias"], *layer["positional"], **layer["options"]
+                ),
+                10,
+            )
             total += layer["count"] * ms
-            row = {"op": layer["op"], "x": list(layer["x"].shape), "weight": list(layer["weight"].shape),
-                   "arguments": [*map(str, layer["positional"]), *(f"{k}={v}" for k, v in layer["options"].items())],
-                   "count": layer["count"], "ms": round(ms, 4)}
+            row = {
+                "op": layer["op"],
+                "x": list(layer["x"].shape),
+                "weight": list(layer["weight"].shape),
+                "arguments": [
+                    *map(str, layer["positional"]),
+                    *(f"{k}={v}" for k, v in layer["options"].items()),
+                ],
+                "count": layer["count"],
+                "ms": round(ms, 4),
+            }
             if args.channels_last and layer["x"].dim() == 3:
                 row.update(channels_last_timing(op, layer))
             total_channels_last += layer["count"] * row.get("channels_last_ms", ms)

@@ -14,6 +14,7 @@ commit a29e65c forced it on in CodecRunner. The checkpoint is random-weight
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -51,11 +52,15 @@ def mean_ms(call, repeat: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated BATCHxFRAMES")
     parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time its algorithms per shape")
+    parser.add_argument(
+        "--cudnn-benchmark", action="store_true", help="let cuDNN time its algorithms per shape"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -63,16 +68,25 @@ def main() -> None:
     device = torch.device("cuda")
     codec = load_codec(args.checkpoint, load_config(args.checkpoint), device=device, dtype=torch.bfloat16)
     torch.manual_seed(0)
-    result = {"code": voxtriton.__file__, "cudnn_benchmark": args.cudnn_benchmark,
-              "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "ms": {}}
+    result = {
+        "code": voxtriton.__file__,
+        "cudnn_benchmark": args.cudnn_benchmark,
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "ms": {},
+    }
     for shape in args.shapes.split(","):
         batch, frames = call_shape(shape)
         runner = CodecRunner(codec, [batch], [frames])
-        codes = torch.randint(0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device=device)
+        codes = torch.randint(
+            0, codec.config.codebook_size, (batch, frames, codec.config.num_quantizers), device=device
+        )
         start = torch.zeros(batch, dtype=torch.long, device=device)
         state = codec.new_state(batch)
-        result["ms"][shape] = round(mean_ms(lambda: runner.decode(codes, start, state), args.repeat), 3)
+        result["ms"][shape] = round(
+            mean_ms(functools.partial(runner.decode, codes, start, state), args.repeat), 3
+        )
         del runner  # its graphs' memory
     print(json.dumps(result), flush=True)
     if args.json:

@@ -55,9 +55,13 @@ def codec_flops_per_frame(config, batch: int, frames: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, required=True)
-    parser.add_argument("--model-speed", type=Path, help="model_speed.py --json output (frame step ms per batch)")
+    parser.add_argument(
+        "--model-speed", type=Path, help="model_speed.py --json output (frame step ms per batch)"
+    )
     parser.add_argument("--codec-speed", type=Path, help="codec_speed.py --json output (ms per call shape)")
     parser.add_argument("--span", type=int, default=512, help="attention span without --model-speed")
     args = parser.parse_args()
@@ -70,9 +74,13 @@ def main() -> None:
         for row in speed["rows"]:
             flops = backbone_flops_per_frame(config, row["batch"], span)
             rate = flops * row["batch"] / (row["frame_step_ms"] / 1e3) / 1e12
-            print(f"| frame step | batch {row['batch']}, span {span} | {flops / 1e9:.2f} | {row['frame_step_ms']:.2f} | {rate:.0f} |")
+            print(
+                f"| frame step | batch {row['batch']}, span {span} | {flops / 1e9:.2f} | {row['frame_step_ms']:.2f} | {rate:.0f} |"
+            )
     else:
-        print(f"| frame step | span {args.span} | {backbone_flops_per_frame(config, 1, args.span) / 1e9:.2f} | - | - |")
+        print(
+            f"| frame step | span {args.span} | {backbone_flops_per_frame(config, 1, args.span) / 1e9:.2f} | - | - |"
+        )
     shapes = json.loads(args.codec_speed.read_text())["ms"] if args.codec_speed else {"1x25": None}
     for shape, ms in shapes.items():
         batch, frames = call_shape(shape)

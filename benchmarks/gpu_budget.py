@@ -67,9 +67,14 @@ def budget(probe: dict, model_speed: dict, codec_per_audio_s: float) -> dict:
     demand = probe["rate"] * audio_per_request  # seconds of audio per second
     backbone = backbone_ms_per_audio_s(model_speed, probe["frame_step_batch"])
     gpu_s_per_s = demand * (backbone + codec_per_audio_s) / 1e3
-    return {"audio_s_per_request": audio_per_request, "demand_audio_s_per_s": demand,
-            "backbone_ms_per_audio_s": backbone, "codec_ms_per_audio_s": codec_per_audio_s,
-            "gpu_s_per_s": gpu_s_per_s, "rate_filling_gpu": probe["rate"] / gpu_s_per_s}
+    return {
+        "audio_s_per_request": audio_per_request,
+        "demand_audio_s_per_s": demand,
+        "backbone_ms_per_audio_s": backbone,
+        "codec_ms_per_audio_s": codec_per_audio_s,
+        "gpu_s_per_s": gpu_s_per_s,
+        "rate_filling_gpu": probe["rate"] / gpu_s_per_s,
+    }
 
 
 def ceilings(model_speed: dict, codec_per_audio_s: float, audio_per_request: float) -> list[dict]:
@@ -77,49 +82,75 @@ def ceilings(model_speed: dict, codec_per_audio_s: float, audio_per_request: flo
     rows = []
     for row in sorted(model_speed["rows"], key=lambda r: r["batch"]):
         backbone = backbone_ms_per_audio_s(model_speed, row["batch"])
-        rows.append({"batch": row["batch"], "frame_step_ms": row["frame_step_ms"],
-                     "backbone_alone": 1e3 / (backbone * audio_per_request),
-                     "backbone_then_codec": 1e3 / ((backbone + codec_per_audio_s) * audio_per_request)})
+        rows.append(
+            {
+                "batch": row["batch"],
+                "frame_step_ms": row["frame_step_ms"],
+                "backbone_alone": 1e3 / (backbone * audio_per_request),
+                "backbone_then_codec": 1e3 / ((backbone + codec_per_audio_s) * audio_per_request),
+            }
+        )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--model-speed", type=Path, required=True, help="model_speed.py --json output")
     parser.add_argument("--codec-speed", type=Path, required=True, help="codec_speed.py --json output")
-    parser.add_argument("--baseline-goodput", type=float, help="req/s: print each ceiling as a ratio to it too")
+    parser.add_argument(
+        "--baseline-goodput", type=float, help="req/s: print each ceiling as a ratio to it too"
+    )
     args = parser.parse_args()
     model_speed = json.loads(args.model_speed.read_text())
     codec = codec_ms_per_audio_s(json.loads(args.codec_speed.read_text()))
     best_shape = min(codec, key=codec.get)
     preset = model_speed["meta"]["preset"]
-    print(f"codec GPU ms per audio second by call shape: "
-          + ", ".join(f"{shape} {ms:.3f}" for shape, ms in codec.items()) + f"; the budget uses the best, {best_shape}")
-    print("| model | policy | run | rate/s | passed | audio s per request | audio s per s | mean batch "
-          "| backbone ms per audio s | codec ms per audio s | GPU s per s | rate filling the GPU |")
+    print(
+        "codec GPU ms per audio second by call shape: "
+        + ", ".join(f"{shape} {ms:.3f}" for shape, ms in codec.items())
+        + f"; the budget uses the best, {best_shape}"
+    )
+    print(
+        "| model | policy | run | rate/s | passed | audio s per request | audio s per s | mean batch "
+        "| backbone ms per audio s | codec ms per audio s | GPU s per s | rate filling the GPU |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    usable = [p for run in args.runs for p in probes(run)
-              if p["model"] == preset and p["completed"] and p["audio_s"] and p["frame_step_batch"]]
+    usable = [
+        p
+        for run in args.runs
+        for p in probes(run)
+        if p["model"] == preset and p["completed"] and p["audio_s"] and p["frame_step_batch"]
+    ]
     if not usable:
-        sys.exit(f"no probe of preset {preset} with completed requests, audio_s and a mean batch in {args.runs}")
+        sys.exit(
+            f"no probe of preset {preset} with completed requests, audio_s and a mean batch in {args.runs}"
+        )
     for probe in sorted(usable, key=lambda p: (p["policy"], p["rate"], p["run"])):
         b = budget(probe, model_speed, codec[best_shape])
-        print(f"| {probe['model']} | {probe['policy']} | {probe['run']} | {probe['rate']:.0f} | "
-              f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | {b['demand_audio_s_per_s']:.0f} | "
-              f"{probe['frame_step_batch']:.0f} | {b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
-              f"{b['gpu_s_per_s']:.2f} | {b['rate_filling_gpu']:.0f} |")
+        print(
+            f"| {probe['model']} | {probe['policy']} | {probe['run']} | {probe['rate']:.0f} | "
+            f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | {b['demand_audio_s_per_s']:.0f} | "
+            f"{probe['frame_step_batch']:.0f} | {b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
+            f"{b['gpu_s_per_s']:.2f} | {b['rate_filling_gpu']:.0f} |"
+        )
     audio_per_request = sum(p["audio_s"] for p in usable) / sum(p["completed"] for p in usable)
     meta = model_speed["meta"]
     context = f", model speed at a context of {meta['context']}" if "context" in meta else ""
-    print(f"\nCeilings for any policy at {audio_per_request:.2f} s of audio per request (the probes' mean)"
-          f"{context}{' (rows spread over it)' if meta.get('spread') else ''}:")
+    print(
+        f"\nCeilings for any policy at {audio_per_request:.2f} s of audio per request (the probes' mean)"
+        f"{context}{' (rows spread over it)' if meta.get('spread') else ''}:"
+    )
     against = f" (x {args.baseline_goodput:g} req/s)" if args.baseline_goodput else ""
     print(f"| rows | frame step ms | backbone alone, req/s{against} | backbone then codec, req/s{against} |")
     print("|---|---|---|---|")
     for c in ceilings(model_speed, codec[best_shape], audio_per_request):
-        cells = [f"{c[key]:.0f}" + (f" ({c[key] / args.baseline_goodput:.2f}x)" if args.baseline_goodput else "")
-                 for key in ("backbone_alone", "backbone_then_codec")]
+        cells = [
+            f"{c[key]:.0f}" + (f" ({c[key] / args.baseline_goodput:.2f}x)" if args.baseline_goodput else "")
+            for key in ("backbone_alone", "backbone_then_codec")
+        ]
         print(f"| {c['batch']} | {c['frame_step_ms']:.2f} | {cells[0]} | {cells[1]} |")
 
 

@@ -83,6 +83,7 @@ def host() -> dict:
     """The processor model, the CPUs this process may run on, the cgroup's CPU quota ("max" for
     none) and the load average: the engine thread's time per step varied 1.4-5x between machines
     of one kind (sessions 20-22), and nothing recorded then says how the hosts differed."""
+
     def first_line(path: str, prefix: str = "") -> str | None:
         try:
             with open(path) as handle:
@@ -93,23 +94,35 @@ def host() -> dict:
             return None
         return None
 
-    return {"cpu_model": first_line("/proc/cpuinfo", "model name"), "cpus_usable": len(os.sched_getaffinity(0)),
-            "cgroup_cpu_max": first_line("/sys/fs/cgroup/cpu.max"), "load_average": os.getloadavg()}
+    return {
+        "cpu_model": first_line("/proc/cpuinfo", "model name"),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "cgroup_cpu_max": first_line("/sys/fs/cgroup/cpu.max"),
+        "load_average": os.getloadavg(),
+    }
 
 
 def nvidia_smi() -> str:
-    query = ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,"
-             "temperature.gpu,utilization.gpu,compute_mode,mig.mode.current", "--format=csv"]
+    query = [
+        "nvidia-smi",
+        "--query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,"
+        "temperature.gpu,utilization.gpu,compute_mode,mig.mode.current",
+        "--format=csv",
+    ]
     apps = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"]
     try:
-        return "\n".join(subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip()
-                         for command in (query, apps))
+        return "\n".join(
+            subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip()
+            for command in (query, apps)
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"nvidia-smi failed: {error}"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--min-tflops", type=float, default=450.0)
     parser.add_argument("--min-gbps", type=float, default=2500.0)
@@ -122,24 +135,44 @@ def main() -> int:
     from voxtriton.kernels import check_kernels  # the checkout's package (setup_env.sh puts it on the path)
 
     kernels = check_kernels(torch.device("cuda", 0))
-    figures = {"device": torch.cuda.get_device_name(0), "pid": os.getpid(),
-               "kernels_failing_their_check": sorted(name for name, usable in kernels.items() if not usable),
-               "matmul_tflops": round(matmul_tflops(), 1),
-               "copy_gbps": round(copy_gbps(), 1), "graph_kernel_us": round(graph_kernel_us(), 2),
-               "python_loop_ms": round(python_loop_ms(), 1), "host": host(), "nvidia_smi": nvidia_smi()}
+    figures = {
+        "device": torch.cuda.get_device_name(0),
+        "pid": os.getpid(),
+        "kernels_failing_their_check": sorted(name for name, usable in kernels.items() if not usable),
+        "matmul_tflops": round(matmul_tflops(), 1),
+        "copy_gbps": round(copy_gbps(), 1),
+        "graph_kernel_us": round(graph_kernel_us(), 2),
+        "python_loop_ms": round(python_loop_ms(), 1),
+        "host": host(),
+        "nvidia_smi": nvidia_smi(),
+    }
     print(json.dumps(figures, indent=1))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=1)
-    slow = [text for text, bad in (
-        (f"matmul_tflops {figures['matmul_tflops']} < {args.min_tflops}", figures["matmul_tflops"] < args.min_tflops),
-        (f"copy_gbps {figures['copy_gbps']} < {args.min_gbps}", figures["copy_gbps"] < args.min_gbps),
-        (f"graph_kernel_us {figures['graph_kernel_us']} > {args.max_graph_kernel_us}",
-         figures["graph_kernel_us"] > args.max_graph_kernel_us),
-        (f"python_loop_ms {figures['python_loop_ms']} > {args.max_python_ms}",
-         figures["python_loop_ms"] > args.max_python_ms),
-        (f"Triton kernels failing their check: {', '.join(figures['kernels_failing_their_check'])}",
-         bool(figures["kernels_failing_their_check"]))) if bad]
+    slow = [
+        text
+        for text, bad in (
+            (
+                f"matmul_tflops {figures['matmul_tflops']} < {args.min_tflops}",
+                figures["matmul_tflops"] < args.min_tflops,
+            ),
+            (f"copy_gbps {figures['copy_gbps']} < {args.min_gbps}", figures["copy_gbps"] < args.min_gbps),
+            (
+                f"graph_kernel_us {figures['graph_kernel_us']} > {args.max_graph_kernel_us}",
+                figures["graph_kernel_us"] > args.max_graph_kernel_us,
+            ),
+            (
+                f"python_loop_ms {figures['python_loop_ms']} > {args.max_python_ms}",
+                figures["python_loop_ms"] > args.max_python_ms,
+            ),
+            (
+                f"Triton kernels failing their check: {', '.join(figures['kernels_failing_their_check'])}",
+                bool(figures["kernels_failing_their_check"]),
+            ),
+        )
+        if bad
+    ]
     if slow:
         print(f"gpu_check: {'; '.join(slow)}", file=sys.stderr)
         return 1

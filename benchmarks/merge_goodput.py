@@ -31,14 +31,26 @@ def probes(run: Path) -> list[dict]:
     for entry in result["policies"]:
         trials = (entry.get("goodput") or {}).get("trials", []) + entry.get("rates", [])
         for trial in trials:
-            rows.append({"model": model, "policy": entry["policy"], "run": run.name, "rate": trial["rate"],
-                         "passed": meets_target(trial), "stalled": trial["stalled_requests"],
-                         "requests": trial["requests"], "ttfa_p90_ms": trial["ttfa_p90_ms"],
-                         "stall_total_s": round(trial["stall_total_s"], 3), "listeners_peak": trial["listeners_peak"],
-                         "frame_step_ms": trial["server"]["frame_step_ms_mean"],
-                         # For gpu_budget.py; runs of older harness versions may lack them.
-                         "completed": trial.get("completed"), "audio_s": trial.get("audio_s"),
-                         "frame_step_batch": trial["server"].get("frame_step_batch_mean"), "command": command})
+            rows.append(
+                {
+                    "model": model,
+                    "policy": entry["policy"],
+                    "run": run.name,
+                    "rate": trial["rate"],
+                    "passed": meets_target(trial),
+                    "stalled": trial["stalled_requests"],
+                    "requests": trial["requests"],
+                    "ttfa_p90_ms": trial["ttfa_p90_ms"],
+                    "stall_total_s": round(trial["stall_total_s"], 3),
+                    "listeners_peak": trial["listeners_peak"],
+                    "frame_step_ms": trial["server"]["frame_step_ms_mean"],
+                    # For gpu_budget.py; runs of older harness versions may lack them.
+                    "completed": trial.get("completed"),
+                    "audio_s": trial.get("audio_s"),
+                    "frame_step_batch": trial["server"].get("frame_step_batch_mean"),
+                    "command": command,
+                }
+            )
     return rows
 
 
@@ -52,6 +64,7 @@ def same_rate(a: float, b: float) -> bool:
 def goodput(rows: list[dict]) -> dict:
     """The highest rate passed in any probe ("goodput", with "passes" = passed / probes at that rate),
     the highest passed in most of its probes ("goodput_most"), and the lowest failed."""
+
     def tally(rate):
         probes = [r for r in rows if same_rate(r["rate"], rate)]
         return sum(r["passed"] for r in probes), len(probes)
@@ -61,9 +74,13 @@ def goodput(rows: list[dict]) -> dict:
     best = max(passed, default=None)
     mostly = [rate for rate in passed if 2 * tally(rate)[0] > tally(rate)[1]]
     listeners = max((r["listeners_peak"] for r in rows if r["passed"] and r["rate"] == best), default=None)
-    return {"goodput": best, "passes": "{} of {}".format(*tally(best)) if best is not None else None,
-            "goodput_most": max(mostly, default=None), "lowest_failed": min(failed, default=None),
-            "listeners_peak": listeners}
+    return {
+        "goodput": best,
+        "passes": "{} of {}".format(*tally(best)) if best is not None else None,
+        "goodput_most": max(mostly, default=None),
+        "lowest_failed": min(failed, default=None),
+        "listeners_peak": listeners,
+    }
 
 
 def main() -> None:
@@ -78,16 +95,26 @@ def main() -> None:
     summary = {f"{model} {policy}": goodput(group) for (model, policy), group in sorted(groups.items())}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"goodput": summary, "probes": rows}, indent=1))
-    lines = ["| model | policy | goodput (req/s) | probes passed at it | passed in most probes (req/s) "
-             "| lowest failing rate | peak listeners at goodput |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {key.split()[0]} | {key.split()[1]} | {_rate(value['goodput'])} | {value['passes']} | "
-              f"{_rate(value['goodput_most'])} | {_rate(value['lowest_failed'])} | {value['listeners_peak']} |"
-              for key, value in summary.items()]
-    lines += ["", "| model | policy | run | rate/s | passed | stalled / requests | TTFA p90 ms | frame step ms |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['policy']} | {r['run']} | {_rate(r['rate'])} | {'yes' if r['passed'] else 'no'} | "
-              f"{r['stalled']} / {r['requests']} | {r['ttfa_p90_ms']} | {r['frame_step_ms']} |"
-              for r in sorted(rows, key=lambda r: (r["model"], r["policy"], r["rate"], r["run"]))]
+    lines = [
+        "| model | policy | goodput (req/s) | probes passed at it | passed in most probes (req/s) "
+        "| lowest failing rate | peak listeners at goodput |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {key.split()[0]} | {key.split()[1]} | {_rate(value['goodput'])} | {value['passes']} | "
+        f"{_rate(value['goodput_most'])} | {_rate(value['lowest_failed'])} | {value['listeners_peak']} |"
+        for key, value in summary.items()
+    ]
+    lines += [
+        "",
+        "| model | policy | run | rate/s | passed | stalled / requests | TTFA p90 ms | frame step ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['policy']} | {r['run']} | {_rate(r['rate'])} | {'yes' if r['passed'] else 'no'} | "
+        f"{r['stalled']} / {r['requests']} | {r['ttfa_p90_ms']} | {r['frame_step_ms']} |"
+        for r in sorted(rows, key=lambda r: (r["model"], r["policy"], r["rate"], r["run"]))
+    ]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(groups, args.out / "ttfa_stalls_vs_rate.png")
@@ -114,7 +141,9 @@ def plot(groups: dict, path: Path) -> None:
         right.scatter([r["rate"] for r in group], [r["stalled"] / r["requests"] for r in group], label=label)
     left.axhline(200, color="gray", linestyle="--")
     left.set(xlabel="arrival rate (req/s)", ylabel="p90 TTFA (ms)", title="p90 TTFA (every probe)")
-    right.set(xlabel="arrival rate (req/s)", ylabel="stalled fraction", title="stalled requests (every probe)")
+    right.set(
+        xlabel="arrival rate (req/s)", ylabel="stalled fraction", title="stalled requests (every probe)"
+    )
     left.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -33,6 +33,7 @@ from voxtriton.models.text import PromptBuilder, TextTokenizer
 
 def timed(fn, device: torch.device, repeat: int) -> float:
     """Median seconds of fn() over `repeat` runs, after two warm-up runs."""
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -87,11 +88,15 @@ def row_positions(batch: int, context: int, spread: bool, device) -> torch.Tenso
     return torch.linspace(context - 1, min(64, context - 1), batch, device=device).long()
 
 
-def fill_rows(runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int, spread: bool) -> int:
+def fill_rows(
+    runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int, spread: bool
+) -> int:
     """Prefill `batch` requests and advance them to `context` positions (see `row_positions`); returns the span."""
     params = GenerationParams.create(config.generation, 100_000, seed=0, max_frames=50_000, ignore_eos=True)
-    requests = [Request(f"r{i}", prompts.build("Benchmarking the talker step.", prompts.speakers[0]), params)
-                for i in range(batch)]
+    requests = [
+        Request(f"r{i}", prompts.build("Benchmarking the talker step.", prompts.speakers[0]), params)
+        for i in range(batch)
+    ]
     runner.prefill(requests, 0)
     length = len(requests[0].prompt.text_ids)
     runner.position[:batch] = row_positions(batch, context, spread, runner.device)
@@ -99,25 +104,41 @@ def fill_rows(runner: ModelRunner, config, prompts: PromptBuilder, batch: int, c
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="tiny", choices=("tiny", "0.6b", "1.7b"))
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)"
+    )
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--context", type=int, default=256, help="KV positions each request attends over")
-    parser.add_argument("--spread", action="store_true",
-                        help="rows at positions spread evenly up to --context instead of all at it")
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="rows at positions spread evenly up to --context instead of all at it",
+    )
     parser.add_argument("--chunk-frames", type=int, default=25)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs for every timed step (GPU)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="after timing, print the N costliest kernels of an eager frame step and codec call per batch")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, print the N costliest kernels of an eager frame step and codec call per batch",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
     checkpoint = args.checkpoint or make_checkpoint(args.preset, Path(tempfile.mkdtemp()) / args.preset)
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
@@ -138,7 +159,9 @@ def main() -> None:
 
         def predictor():
             with torch.inference_mode():
-                talker.code_predictor.predict_frame(hidden, first, keys, values, lambda logits, group: logits.argmax(-1))
+                talker.code_predictor.predict_frame(
+                    hidden, first, keys, values, lambda logits, group: logits.argmax(-1)
+                )
 
         def talker_step():
             with torch.inference_mode():
@@ -149,40 +172,77 @@ def main() -> None:
             runner.position[:batch] = positions
             runner.decode(batch, span)
 
-        codes = torch.randint(0, config.codec.codebook_size, (batch, args.chunk_frames, config.codec.num_quantizers),
-                              device=device)
+        codes = torch.randint(
+            0,
+            config.codec.codebook_size,
+            (batch, args.chunk_frames, config.codec.num_quantizers),
+            device=device,
+        )
         start = torch.zeros(batch, dtype=torch.long, device=device)
         state = codec.new_state(batch)
-        codec_runner = CodecRunner(codec, [batch] if args.graphs else None, [args.chunk_frames] if args.graphs else None)
+        codec_runner = CodecRunner(
+            codec, [batch] if args.graphs else None, [args.chunk_frames] if args.graphs else None
+        )
         codec_s = timed(lambda: codec_runner.decode(codes, start, state), device, max(3, args.repeat // 2))
         audio_s = batch * args.chunk_frames * config.codec.samples_per_frame / config.codec.sample_rate
         if args.graphs:
             talker_step, predictor = graphed(talker_step, device), graphed(predictor, device)
-        row = {"batch": batch, "talker_step_ms": timed(talker_step, device, args.repeat) * 1e3,
-               "predictor_15_steps_ms": timed(predictor, device, args.repeat) * 1e3,
-               "frame_step_ms": timed(frame_step, device, args.repeat) * 1e3,
-               "codec_ms_per_chunk": codec_s * 1e3,
-               "codec_ms_per_audio_s": codec_s * 1e3 / audio_s}
+        row = {
+            "batch": batch,
+            "talker_step_ms": timed(talker_step, device, args.repeat) * 1e3,
+            "predictor_15_steps_ms": timed(predictor, device, args.repeat) * 1e3,
+            "frame_step_ms": timed(frame_step, device, args.repeat) * 1e3,
+            "codec_ms_per_chunk": codec_s * 1e3,
+            "codec_ms_per_audio_s": codec_s * 1e3 / audio_s,
+        }
         row["frames_per_s"] = batch / (row["frame_step_ms"] / 1e3)
         row["realtime_streams"] = row["frames_per_s"] / config.frame_rate
         rows.append(row)
-        print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "batch"), flush=True)
+        print(
+            f"batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "batch"), flush=True
+        )
         if args.profile:
             eager_codec = CodecRunner(codec, None, None)
-            for name, fn in (("frame step", lambda: runner._decode_into_output(batch, span)),
-                             (f"codec call ({args.chunk_frames} frames)", lambda: eager_codec.decode(codes, start, state))):
-                print(f"\nbatch {batch}, {name}, eager: top {args.profile} kernels\n" + top_kernels(fn, device, args.profile))
+            for name, fn in (
+                ("frame step", lambda: runner._decode_into_output(batch, span)),
+                (f"codec call ({args.chunk_frames} frames)", lambda: eager_codec.decode(codes, start, state)),
+            ):
+                print(
+                    f"\nbatch {batch}, {name}, eager: top {args.profile} kernels\n"
+                    + top_kernels(fn, device, args.profile)
+                )
 
-    header = ["batch", "talker_step_ms", "predictor_15_steps_ms", "frame_step_ms", "frames_per_s",
-              "realtime_streams", "codec_ms_per_chunk", "codec_ms_per_audio_s"]
+    header = [
+        "batch",
+        "talker_step_ms",
+        "predictor_15_steps_ms",
+        "frame_step_ms",
+        "frames_per_s",
+        "realtime_streams",
+        "codec_ms_per_chunk",
+        "codec_ms_per_audio_s",
+    ]
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
-        print("| " + " | ".join(f"{row[h]:.2f}" if isinstance(row[h], float) else str(row[h]) for h in header) + " |")
-    meta = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "graphs": args.graphs,
-            "context": args.context, "spread": args.spread, "chunk_frames": args.chunk_frames, "torch": torch.__version__,
-            "machine": platform.processor() or platform.machine(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+        print(
+            "| "
+            + " | ".join(f"{row[h]:.2f}" if isinstance(row[h], float) else str(row[h]) for h in header)
+            + " |"
+        )
+    meta = {
+        "preset": args.preset,
+        "device": str(device),
+        "dtype": str(dtype),
+        "graphs": args.graphs,
+        "context": args.context,
+        "spread": args.spread,
+        "chunk_frames": args.chunk_frames,
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     print(json.dumps(meta))
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -1,6 +1,6 @@
 """Plot model_speed.py JSON results: frame step latency and real-time streams by batch size.
 
-    python benchmarks/plot_model_speed.py OUT.png LABEL=results.json [LABEL=results.json ...]
+python benchmarks/plot_model_speed.py OUT.png LABEL=results.json [LABEL=results.json ...]
 """
 
 from __future__ import annotations
@@ -23,9 +23,19 @@ def main() -> None:
         batches = [row["batch"] for row in rows]
         left.plot(batches, [row["frame_step_ms"] for row in rows], marker="o", label=label)
         right.plot(batches, [row["realtime_streams"] for row in rows], marker="o", label=label)
-    left.set(xscale="log", xlabel="batch (streams)", ylabel="frame step (ms)", title="One frame for the whole batch")
-    right.set(xscale="log", yscale="log", xlabel="batch (streams)", ylabel="real-time streams",
-              title="LM capacity (frames/s / 12.5)")
+    left.set(
+        xscale="log",
+        xlabel="batch (streams)",
+        ylabel="frame step (ms)",
+        title="One frame for the whole batch",
+    )
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch (streams)",
+        ylabel="real-time streams",
+        title="LM capacity (frames/s / 12.5)",
+    )
     left.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=120)

@@ -148,10 +148,16 @@ def main() -> None:
     parser.add_argument("--switch-intervals-ms", default="5,0.5", help="comma-separated")
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
     args = parser.parse_args()
-    cases = [(float(ms) / 1e3, beside, mode) for ms in args.switch_intervals_ms.split(",") for beside in (False, True)
-             for mode in ("one after another", "all at once", "cancellation checks")]
+    cases = [
+        (float(ms) / 1e3, beside, mode)
+        for ms in args.switch_intervals_ms.split(",")
+        for beside in (False, True)
+        for mode in ("one after another", "all at once", "cancellation checks")
+    ]
     with tempfile.TemporaryDirectory() as tmp:
-        server = TritonServer(repository=write_repository(Path(tmp), cases), tritonserver=args.tritonserver, use_mps=False)
+        server = TritonServer(
+            repository=write_repository(Path(tmp), cases), tritonserver=args.tritonserver, use_mps=False
+        )
         with server:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             results: queue.Queue = queue.Queue()
@@ -159,7 +165,9 @@ def main() -> None:
             shape = grpcclient.InferInput("SHAPE", [3], "INT32")
             shape.set_data_from_numpy(np.array([args.chunks, args.batches, args.frames * 1920], np.int32))
             for stream in range(args.chunks):
-                client.async_stream_infer("sender", [shape], request_id=str(stream), enable_empty_final_response=True)
+                client.async_stream_infer(
+                    "sender", [shape], request_id=str(stream), enable_empty_final_response=True
+                )
             times, open_streams = None, args.chunks
             while open_streams:
                 result, error = results.get(timeout=600)
@@ -171,11 +179,16 @@ def main() -> None:
                     if response.id == "0":
                         times = result.as_numpy("AUDIO")
             client.stop_stream()
-    print(f"one batch of {args.chunks} chunk sends to {args.chunks} streams ({args.frames} frames of audio each), "
-          f"or of {args.chunks} cancellation checks, mean of {args.batches} batches, ms:")
+    print(
+        f"one batch of {args.chunks} chunk sends to {args.chunks} streams ({args.frames} frames of audio each), "
+        f"or of {args.chunks} cancellation checks, mean of {args.batches} batches, ms:"
+    )
     for (interval, beside, mode), ms, share in zip(cases, times[0::2], times[1::2]):
-        print(f"  {mode}, {'beside a thread running Python' if beside else 'alone'}, switch interval "
-              f"{interval * 1e3:g} ms: {ms:.2f}" + (f" (that thread ran at {share:.0%} of its speed alone)" if beside else ""))
+        print(
+            f"  {mode}, {'beside a thread running Python' if beside else 'alone'}, switch interval "
+            f"{interval * 1e3:g} ms: {ms:.2f}"
+            + (f" (that thread ran at {share:.0%} of its speed alone)" if beside else "")
+        )
 
 
 if __name__ == "__main__":

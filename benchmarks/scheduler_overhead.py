@@ -31,8 +31,10 @@ def main() -> None:
                 for chunk in batch:
                     scheduler.chunk_done(chunk, 0.01)
     per_step = (time.perf_counter() - started) / args.steps
-    print(f"{args.streams} streams: {per_step * 1e3:.3f} ms of scheduler work per frame step "
-          f"({platform.machine()}, {platform.python_version()})")
+    print(
+        f"{args.streams} streams: {per_step * 1e3:.3f} ms of scheduler work per frame step "
+        f"({platform.machine()}, {platform.python_version()})"
+    )
 
 
 if __name__ == "__main__":

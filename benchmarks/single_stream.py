@@ -70,9 +70,15 @@ def ttfa_breakdown(trace: list, submitted: float, first_sent: float) -> dict:
     """Milliseconds from submission to: each of the first frame steps, the first codec call, the send."""
     steps = [e for e in trace if e[0] == "step" and e[2] >= submitted][:3]
     codec = next(e for e in trace if e[0] == "codec" and e[1] >= submitted)
-    ms = lambda t: round((t - submitted) * 1e3, 2)
-    return {"steps_start_end_ms": [(ms(s), ms(e)) for _, s, e, _ in steps],
-            "first_codec_start_end_ms": (ms(codec[1]), ms(codec[2])), "first_sent_ms": ms(first_sent)}
+
+    def ms(t):
+        return round((t - submitted) * 1e3, 2)
+
+    return {
+        "steps_start_end_ms": [(ms(s), ms(e)) for _, s, e, _ in steps],
+        "first_codec_start_end_ms": (ms(codec[1]), ms(codec[2])),
+        "first_sent_ms": ms(first_sent),
+    }
 
 
 class TimingSink:
@@ -100,23 +106,37 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
     gpu = device.type == "cuda"
     config = load_config(checkpoint)
     settings = TTSSettings(checkpoint_dir=str(checkpoint), max_streams=8, max_positions=1024)
-    backbone = load_backbone(checkpoint, config, device=device, dtype=torch.bfloat16 if gpu else torch.float32)
+    backbone = load_backbone(
+        checkpoint, config, device=device, dtype=torch.bfloat16 if gpu else torch.float32
+    )
     runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens)
     if gpu:
         runner.capture_graphs(**settings.graph_buckets())
-    codec = CodecService(CodecSettings(checkpoint_dir=str(checkpoint), device=str(device),
-                                       dtype="bfloat16" if gpu else "float32", high_priority=True))
+    codec = CodecService(
+        CodecSettings(
+            checkpoint_dir=str(checkpoint),
+            device=str(device),
+            dtype="bfloat16" if gpu else "float32",
+            high_priority=True,
+        )
+    )
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(checkpoint)), settings)
     trace: list = []
     engine = TracedEngine(runner, settings.max_streams, trace=trace)
     pool = CodecStatePool(codec_slots(engine, 8, SchedulerConfig()), codec.state_size, device)
     lane = TracedLane(InProcessLane(codec, pool.tensor), trace)
-    service = TTSService(engine, SchedulerConfig(), {URGENT: lane, BACKGROUND: lane}, max_queued=8, device=device)
+    service = TTSService(
+        engine, SchedulerConfig(), {URGENT: lane, BACKGROUND: lane}, max_queued=8, device=device
+    )
     ttfa, rtf, breakdown = [], [], None
     try:
         for run in range(runs + 1):  # the first run warms up
-            inputs = {"text": np.array([TEXT.encode()], dtype=object), "seed": np.array([run]),
-                      "max_frames": np.array([frames]), "ignore_eos": np.array([True])}
+            inputs = {
+                "text": np.array([TEXT.encode()], dtype=object),
+                "seed": np.array([run]),
+                "max_frames": np.array([frames]),
+                "ignore_eos": np.array([True]),
+            }
             sink = TimingSink()
             started = time.perf_counter()
             service.submit(parser.parse(f"run{run}", inputs), sink)
@@ -133,8 +153,13 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
     del service, runner, backbone, codec
     if gpu:
         torch.cuda.empty_cache()
-    return {"ttfa_ms": ttfa, "rtf": rtf, "ttfa_ms_median": statistics.median(ttfa), "rtf_median": statistics.median(rtf),
-            "last_run_ttfa_breakdown": breakdown}
+    return {
+        "ttfa_ms": ttfa,
+        "rtf": rtf,
+        "ttfa_ms_median": statistics.median(ttfa),
+        "rtf_median": statistics.median(rtf),
+        "last_run_ttfa_breakdown": breakdown,
+    }
 
 
 def run_peer(checkpoint: Path, runs: int, frames: int) -> dict:
@@ -143,7 +168,9 @@ def run_peer(checkpoint: Path, runs: int, frames: int) -> dict:
     except Exception as error:
         return {"error": f"cannot import faster_qwen3_tts: {error!r}"}
     try:
-        model = FasterQwen3TTS.from_pretrained(str(checkpoint), device="cuda", dtype=torch.bfloat16, local_files_only=True)
+        model = FasterQwen3TTS.from_pretrained(
+            str(checkpoint), device="cuda", dtype=torch.bfloat16, local_files_only=True
+        )
         model.warmup(prefill_len=100)
         speaker = sorted(model.model.get_supported_speakers())[0]
 
@@ -151,8 +178,13 @@ def run_peer(checkpoint: Path, runs: int, frames: int) -> dict:
             started = time.perf_counter()
             first, samples, rate = None, 0, 24000
             for audio, rate, _ in model.generate_custom_voice_streaming(
-                    text=TEXT, speaker=speaker, language="English", max_new_tokens=frames, min_new_tokens=frames,
-                    chunk_size=chunk_size):
+                text=TEXT,
+                speaker=speaker,
+                language="English",
+                max_new_tokens=frames,
+                min_new_tokens=frames,
+                chunk_size=chunk_size,
+            ):
                 first = first or time.perf_counter()
                 samples += len(audio)
             return (first - started) * 1e3, (time.perf_counter() - started) / (samples / rate)
@@ -160,14 +192,21 @@ def run_peer(checkpoint: Path, runs: int, frames: int) -> dict:
         stream(2)  # warm-up
         ttfa = [stream(2)[0] for _ in range(runs)]
         rtf = [stream(12)[1] for _ in range(runs)]
-        return {"ttfa_ms": ttfa, "rtf": rtf, "ttfa_ms_median": statistics.median(ttfa),
-                "rtf_median": statistics.median(rtf), "speaker": speaker}
+        return {
+            "ttfa_ms": ttfa,
+            "rtf": rtf,
+            "ttfa_ms_median": statistics.median(ttfa),
+            "rtf_median": statistics.median(rtf),
+            "speaker": speaker,
+        }
     except Exception:
         return {"error": traceback.format_exc(limit=8)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--frames", type=int, default=100)
@@ -177,19 +216,42 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     ours = run_ours(args.checkpoint, args.runs, args.frames, device)
-    print("voxtriton:", json.dumps({k: v for k, v in ours.items() if "median" in k or "breakdown" in k}), flush=True)
-    peer = {"error": "skipped"} if args.skip_peer or device.type != "cuda" else run_peer(args.checkpoint, args.runs,
-                                                                                           args.frames)
-    print("faster-qwen3-tts:", json.dumps({k: v for k, v in peer.items() if "median" in k or k == "error"}), flush=True)
-    result = {"ours": ours, "peer": peer, "meta": {
-        "checkpoint": str(args.checkpoint), "config": load_config(args.checkpoint).model_size, "frames": args.frames,
-        "runs": args.runs, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}}
+    print(
+        "voxtriton:",
+        json.dumps({k: v for k, v in ours.items() if "median" in k or "breakdown" in k}),
+        flush=True,
+    )
+    peer = (
+        {"error": "skipped"}
+        if args.skip_peer or device.type != "cuda"
+        else run_peer(args.checkpoint, args.runs, args.frames)
+    )
+    print(
+        "faster-qwen3-tts:",
+        json.dumps({k: v for k, v in peer.items() if "median" in k or k == "error"}),
+        flush=True,
+    )
+    result = {
+        "ours": ours,
+        "peer": peer,
+        "meta": {
+            "checkpoint": str(args.checkpoint),
+            "config": load_config(args.checkpoint).model_size,
+            "frames": args.frames,
+            "runs": args.runs,
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+    }
     if "ttfa_ms_median" in peer:
         result["ttfa_ratio_peer_over_ours"] = peer["ttfa_ms_median"] / ours["ttfa_ms_median"]
         result["rtf_ratio_peer_over_ours"] = peer["rtf_median"] / ours["rtf_median"]
-        print(f"TTFA: peer / ours = {result['ttfa_ratio_peer_over_ours']:.2f}x; RTF: peer / ours = "
-              f"{result['rtf_ratio_peer_over_ours']:.2f}x")
+        print(
+            f"TTFA: peer / ours = {result['ttfa_ratio_peer_over_ours']:.2f}x; RTF: peer / ours = "
+            f"{result['rtf_ratio_peer_over_ours']:.2f}x"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
+from voxtriton_client.api import request_inputs
 
 from voxtriton.serving.launcher import TritonServer
-from voxtriton_client.api import request_inputs
 
 
 def start_server(checkpoint, policy: str | None = None, parameters: dict | None = None) -> TritonServer:
@@ -38,7 +38,7 @@ def live_processes() -> dict[int, Process]:
             arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # it ended meanwhile
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z":
             found[int(pid)] = Process(name, int(fields[1]), int(fields[2]), tuple(arguments))
     return found

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from server_helpers import live_processes
 
 pytestmark = pytest.mark.server
@@ -21,10 +20,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     out = tmp_path / "bench"
-    completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke",
-                                "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "2", "--repeats", "2",
-                                "--out", str(out)],
-                               capture_output=True, text=True, timeout=240)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "serving_bench.py"),
+            "--smoke",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--warm-up-load",
+            "2",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     [policy] = results["policies"]
@@ -38,7 +51,9 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     assert sum(window["requests"] for window in row["timeline"]) == row["requests"]
     assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
     assert row["server"]["frame_step_ms_mean"] > 0 and row["server"]["chunks"]["urgent"] >= row["completed"]
-    assert row["server"]["admit_ms_per_request"] > 0 and row["server"]["prefill_device_ms_per_request"] is None  # CPU
+    assert (
+        row["server"]["admit_ms_per_request"] > 0 and row["server"]["prefill_device_ms_per_request"] is None
+    )  # CPU
     # The engine thread's CPU time outside the decode: some, and no more than those parts' wall time
     # (a thread's CPU time cannot exceed its wall time; 1% for the clocks being read apart).
     parts = row["server"]["frame_step_parts_ms_mean"]
@@ -68,17 +83,35 @@ def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path
     which they share, is empty), rather than leaving them to die with it or linger."""
     out = tmp_path / "bench"
     with open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke",
-                                    "--checkpoint", str(tiny_checkpoint), "--warm-up-load", "0", "--repeats", "3",
-                                    "--keep-logs", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=stderr)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "serving_bench.py"),
+                "--smoke",
+                "--checkpoint",
+                str(tiny_checkpoint),
+                "--warm-up-load",
+                "0",
+                "--repeats",
+                "3",
+                "--keep-logs",
+                "--out",
+                str(out),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     try:
         deadline = time.monotonic() + 180
         while not (out / "results.json").exists():  # written after the first probe
             assert process.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
             assert time.monotonic() < deadline, "no probe finished in 180 s"
             time.sleep(0.2)
-        [server] = [pid for pid, child in live_processes().items()
-                    if child.parent == process.pid and child.name == "tritonserver"]
+        [server] = [
+            pid
+            for pid, child in live_processes().items()
+            if child.parent == process.pid and child.name == "tritonserver"
+        ]
         process.send_signal(signal.SIGTERM)
         assert process.wait(120) == 128 + signal.SIGTERM
     finally:
@@ -93,15 +126,19 @@ def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path
 def test_sigterm_while_servers_stop_is_held_back_until_they_have_stopped():
     """Two SIGTERMs (as `timeout` sends, to the process and its group) inside `deferred()` (where
     serving_bench stops its servers) end the run once, after the block, with status 143."""
-    script = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-              "from serving_bench import TERMINATION\n"
-              "TERMINATION.install()\n"
-              "with TERMINATION.deferred():\n"
-              "    os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    print('servers stopped', flush=True)\n"
-              "print('not reached')\n")
+    script = (
+        f"import os, signal, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "from serving_bench import TERMINATION\n"
+        "TERMINATION.install()\n"
+        "with TERMINATION.deferred():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('servers stopped', flush=True)\n"
+        "print('not reached')\n"
+    )
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert (completed.returncode, completed.stdout) == (128 + signal.SIGTERM, "servers stopped\n"), completed.stderr[-2000:]
+    assert (completed.returncode, completed.stdout) == (128 + signal.SIGTERM, "servers stopped\n"), (
+        completed.stderr[-2000:]
+    )
 
 
 def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_probe():

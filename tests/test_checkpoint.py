@@ -38,8 +38,10 @@ def write_configs(preset: str, directory: Path) -> Path:
     (directory / "speech_tokenizer").mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "speech_tokenizer" / "config.json").write_text(json.dumps(speech))
-    shutil.copyfile(Path(__file__).parents[1] / "voxtriton/models/presets/common/generation_config.json",
-                    directory / "generation_config.json")
+    shutil.copyfile(
+        Path(__file__).parents[1] / "voxtriton/models/presets/common/generation_config.json",
+        directory / "generation_config.json",
+    )
     return directory
 
 
@@ -59,8 +61,16 @@ def test_1_7b_layout_adds_the_predictor_projection(tmp_path):
 
 
 def test_tiny_checkpoint_files_and_dtypes(tiny_checkpoint):
-    for name in ("config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt",
-                 "tokenizer_config.json", "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "speech_tokenizer/config.json",
+        "speech_tokenizer/model.safetensors",
+    ):
         assert (tiny_checkpoint / name).is_file(), name
     talker = load_file(str(tiny_checkpoint / "model.safetensors"))
     codec = load_file(str(tiny_checkpoint / "speech_tokenizer/model.safetensors"))
@@ -121,7 +131,9 @@ def test_missing_tensor_is_named(broken):
     tensors = load_file(str(path))
     del tensors["talker.model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(path))
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) talker.model.layers.1.mlp.up_proj.weight \[128, 64\]"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor\(s\) talker.model.layers.1.mlp.up_proj.weight \[128, 64\]"
+    ):
         load_backbone(broken)
 
 
@@ -130,7 +142,9 @@ def test_shape_mismatch_is_named(broken):
     tensors = load_file(str(path))
     tensors["decoder.pre_conv.conv.weight"] = torch.zeros(64, 32, 5)
     save_file(tensors, str(path))
-    with pytest.raises(CheckpointError, match=r"decoder.pre_conv.conv.weight has shape \[64, 32, 5\], expected \[64, 32, 3\]"):
+    with pytest.raises(
+        CheckpointError, match=r"decoder.pre_conv.conv.weight has shape \[64, 32, 5\], expected \[64, 32, 3\]"
+    ):
         load_codec(broken)
 
 
@@ -147,15 +161,36 @@ def test_missing_shard(tmp_path):
         load_backbone(sharded)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda c: c["talker_config"].update(hidden_act="gelu"), r"talker_config.hidden_act = 'gelu' is not supported \(expected 'silu'\)"),
-    (lambda c: c.update(tts_model_type="base"), r"tts_model_type = 'base' \(voice cloning from reference audio\) is not supported"),
-    (lambda c: c.update(tokenizer_type="qwen3_tts_tokenizer_25hz"), r"tokenizer_type = 'qwen3_tts_tokenizer_25hz' is not supported"),
-    (lambda c: c["talker_config"].update(num_key_value_heads=3), r"num_key_value_heads = 3 is not supported \(expected a divisor"),
-    (lambda c: c["talker_config"]["rope_scaling"].update(mrope_section=[4, 4, 4]), r"mrope_section .* summing to head_dim/2"),
-    (lambda c: c["talker_config"]["code_predictor_config"].update(num_hidden_layers=0), r"code_predictor_config.num_hidden_layers = 0"),
-    (lambda c: c.pop("tts_pad_token_id"), r"tts_pad_token_id = '<missing>' is not supported"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda c: c["talker_config"].update(hidden_act="gelu"),
+            r"talker_config.hidden_act = 'gelu' is not supported \(expected 'silu'\)",
+        ),
+        (
+            lambda c: c.update(tts_model_type="base"),
+            r"tts_model_type = 'base' \(voice cloning from reference audio\) is not supported",
+        ),
+        (
+            lambda c: c.update(tokenizer_type="qwen3_tts_tokenizer_25hz"),
+            r"tokenizer_type = 'qwen3_tts_tokenizer_25hz' is not supported",
+        ),
+        (
+            lambda c: c["talker_config"].update(num_key_value_heads=3),
+            r"num_key_value_heads = 3 is not supported \(expected a divisor",
+        ),
+        (
+            lambda c: c["talker_config"]["rope_scaling"].update(mrope_section=[4, 4, 4]),
+            r"mrope_section .* summing to head_dim/2",
+        ),
+        (
+            lambda c: c["talker_config"]["code_predictor_config"].update(num_hidden_layers=0),
+            r"code_predictor_config.num_hidden_layers = 0",
+        ),
+        (lambda c: c.pop("tts_pad_token_id"), r"tts_pad_token_id = '<missing>' is not supported"),
+    ],
+)
 def test_unsupported_config_values_are_named(broken, edit, message):
     edit_json(broken / "config.json", edit)
     with pytest.raises(CheckpointError, match=message):

@@ -23,16 +23,31 @@ def stream(name, arrived, period, late_index=None):
         due = arrived + 0.2 if index == 0 else first_sent + played
         if index == late_index:
             due = sent - 0.01
-        records.append({"stream": name, "index": index, "lane": "urgent", "promoted": False, "frames": size,
-                        "batch": 1, "arrived": arrived, "cut": cut, "start": cut + 0.001, "end": sent, "due": due,
-                        "sent": sent})
+        records.append(
+            {
+                "stream": name,
+                "index": index,
+                "lane": "urgent",
+                "promoted": False,
+                "frames": size,
+                "batch": 1,
+                "arrived": arrived,
+                "cut": cut,
+                "start": cut + 0.001,
+                "end": sent,
+                "due": due,
+                "sent": sent,
+            }
+        )
         played += size * 0.08
     return records
 
 
 def test_the_report_finds_late_chunks_cut_times_and_the_frame_period(tmp_path):
     records = [r for i in range(9) for r in stream(f"a{i}", 0.1 * i, 0.02)]  # the median stream
-    records += [r for i in range(7) for r in stream(f"b{i}", 5.0 + 0.1 * i, 0.05, late_index=2 if i == 0 else None)]
+    records += [
+        r for i in range(7) for r in stream(f"b{i}", 5.0 + 0.1 * i, 0.05, late_index=2 if i == 0 else None)
+    ]
     records[47]["promoted"] = True  # b0's late chunk 2 waited for the background lane first
     records[48]["taken"] = True  # and its chunk 3 was taken from there by the idle urgent lane
     for record in records[:5]:
@@ -43,7 +58,12 @@ def test_the_report_finds_late_chunks_cut_times_and_the_frame_period(tmp_path):
     result = report(read_trace(path), window_s=4.0)
     assert result["chunks"] == 80 and result["late"] == 1
     assert result["late_by_index"] == {2: 1} and result["late_by_lane"] == {"urgent": 1}
-    assert result["chunks_by_route"] == {"background": 5, "urgent": 73, "urgent/promoted": 1, "urgent/taken": 1}
+    assert result["chunks_by_route"] == {
+        "background": 5,
+        "urgent": 73,
+        "urgent/promoted": 1,
+        "urgent/taken": 1,
+    }
     assert result["late_by_route"] == {"urgent/promoted": 1}
     assert result["late_arrived_s"] == [5.0, 5.0]
     # Chunk 2 ends at frame 8, cut 6 frame steps after the first chunk (sent 6 ms after its cut).
@@ -54,8 +74,20 @@ def test_the_report_finds_late_chunks_cut_times_and_the_frame_period(tmp_path):
 
 
 def test_chunks_of_one_call_count_once_per_lane_window(tmp_path):
-    call = {"stream": "s", "index": 1, "lane": "background", "promoted": False, "frames": 8, "batch": 3,
-            "arrived": 0.0, "cut": 0.5, "start": 1.0, "end": 1.4, "due": 9.0, "sent": 1.4}
+    call = {
+        "stream": "s",
+        "index": 1,
+        "lane": "background",
+        "promoted": False,
+        "frames": 8,
+        "batch": 3,
+        "arrived": 0.0,
+        "cut": 0.5,
+        "start": 1.0,
+        "end": 1.4,
+        "due": 9.0,
+        "sent": 1.4,
+    }
     records = stream("a", 0.0, 0.02) + [{**call, "stream": name} for name in "xyz"]
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -66,32 +98,88 @@ def test_chunks_of_one_call_count_once_per_lane_window(tmp_path):
 
 def test_step_lines_are_split_into_windows_and_parts(tmp_path):
     records = stream("a", 0.0, 0.02)
-    steps = [{"kind": "step", "end": 0.5 + 0.1 * i, "period": 0.030, "frames": 100 + i, "admit_s": 0.004,
-              "decode_s": 0.020, "decode_device_s": 0.018, "prefill_device_s": 0.003 if i % 2 else None,
-              "admitted": i % 2, "batch": 100 + i} for i in range(4)]
+    steps = [
+        {
+            "kind": "step",
+            "end": 0.5 + 0.1 * i,
+            "period": 0.030,
+            "frames": 100 + i,
+            "admit_s": 0.004,
+            "decode_s": 0.020,
+            "decode_device_s": 0.018,
+            "prefill_device_s": 0.003 if i % 2 else None,
+            "admitted": i % 2,
+            "batch": 100 + i,
+        }
+        for i in range(4)
+    ]
     steps.append({**steps[0], "end": 4.5, "period": 0.050, "frames": 0})  # a launch that returned nothing
-    steps.append({**steps[0], "end": 4.6, "period": 0.050, "decode_s": 0.040, "decode_device_s": None,
-                  "prefill_device_s": None})  # on a CPU
+    steps.append(
+        {
+            **steps[0],
+            "end": 4.6,
+            "period": 0.050,
+            "decode_s": 0.040,
+            "decode_device_s": None,
+            "prefill_device_s": None,
+        }
+    )  # on a CPU
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records + steps))
     result = report(read_trace(path), window_s=4.0)
     assert result["chunks"] == 5
     assert result["steps_by_window"] == {
-        "0s": {"steps": 4, "period_ms_p50": 30.0, "frames_p50": 101.5, "admit_ms": 4.0, "decode_ms": 20.0,
-               "other_ms": 6.0, "device_ms": 18.0, "prefill_device_ms": 1.5, "admitted": 2},
-        "4s": {"steps": 1, "period_ms_p50": 50.0, "frames_p50": 100, "admit_ms": 4.0, "decode_ms": 40.0,
-               "other_ms": 6.0, "device_ms": None, "prefill_device_ms": None, "admitted": 0}}
+        "0s": {
+            "steps": 4,
+            "period_ms_p50": 30.0,
+            "frames_p50": 101.5,
+            "admit_ms": 4.0,
+            "decode_ms": 20.0,
+            "other_ms": 6.0,
+            "device_ms": 18.0,
+            "prefill_device_ms": 1.5,
+            "admitted": 2,
+        },
+        "4s": {
+            "steps": 1,
+            "period_ms_p50": 50.0,
+            "frames_p50": 100,
+            "admit_ms": 4.0,
+            "decode_ms": 40.0,
+            "other_ms": 6.0,
+            "device_ms": None,
+            "prefill_device_ms": None,
+            "admitted": 0,
+        },
+    }
 
 
 def test_gaps_between_calls_are_split_by_whether_a_chunk_was_waiting(tmp_path):
     """Calls on one lane: the second's chunk was cut while the first ran (a 4 ms gap of host work),
     the third's only after the second ended (a 100 ms idle gap); a fourth lies within the third."""
+
     def chunk(name, cut, start, end, sent):
-        return {"stream": name, "index": 1, "lane": "urgent", "promoted": False, "frames": 2, "batch": 1,
-                "arrived": 0.0, "cut": cut, "start": start, "end": end, "due": 9.0, "sent": sent}
-    records = [chunk("a", 0.000, 0.001, 0.010, 0.012), chunk("b", 0.005, 0.014, 0.020, 0.021),
-               chunk("c", 0.050, 0.120, 0.130, 0.133),
-               chunk("d", 0.110, 0.125, 0.128, 0.129)]  # within call c: no gap of its own
+        return {
+            "stream": name,
+            "index": 1,
+            "lane": "urgent",
+            "promoted": False,
+            "frames": 2,
+            "batch": 1,
+            "arrived": 0.0,
+            "cut": cut,
+            "start": start,
+            "end": end,
+            "due": 9.0,
+            "sent": sent,
+        }
+
+    records = [
+        chunk("a", 0.000, 0.001, 0.010, 0.012),
+        chunk("b", 0.005, 0.014, 0.020, 0.021),
+        chunk("c", 0.050, 0.120, 0.130, 0.133),
+        chunk("d", 0.110, 0.125, 0.128, 0.129),
+    ]  # within call c: no gap of its own
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     gaps = report(read_trace(path))["lane_gaps"]["urgent"]
@@ -109,16 +197,33 @@ def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
     that one, and its window shows it."""
     records = [r for i in range(9) for r in stream(f"a{i}", 0.1 * i, 0.02)]
     slow = stream("slow", 5.0, 0.02)
-    slow[0] = {**slow[0], "start": slow[0]["cut"] + 0.3, "end": slow[0]["cut"] + 0.305,
-               "sent": slow[0]["cut"] + 0.307}
+    slow[0] = {
+        **slow[0],
+        "start": slow[0]["cut"] + 0.3,
+        "end": slow[0]["cut"] + 0.305,
+        "sent": slow[0]["cut"] + 0.307,
+    }
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records + slow))
     firsts = report(read_trace(path), window_s=4.0)["first_chunks"]
     assert firsts["count"] == 10
     # stream(): cut 50 ms + 2 frames of 20 ms after arrival, a 1 ms wait, 5 ms codec, sent as it ends
     assert firsts["p50_ms"] == {"generate": 90.0, "lane_wait": 1.0, "codec": 5.0, "send": 0.0, "total": 96.0}
-    assert firsts["slowest_tenth_mean_ms"] == {"generate": 90.0, "lane_wait": 300.0, "codec": 5.0, "send": 2.0,
-                                               "total": 397.0}
-    assert firsts["p90_ms_by_window"]["0s"]["total"] == 96.0 and firsts["p90_ms_by_window"]["0s"]["count"] == 9
-    assert firsts["p90_ms_by_window"]["4s"] == {"count": 1, "generate": 90.0, "lane_wait": 300.0, "codec": 5.0,
-                                                "send": 2.0, "total": 397.0}
+    assert firsts["slowest_tenth_mean_ms"] == {
+        "generate": 90.0,
+        "lane_wait": 300.0,
+        "codec": 5.0,
+        "send": 2.0,
+        "total": 397.0,
+    }
+    assert (
+        firsts["p90_ms_by_window"]["0s"]["total"] == 96.0 and firsts["p90_ms_by_window"]["0s"]["count"] == 9
+    )
+    assert firsts["p90_ms_by_window"]["4s"] == {
+        "count": 1,
+        "generate": 90.0,
+        "lane_wait": 300.0,
+        "codec": 5.0,
+        "send": 2.0,
+        "total": 397.0,
+    }

@@ -27,7 +27,7 @@ def decode_in_chunks(codec, codes, schedule, transport=lambda state: state):
     batch = codes.shape[0]
     state, start, pieces = codec.new_state(batch), 0, []
     for size in schedule:
-        chunk = codes[:, start: start + size]
+        chunk = codes[:, start : start + size]
         if chunk.shape[1] == 0:
             break
         wav, state = codec.decode(chunk, torch.full((batch,), start), transport(state))
@@ -37,9 +37,18 @@ def decode_in_chunks(codec, codes, schedule, transport=lambda state: state):
     return torch.cat(pieces, dim=1)
 
 
-@pytest.mark.parametrize("schedule", [
-    [1] * FRAMES, [2] * 50, [7] * 15, [25] * 4, [3, 1, 10, 25, 2, 40, 19], [FRAMES],
-], ids=["1", "2", "7", "25", "mixed", "whole"])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        [1] * FRAMES,
+        [2] * 50,
+        [7] * 15,
+        [25] * 4,
+        [3, 1, 10, 25, 2, 40, 19],
+        [FRAMES],
+    ],
+    ids=["1", "2", "7", "25", "mixed", "whole"],
+)
 def test_chunked_equals_whole(codec, codes, schedule):
     whole, _ = codec.decode(codes, torch.zeros(2, dtype=torch.long), codec.new_state(2))
     assert whole.shape == (2, FRAMES * 1920)
@@ -60,6 +69,7 @@ def test_frames_after_the_end_leave_the_audio_before_them_unchanged(codec, codes
 
 def test_state_survives_serialisation_between_calls(codec, codes):
     """State handed to "another process": through bytes, as a BLS call would carry it."""
+
     def through_bytes(state: torch.Tensor) -> torch.Tensor:
         buffer = io.BytesIO()
         np.save(buffer, state.numpy())
@@ -81,4 +91,3 @@ def test_state_layout(codec):
     assert codec.new_state(3).shape == (3, codec.state_size)
     names = [slot.name for slot in codec.slots]
     assert "pre_transformer.kv.keys" in names and len(names) == len(set(names))
-

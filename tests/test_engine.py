@@ -20,20 +20,30 @@ from voxtriton.models.text import PromptBuilder, TextTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from admission_cost import GRAPHED, CallCounter  # noqa: E402
 
-TEXTS = ["The first request speaks.", "A second, longer request arrives a little later on.", "Third!",
-         "Number four has something to say as well.", "Five."]
+TEXTS = [
+    "The first request speaks.",
+    "A second, longer request arrives a little later on.",
+    "Third!",
+    "Number four has something to say as well.",
+    "Five.",
+]
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint):
     config = load_config(tiny_checkpoint)
-    return config, load_backbone(tiny_checkpoint, config), PromptBuilder(config, TextTokenizer(tiny_checkpoint))
+    return (
+        config,
+        load_backbone(tiny_checkpoint, config),
+        PromptBuilder(config, TextTokenizer(tiny_checkpoint)),
+    )
 
 
 def make_request(setup, index, frames=20, **sampling):
     config, _, prompts = setup
-    params = GenerationParams.create(config.generation, 1000, seed=100 + index, max_frames=frames,
-                                     ignore_eos=True, **sampling)
+    params = GenerationParams.create(
+        config.generation, 1000, seed=100 + index, max_frames=frames, ignore_eos=True, **sampling
+    )
     return Request(f"r{index}", prompts.build(TEXTS[index], "vivian"), params)
 
 
@@ -45,8 +55,11 @@ def overlap(request):
 
 
 def new_engine(setup, rows=8, overlap=False):
-    return Engine(ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64), max_running=rows,
-                  overlap=overlap)
+    return Engine(
+        ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64),
+        max_running=rows,
+        overlap=overlap,
+    )
 
 
 def run(engine, arrivals: dict[int, list[Request]], cancel_at: dict[int, Request] | None = None):
@@ -68,8 +81,14 @@ def test_requests_joining_a_running_batch_get_the_codes_they_get_alone(setup, ov
     alone = {}
     for i in range(4):
         alone.update(run(new_engine(setup), {0: [make_request(setup, i, frames=12 + 3 * i)]}))
-    together = run(new_engine(setup, overlap=overlap), {0: [make_request(setup, 0, 12)], 2: [make_request(setup, 1, 15)],
-                                       3: [make_request(setup, 2, 18), make_request(setup, 3, 21)]})
+    together = run(
+        new_engine(setup, overlap=overlap),
+        {
+            0: [make_request(setup, 0, 12)],
+            2: [make_request(setup, 1, 15)],
+            3: [make_request(setup, 2, 18), make_request(setup, 3, 21)],
+        },
+    )
     for request_id, codes in alone.items():
         assert codes.shape == (len(codes), 16)
         np.testing.assert_array_equal(together[request_id], codes)
@@ -84,7 +103,9 @@ def test_finishing_requests_free_their_rows_and_others_continue(setup, overlap):
     # No frame was launched past max_frames: rows leave at the launch of their last frame.
     assert all(r.frames == r.emitted == r.params.max_frames for r in (short, long_, waiting))
     assert all(r.finish_reason == "max_frames" for r in (short, long_, waiting))
-    np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 10)]})["r1"])
+    np.testing.assert_array_equal(
+        result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 10)]})["r1"]
+    )
 
 
 def test_cancelled_request_leaves_at_the_next_step(setup, overlap):
@@ -93,7 +114,9 @@ def test_cancelled_request_leaves_at_the_next_step(setup, overlap):
     result = run(engine, {0: [victim, survivor]}, cancel_at={3: victim})
     # Cancelled before the fourth launch; with overlap the third frame was still on its way, and dropped.
     assert victim.finish_reason == "cancelled" and len(result["r0"]) == 3 - overlap
-    np.testing.assert_array_equal(result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 8)]})["r1"])
+    np.testing.assert_array_equal(
+        result["r1"], run(new_engine(setup), {0: [make_request(setup, 1, 8)]})["r1"]
+    )
 
 
 def test_a_request_whose_cache_ends_at_its_last_frame_never_writes_past_it(setup, overlap):
@@ -134,10 +157,21 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
         return logits.index_fill(-1, torch.tensor([config.talker.codec_eos_id]), 100.0)
 
     backbone.talker.codec_head.register_forward_hook(prefer_eos)
-    new = lambda: Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2,
-                         overlap=overlap)
-    request = lambda name, text, **length: Request(name, prompts.build(text, "ryan"), GenerationParams.create(
-        config.generation, 1000, temperature=0.0, **length))
+
+    def new():
+        return Engine(
+            ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64),
+            max_running=2,
+            overlap=overlap,
+        )
+
+    def request(name, text, **length):
+        return Request(
+            name,
+            prompts.build(text, "ryan"),
+            GenerationParams.create(config.generation, 1000, temperature=0.0, **length),
+        )
+
     eager = request("eager", "Stop soon.", max_frames=30)
     stubborn = request("stubborn", "Keep going.", max_frames=9, ignore_eos=True)
     late = request("late", "Wait for a row.", max_frames=4, ignore_eos=True)
@@ -155,7 +189,13 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
 def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup, overlap):
     """The padded prefill (static buffers, scratch cache, groups of the largest batch bucket: what
     the GPU replays as graphs) must not change a request's codes, also when it joins a running batch."""
-    arrivals = lambda: {0: [make_request(setup, 0, 10)], 1: [make_request(setup, i, 10) for i in (1, 2, 3, 4)]}
+
+    def arrivals():
+        return {
+            0: [make_request(setup, 0, 10)],
+            1: [make_request(setup, i, 10) for i in (1, 2, 3, 4)],
+        }
+
     exact = run(new_engine(setup), arrivals())
     engine = new_engine(setup, overlap=overlap)
     engine.runner.set_buckets([], [], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
@@ -235,4 +275,6 @@ def test_a_rotary_table_holds_the_computed_bf16_values_and_only_grows():
     rotary.tabulate(16, torch.bfloat16)  # a runner with a shorter cache shares the model
     assert rotary.table is table
     float_values = rotary(positions, torch.float32)  # another dtype: computed, not looked up
-    assert all(torch.equal(a[:, 0], b) for a, b in zip(float_values, rotary._compute(positions, torch.float32)))
+    assert all(
+        torch.equal(a[:, 0], b) for a, b in zip(float_values, rotary._compute(positions, torch.float32))
+    )

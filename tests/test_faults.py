@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-
 from server_helpers import start_server
 from test_production import speak
 from voxtriton_client import TTSClient
@@ -16,9 +15,11 @@ pytestmark = pytest.mark.server
 @pytest.fixture(params=["1", "2"], ids=["one lane worker", "two lane workers"])
 def faulty_server(tiny_checkpoint, request):
     # Every 7th call of the urgent codec raises; all chunks go there under `concurrent`.
-    with start_server(tiny_checkpoint, policy="concurrent",
-                      parameters={"codec_urgent": {"test_fault": "raise:7"},
-                                  "tts": {"lane_workers": request.param}}) as running:
+    with start_server(
+        tiny_checkpoint,
+        policy="concurrent",
+        parameters={"codec_urgent": {"test_fault": "raise:7"}, "tts": {"lane_workers": request.param}},
+    ) as running:
         yield running
 
 
@@ -28,8 +29,9 @@ def test_a_raising_codec_fails_only_the_requests_it_was_serving(faulty_server):
     failed = [r for r in results if r.error]
     good = [r for r in results if not r.error]
     assert failed and good
-    assert all("codec lane 'urgent' failed" in r.error and "injected codec fault" in r.error for r in failed), [
-        r.error for r in failed]
+    assert all(
+        "codec lane 'urgent' failed" in r.error and "injected codec fault" in r.error for r in failed
+    ), [r.error for r in failed]
     assert all(r.completed and len(r.audio) == 10 * 1920 for r in good)
 
 
@@ -37,9 +39,11 @@ def test_a_raising_codec_fails_only_the_requests_it_was_serving(faulty_server):
 def crashing_server(tiny_checkpoint, request):
     # The urgent codec's process exits at its 3rd call (once); voxtriton must reload it, once, also
     # when two calls were out at that lane.
-    with start_server(tiny_checkpoint, policy="concurrent",
-                      parameters={"codec_urgent": {"test_fault": "exit:3"},
-                                  "tts": {"lane_workers": request.param}}) as running:
+    with start_server(
+        tiny_checkpoint,
+        policy="concurrent",
+        parameters={"codec_urgent": {"test_fault": "exit:3"}, "tts": {"lane_workers": request.param}},
+    ) as running:
         yield running
 
 
@@ -54,4 +58,6 @@ def test_a_dead_codec_process_fails_its_requests_and_is_replaced(crashing_server
     after = [speak(client, seed=10 + i, frames=8) for i in range(3)]
     assert all(r.completed and not r.error for r in after), [r.error for r in after]
     log = crashing_server.log_file.read_text(errors="replace")
-    assert log.count("codec_urgent: its process is gone; reloading the model") == 1, crashing_server.log_tail()
+    assert log.count("codec_urgent: its process is gone; reloading the model") == 1, (
+        crashing_server.log_tail()
+    )

@@ -43,14 +43,24 @@ def test_nothing_passing_and_everything_passing_say_so():
 
 def test_the_timeline_shows_when_stalls_began():
     """Requests grouped by when they were sent: the window where a probe went wrong stands out."""
+
     def result(sent_at, stall_s=0.0, ttfa_s=0.1, error=None):
         return RequestResult(sent_at, None if error else ttfa_s, stall_s, 5.0, 0.3, error)
 
-    results = [result(100.0), result(100.5), result(101.9, ttfa_s=0.15),  # window 0: fine
-               result(104.2, stall_s=0.4, ttfa_s=0.9), result(105.0, error="refused"),  # window 2
-               result(103.0)]  # window 1, listed out of order
+    results = [
+        result(100.0),
+        result(100.5),
+        result(101.9, ttfa_s=0.15),  # window 0: fine
+        result(104.2, stall_s=0.4, ttfa_s=0.9),
+        result(105.0, error="refused"),  # window 2
+        result(103.0),
+    ]  # window 1, listed out of order
     rows = timeline(results, window_s=2.0)
     assert [row["start_s"] for row in rows] == [0.0, 2.0, 4.0]
-    assert [(row["requests"], row["failed"], row["stalled"]) for row in rows] == [(3, 0, 0), (1, 0, 0), (2, 1, 1)]
+    assert [(row["requests"], row["failed"], row["stalled"]) for row in rows] == [
+        (3, 0, 0),
+        (1, 0, 0),
+        (2, 1, 1),
+    ]
     assert [row["ttfa_p90_ms"] for row in rows] == [150.0, 100.0, 900.0]
     assert timeline([]) == []

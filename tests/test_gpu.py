@@ -24,33 +24,59 @@ from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.runtime import SMPartition
 from voxtriton.serving.state_pool import CodecStatePool
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 DEVICE = torch.device("cuda:0")
 TEXTS = ["One.", "Two voices now.", "Three streams share a batch.", "Four is padded to eight.", "Five!"]
 # Longer than the largest prefill bucket of `generate` (32 positions): its prefill runs eagerly.
-LONG_TEXT = ("A prompt of many more words than the prefill graphs were captured for, so that its prefill runs "
-             "outside them, eagerly, at the length it has.")
+LONG_TEXT = (
+    "A prompt of many more words than the prefill graphs were captured for, so that its prefill runs "
+    "outside them, eagerly, at the length it has."
+)
 
 
-def generate(checkpoint, graphs: bool, dtype=torch.bfloat16, overlap: bool = False, texts=TEXTS,
-             when_ready=lambda: None) -> dict[str, np.ndarray]:
+def generate(
+    checkpoint,
+    graphs: bool,
+    dtype=torch.bfloat16,
+    overlap: bool = False,
+    texts=TEXTS,
+    when_ready=lambda: None,
+) -> dict[str, np.ndarray]:
     """A request per text through the engine, the first three admitted at step 0 (rows 0-2), the
     rest at step 2; `when_ready` is called once the graphs are captured, before the first admission."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
-    runner = ModelRunner(backbone, max_rows=8, max_positions=512, max_text_tokens=64,
-                         prefill_stream=torch.cuda.Stream(DEVICE) if overlap else None)
-    buckets = dict(batch_sizes=[1, 2, 4, 8], spans=[128, 512], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
+    runner = ModelRunner(
+        backbone,
+        max_rows=8,
+        max_positions=512,
+        max_text_tokens=64,
+        prefill_stream=torch.cuda.Stream(DEVICE) if overlap else None,
+    )
+    buckets = dict(
+        batch_sizes=[1, 2, 4, 8], spans=[128, 512], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32]
+    )
     if graphs:
         runner.capture_graphs(**buckets)
-        assert len(runner.prefill_graphs) == 4 and len(runner.admission_graphs) == 4  # (1 or 2 requests, 16 or 32)
+        assert (
+            len(runner.prefill_graphs) == 4 and len(runner.admission_graphs) == 4
+        )  # (1 or 2 requests, 16 or 32)
     else:
         runner.set_buckets(**buckets)
     engine = Engine(runner, max_running=8, overlap=overlap)
     when_ready()
-    requests = [Request(f"r{i}", prompts.build(text, "ryan"), GenerationParams.create(
-        config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True)) for i, text in enumerate(texts)]
+    requests = [
+        Request(
+            f"r{i}",
+            prompts.build(text, "ryan"),
+            GenerationParams.create(config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True),
+        )
+        for i, text in enumerate(texts)
+    ]
     codes: dict[str, list] = {}
     step = 0
     while step < 2 or engine.has_work:
@@ -123,7 +149,7 @@ def test_codec_graphs_match_eager(tiny_checkpoint, monkeypatch):
     state_a = state_b = codec.new_state(3)
     offset = 0
     for size in (4, 25):  # graphed shapes: batch 3 padded to 4
-        chunk = codes[:, offset: offset + size]
+        chunk = codes[:, offset : offset + size]
         audio_a, state_a = runner.decode(chunk, start + offset, state_a)
         audio_b, state_b = codec.decode(chunk, start + offset, state_b)
         assert (audio_a - audio_b).abs().max().item() <= 1e-5
@@ -139,8 +165,15 @@ def test_a_graphed_codec_autotunes_cudnn_as_its_setting_says(tiny_checkpoint, va
     previous = torch.backends.cudnn.benchmark
     try:
         torch.backends.cudnn.benchmark = value != "true"
-        CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cuda:0", graph_batch_sizes="1",
-                                   graph_frame_sizes="2", cudnn_autotune=value == "true"))
+        CodecService(
+            CodecSettings(
+                checkpoint_dir=str(tiny_checkpoint),
+                device="cuda:0",
+                graph_batch_sizes="1",
+                graph_frame_sizes="2",
+                cudnn_autotune=value == "true",
+            )
+        )
         assert torch.backends.cudnn.benchmark is (value == "true")
     finally:
         torch.backends.cudnn.benchmark = previous
@@ -156,7 +189,7 @@ def test_codec_with_triton_kernels_matches_the_cpu_reference(tiny_checkpoint):
     codes = torch.randint(0, 2048, (3, 31, 16), generator=torch.Generator().manual_seed(3))
     state_gpu, state_cpu, offset = gpu.new_state(3), cpu.new_state(3), 0
     for size in (2, 4, 25):
-        chunk, start = codes[:, offset: offset + size], torch.full((3,), offset)
+        chunk, start = codes[:, offset : offset + size], torch.full((3,), offset)
         audio_gpu, state_gpu = gpu.decode(chunk.to(DEVICE), start.to(DEVICE), state_gpu)
         audio_cpu, state_cpu = cpu.decode(chunk, start, state_cpu)
         error = (audio_gpu.cpu() - audio_cpu).norm() / audio_cpu.norm()
@@ -204,16 +237,26 @@ def test_graphs_capture_and_replay_on_a_partition(tiny_checkpoint):
     results = []
     for graphs in (False, True):  # graphs as the server runs them: overlapped, prefills on a partition stream
         partition = SMPartition(DEVICE, total - 16)
-        runner = ModelRunner(backbone, max_rows=4, max_positions=256, max_text_tokens=64,
-                             prefill_stream=partition.new_stream() if graphs else None)
+        runner = ModelRunner(
+            backbone,
+            max_rows=4,
+            max_positions=256,
+            max_text_tokens=64,
+            prefill_stream=partition.new_stream() if graphs else None,
+        )
         with partition:
             if graphs:
                 runner.capture_graphs([1, 2, 4], [128], prefill_batch_sizes=[1], prefill_lengths=[32, 64])
             else:
                 runner.set_buckets([1, 2, 4], [128])
             engine = Engine(runner, max_running=4, overlap=graphs)
-            engine.add(Request("p", prompts.build("Partitioned.", "ryan"), GenerationParams.create(
-                config.generation, 100, seed=3, max_frames=20, ignore_eos=True)))
+            engine.add(
+                Request(
+                    "p",
+                    prompts.build("Partitioned.", "ryan"),
+                    GenerationParams.create(config.generation, 100, seed=3, max_frames=20, ignore_eos=True),
+                )
+            )
             codes = []
             while engine.has_work:
                 codes += [o.codes for o in engine.step()]
@@ -227,8 +270,10 @@ def test_graphs_capture_and_replay_on_a_partition(tiny_checkpoint):
 
 def test_codec_state_pool_is_shared_with_another_process_through_cuda_ipc():
     pool = CodecStatePool(rows=4, state_size=1000, device=DEVICE, publish_for=os.getpid())
-    script = ("import os, sys, torch; from voxtriton.serving.state_pool import attach; "
-              "attach(sys.stdin.buffer.read(), os.getppid())[2] += 7; torch.cuda.synchronize()")
+    script = (
+        "import os, sys, torch; from voxtriton.serving.state_pool import attach; "
+        "attach(sys.stdin.buffer.read(), os.getppid())[2] += 7; torch.cuda.synchronize()"
+    )
     subprocess.run([sys.executable, "-c", script], input=pool.handle, check=True, timeout=120)
     assert pool.tensor[2].eq(7).all() and pool.tensor[[0, 1, 3]].eq(0).all()
     pool.close()

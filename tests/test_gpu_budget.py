@@ -25,8 +25,10 @@ spec.loader.exec_module(frame_flops)
 
 # Frame steps of 10 ms at batch 100 and 16 ms at batch 200; codec calls of 5 ms for 10 chunks of 25
 # frames (20 s of audio: 0.25 ms per audio second) and 1 ms for one chunk of 2 frames (6.25).
-MODEL_SPEED = {"meta": {"preset": "1.7b"}, "rows": [{"batch": 100, "frame_step_ms": 10.0},
-                                                     {"batch": 200, "frame_step_ms": 16.0}]}
+MODEL_SPEED = {
+    "meta": {"preset": "1.7b"},
+    "rows": [{"batch": 100, "frame_step_ms": 10.0}, {"batch": 200, "frame_step_ms": 16.0}],
+}
 CODEC_SPEED = {"ms": {"1x2": 1.0, "10x25": 5.0}}
 
 
@@ -59,20 +61,46 @@ def test_the_command_line_budgets_each_probe_of_the_preset(tmp_path):
     """50 req/s of 10 s requests ask for 500 s of audio a second; at 13/12 + 0.25 ms per audio second
     that is 2/3 of the GPU, which 75 req/s would fill. A probe of another preset is left out."""
     for name, checkpoint in (("run", "/tmp/ck-1.7b"), ("other", "/tmp/ck-0.6b")):
-        trial = {"rate": 50.0, "failed": 0, "stalled_requests": 0, "requests": 100, "completed": 100,
-                 "audio_s": 1000.0, "ttfa_p90_ms": 150.0, "stall_total_s": 0.0, "listeners_peak": 500,
-                 "server": {"frame_step_ms_mean": 14.0, "frame_step_batch_mean": 150.0}}
+        trial = {
+            "rate": 50.0,
+            "failed": 0,
+            "stalled_requests": 0,
+            "requests": 100,
+            "completed": 100,
+            "audio_s": 1000.0,
+            "ttfa_p90_ms": 150.0,
+            "stall_total_s": 0.0,
+            "listeners_peak": 500,
+            "server": {"frame_step_ms_mean": 14.0, "frame_step_batch_mean": 150.0},
+        }
         (tmp_path / name).mkdir()
-        (tmp_path / name / "results.json").write_text(json.dumps(
-            {"meta": {"command": "serving_bench.py", "checkpoint": checkpoint},
-             "policies": [{"policy": "voxserve", "rates": [trial]}]}))
+        (tmp_path / name / "results.json").write_text(
+            json.dumps(
+                {
+                    "meta": {"command": "serving_bench.py", "checkpoint": checkpoint},
+                    "policies": [{"policy": "voxserve", "rates": [trial]}],
+                }
+            )
+        )
     (tmp_path / "model.json").write_text(json.dumps(MODEL_SPEED))
     (tmp_path / "codec.json").write_text(json.dumps(CODEC_SPEED))
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_budget.py"), "--model-speed", str(tmp_path / "model.json"),
-         "--codec-speed", str(tmp_path / "codec.json"), str(tmp_path / "run"), str(tmp_path / "other"),
-         "--baseline-goodput", "40"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_budget.py"),
+            "--model-speed",
+            str(tmp_path / "model.json"),
+            "--codec-speed",
+            str(tmp_path / "codec.json"),
+            str(tmp_path / "run"),
+            str(tmp_path / "other"),
+            "--baseline-goodput",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 0, completed.stderr
     rows = [line for line in completed.stdout.splitlines() if line.startswith("| 1.7b")]
     assert rows == ["| 1.7b | voxserve | run | 50 | yes | 10.00 | 500 | 150 | 1.083 | 0.250 | 0.67 | 75 |"]
@@ -89,16 +117,20 @@ def frame_step_flops(talker, span: int) -> int:
     head a matrix. The code predictor runs 16 tokens (the talker's state and codebook 0 together,
     then codebooks 1..14 one by one), each through its input projection, over its 16-position cache,
     and 15 heads."""
+
     def linear(t):
-        return t.num_layers * (2 * t.hidden_size * t.num_heads * t.head_dim
-                               + 2 * t.hidden_size * t.num_kv_heads * t.head_dim + 3 * t.hidden_size * t.intermediate_size)
+        return t.num_layers * (
+            2 * t.hidden_size * t.num_heads * t.head_dim
+            + 2 * t.hidden_size * t.num_kv_heads * t.head_dim
+            + 3 * t.hidden_size * t.intermediate_size
+        )
 
     def attention(t, queries, positions):
         return t.num_layers * 2 * 2 * t.num_heads * t.head_dim * positions * queries
 
     main, small = talker.transformer, talker.predictor
     flops = 2 * linear(main) + attention(main, 1, span) + 2 * main.hidden_size * talker.vocab_size
-    flops += 2 * (talker.text_hidden_size ** 2 + talker.text_hidden_size * main.hidden_size)
+    flops += 2 * (talker.text_hidden_size**2 + talker.text_hidden_size * main.hidden_size)
     projection = 2 * main.hidden_size * small.hidden_size if small.hidden_size != main.hidden_size else 0
     flops += 16 * (2 * linear(small) + projection) + attention(small, 16, 16)
     return flops + 15 * 2 * small.hidden_size * talker.predictor_vocab_size
@@ -114,7 +146,9 @@ def test_the_frame_step_counts_what_its_shapes_say(tmp_path, preset):
     shutil.copytree(presets / "common" / "speech_tokenizer", tmp_path / "speech_tokenizer")
     config = load_config(tmp_path)
     for batch, span in ((1, 128), (4, 512)):
-        assert frame_flops.backbone_flops_per_frame(config, batch, span) == frame_step_flops(config.talker, span)
+        assert frame_flops.backbone_flops_per_frame(config, batch, span) == frame_step_flops(
+            config.talker, span
+        )
     if preset == "1.7b":
         assert frame_step_flops(config.talker, 512) == pytest.approx(5.62e9, rel=1e-3)
 

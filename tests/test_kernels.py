@@ -36,22 +36,34 @@ def test_snake_matches_the_reference(dtype, with_bias, history_length, tail):
     batch, channels, length = 2, 5, 1500  # two column blocks, the second partly masked
     # x as a strided view (every other channel of a wider tensor), as a trimmed convolution output is.
     x = random(batch, 2 * channels, length, scale=3, dtype=dtype, generator=generator)[:, ::2]
-    log_alpha, log_beta = random(channels, scale=0.5, generator=generator), random(channels, scale=0.5, generator=generator)
+    log_alpha, log_beta = (
+        random(channels, scale=0.5, generator=generator),
+        random(channels, scale=0.5, generator=generator),
+    )
     bias = random(channels, dtype=dtype, generator=generator) if with_bias else None
     # history as the codec state holds it: a view into a packed [batch, state_size] row.
     history = None
     if history_length:
         packed = random(batch, 7 + channels * history_length, dtype=dtype, generator=generator)
         history = packed[:, 7:].view(batch, channels, history_length)
-    to = lambda t: None if t is None else t.to(DEVICE)
+
+    def to(t):
+        return None if t is None else t.to(DEVICE)
+
     fused = kernels.snake_triton(to(x), to(log_alpha), to(log_beta), to(bias), to(history), tail)
-    expected = kernels.snake_reference(x.float(), log_alpha, log_beta, None if bias is None else bias.float(),
-                                       None if history is None else history.float(), tail)
+    expected = kernels.snake_reference(
+        x.float(),
+        log_alpha,
+        log_beta,
+        None if bias is None else bias.float(),
+        None if history is None else history.float(),
+        tail,
+    )
     assert fused.shape == (batch, channels, history_length + length + tail) and fused.dtype == dtype
     if history_length:  # the history is copied exactly
         assert torch.equal(fused[..., :history_length].cpu(), history)
     if tail:  # the tail is zeros, whatever the bias (a dilated convolution's padding)
-        assert not fused[..., history_length + length:].cpu().any()
+        assert not fused[..., history_length + length :].cpu().any()
     tolerance = max(TOLERANCE[dtype], kernels.HARDWARE_SINE_TOLERANCE)
     torch.testing.assert_close(fused.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 
@@ -61,11 +73,17 @@ def test_snake_matches_the_reference(dtype, with_bias, history_length, tail):
 def test_channel_bias_matches_the_reference(dtype, with_residual):
     generator = torch.Generator().manual_seed(5 + with_residual)
     batch, channels, length = 3, 4, 1100
-    x = random(batch, channels, length + 9, dtype=dtype, generator=generator)[..., 4: 4 + length]  # trimmed view
+    x = random(batch, channels, length + 9, dtype=dtype, generator=generator)[
+        ..., 4 : 4 + length
+    ]  # trimmed view
     bias = random(channels, dtype=dtype, generator=generator)
     residual = random(batch, channels, length, dtype=dtype, generator=generator) if with_residual else None
-    out = kernels.add_channel_bias_triton(x.to(DEVICE), bias.to(DEVICE), None if residual is None else residual.to(DEVICE))
-    expected = kernels.add_channel_bias_reference(x.float(), bias.float(), None if residual is None else residual.float())
+    out = kernels.add_channel_bias_triton(
+        x.to(DEVICE), bias.to(DEVICE), None if residual is None else residual.to(DEVICE)
+    )
+    expected = kernels.add_channel_bias_reference(
+        x.float(), bias.float(), None if residual is None else residual.float()
+    )
     assert out.is_contiguous() and out.shape == x.shape
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
@@ -74,11 +92,13 @@ def test_channel_bias_matches_the_reference(dtype, with_residual):
 # A talker-like span and the code predictor's 16-entry cache, at the shipped launch shapes
 # (`launch_shape`: 64- and 16-key blocks) and at others benchmarks/attention_speed.py times (the
 # interpreter ignores warps and stages).
-ATTENTION_CASES = {"long span, shipped launch": (150, [70, 0, 149], None),
-                   "long span, 32-key blocks": (150, [70, 0, 149], (32, 4, 2)),
-                   "long span, 128-key blocks": (150, [70, 0, 149], (128, 8, 2)),
-                   "predictor span, shipped launch": (16, [15, 0, 6], None),
-                   "predictor span, 64-key blocks": (16, [15, 0, 6], (64, 4, 3))}
+ATTENTION_CASES = {
+    "long span, shipped launch": (150, [70, 0, 149], None),
+    "long span, 32-key blocks": (150, [70, 0, 149], (32, 4, 2)),
+    "long span, 128-key blocks": (150, [70, 0, 149], (128, 8, 2)),
+    "predictor span, shipped launch": (16, [15, 0, 6], None),
+    "predictor span, 64-key blocks": (16, [15, 0, 6], (64, 4, 3)),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,7 +108,9 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
     """Rows at different positions (at the first entry, at the span's end and, for the long span,
     past a key block), over strided views of a larger cache, as StaticKV hands them out."""
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
-        pytest.skip("Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); the GPU runs this case")
+        pytest.skip(
+            "Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); the GPU runs this case"
+        )
     span, last_positions, launch = ATTENTION_CASES[case]
     generator = torch.Generator().manual_seed(new_tokens)
     batch, heads, kv_heads, dim = 3, 4, 2, 32
@@ -97,8 +119,9 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
     q = random(batch, heads, new_tokens, dim, dtype=dtype, generator=generator)
     cache = random(2, batch + 1, kv_heads, span + 10, dim, dtype=dtype, generator=generator)
     keys, values = cache[0, :batch, :, :span], cache[1, :batch, :, :span]
-    out = attention.decode_attention(q.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), positions.to(DEVICE), 0.3,
-                                     launch=launch)
+    out = attention.decode_attention(
+        q.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), positions.to(DEVICE), 0.3, launch=launch
+    )
     expected = attention.decode_attention_reference(q, keys, values, positions, 0.3)
     assert out.shape == q.shape and out.dtype == dtype
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -116,24 +139,51 @@ def test_attention_speed_times_each_launch_shape_against_the_shipped_one(tmp_pat
     computes something else fails the run."""
     out = tmp_path / "attention.json"
     completed = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "attention_speed.py"),
-         "--device", DEVICE.type, "--cases", "predictor_16", "--rows", "2", "--block-keys", "64", "--warps", "4",
-         "--stages", "1", "--repeat", "20", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1" if DEVICE.type == "cpu" else "0"})
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "benchmarks" / "attention_speed.py"),
+            "--device",
+            DEVICE.type,
+            "--cases",
+            "predictor_16",
+            "--rows",
+            "2",
+            "--block-keys",
+            "64",
+            "--warps",
+            "4",
+            "--stages",
+            "1",
+            "--repeat",
+            "20",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1" if DEVICE.type == "cpu" else "0"},
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     [row] = json.loads(out.read_text())["results"]
     assert row["shipped"] == list(attention.SHORT_SPAN_LAUNCH) == [16, 2, 2]
     assert set(row["all"]) == {"16x2x2", "64x4x1"}  # the shipped shape and the swept one
     assert all(isinstance(us, float) and us > 0 for us in row["all"].values())
     itemsize = 4 if DEVICE.type == "cpu" else 2  # fp32 in the interpreter, bf16 on a GPU
-    assert row["kv_mb"] == pytest.approx(2 * 16 * 8 * 128 * 2 * itemsize / 1e6)  # 2 rows, 16 entries, keys and values
+    assert row["kv_mb"] == pytest.approx(
+        2 * 16 * 8 * 128 * 2 * itemsize / 1e6
+    )  # 2 rows, 16 entries, keys and values
 
 
 # Triton's interpreter runs a row's sort in NumPy, seconds per row at 4096 tokens: the real
 # vocabulary (3072, codebook 0) gets a few rows, a small one every mix of parameters.
-SAMPLING_CASES = {"small vocabulary, every mix": (300, [(t, k, p) for t in (0.0, 0.7, 1.5) for k in (0, 1, 5, 300)
-                                                       for p in (1.0, 0.6, 0.1)]),
-                  "codebook 0": (3072, [(0.0, 0, 1.0), (0.9, 50, 1.0), (1.0, 0, 0.8), (0.7, 3072, 0.3)])}
+SAMPLING_CASES = {
+    "small vocabulary, every mix": (
+        300,
+        [(t, k, p) for t in (0.0, 0.7, 1.5) for k in (0, 1, 5, 300) for p in (1.0, 0.6, 0.1)],
+    ),
+    "codebook 0": (3072, [(0.0, 0, 1.0), (0.9, 50, 1.0), (1.0, 0, 0.8), (0.7, 3072, 0.3)]),
+}
 
 
 @pytest.mark.parametrize("case", SAMPLING_CASES)
@@ -146,8 +196,10 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     vocab, settings = SAMPLING_CASES[case]
     generator = torch.Generator().manual_seed(vocab)
     batch = len(settings)
-    logits = random(batch, vocab, scale=4, generator=generator).to(torch.bfloat16).float()  # bf16 values: many ties
-    logits[::3, vocab // 2:] = float("-inf")  # as codebook 0's suppressed control tokens are
+    logits = (
+        random(batch, vocab, scale=4, generator=generator).to(torch.bfloat16).float()
+    )  # bf16 values: many ties
+    logits[::3, vocab // 2 :] = float("-inf")  # as codebook 0's suppressed control tokens are
     temperature, top_k, top_p = (torch.tensor(column) for column in zip(*settings))
     params = RowParams(temperature.float(), top_k.long(), top_p.float(), torch.arange(batch))
     # Keys for several groups, as a frame step makes them: a strided view per group; one row with
@@ -155,21 +207,35 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     keys = noise_keys(params.seeds, torch.zeros(batch, 2, dtype=torch.long), torch.arange(2))
     keys[-1] = 2**31 - 1
     expected = sample(logits, params, keys[:, 1])
-    to = lambda t: t.to(DEVICE)
-    drawn = sample_triton(to(logits), to(params.temperature), to(params.top_k), to(params.top_p), to(keys)[:, 1])
+
+    def to(t):
+        return t.to(DEVICE)
+
+    drawn = sample_triton(
+        to(logits), to(params.temperature), to(params.top_k), to(params.top_p), to(keys)[:, 1]
+    )
     assert drawn.dtype == torch.int64
     assert torch.equal(drawn.cpu(), expected)
     # The filters matter here: without them the draws would differ.
-    unfiltered = sample(logits, RowParams(params.temperature, torch.zeros_like(top_k), torch.ones(batch), params.seeds),
-                        keys[:, 1])
+    unfiltered = sample(
+        logits,
+        RowParams(params.temperature, torch.zeros_like(top_k), torch.ones(batch), params.seeds),
+        keys[:, 1],
+    )
     assert not torch.equal(unfiltered, expected)
     # And the noise matters: another group's keys draw other tokens.
-    assert not torch.equal(sample_triton(to(logits), to(params.temperature), to(params.top_k), to(params.top_p),
-                                         to(keys)[:, 0]).cpu(), drawn.cpu())
+    assert not torch.equal(
+        sample_triton(
+            to(logits), to(params.temperature), to(params.top_k), to(params.top_p), to(keys)[:, 0]
+        ).cpu(),
+        drawn.cpu(),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("new_tokens, with_norm, heads, kv_heads", [(1, True, 4, 2), (2, True, 6, 2), (3, False, 3, 3)])
+@pytest.mark.parametrize(
+    "new_tokens, with_norm, heads, kv_heads", [(1, True, 4, 2), (2, True, 6, 2), (3, False, 3, 3)]
+)
 def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm, heads, kv_heads):
     """q/k norms, the rotary embedding and the cache writes of one layer call: rows at different
     positions, positions as the predictor passes them (an expanded view), a cache that is a view of
@@ -185,20 +251,47 @@ def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm, h
     if new_tokens == 3:
         positions = torch.arange(new_tokens).expand(batch, new_tokens)
     cos, sin = Rotary(dim, 10000.0)(positions, dtype)
-    norms = [(random(dim, generator=generator) + 1).to(dtype) for _ in range(2)] if with_norm else [None, None]
+    norms = (
+        [(random(dim, generator=generator) + 1).to(dtype) for _ in range(2)] if with_norm else [None, None]
+    )
     cache = random(2, batch + 1, kv_heads, length + 3, dim, dtype=dtype, generator=generator)
     expected_cache, fused_cache = cache.clone(), cache.clone().to(DEVICE)
-    expected = rotary.rotate_into_cache(qkv, heads, kv_heads, *norms, 1e-6, cos, sin, expected_cache[0, :batch],
-                                        expected_cache[1, :batch], positions)
-    to = lambda t: None if t is None else t.to(DEVICE)
-    fused = rotary.rotate_into_cache_triton(to(qkv), heads, kv_heads, *map(to, norms), 1e-6, to(cos), to(sin),
-                                            fused_cache[0, :batch], fused_cache[1, :batch], to(positions))
+    expected = rotary.rotate_into_cache(
+        qkv,
+        heads,
+        kv_heads,
+        *norms,
+        1e-6,
+        cos,
+        sin,
+        expected_cache[0, :batch],
+        expected_cache[1, :batch],
+        positions,
+    )
+
+    def to(t):
+        return None if t is None else t.to(DEVICE)
+
+    fused = rotary.rotate_into_cache_triton(
+        to(qkv),
+        heads,
+        kv_heads,
+        *map(to, norms),
+        1e-6,
+        to(cos),
+        to(sin),
+        fused_cache[0, :batch],
+        fused_cache[1, :batch],
+        to(positions),
+    )
     assert fused.shape == (batch, heads, new_tokens, dim) and fused.dtype == dtype
     # fp32 to within the sums' order; bf16 to one rounding step (Triton's interpreter truncates
     # where the GPU rounds to nearest).
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(fused_cache.float().cpu(), expected_cache.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(
+        fused_cache.float().cpu(), expected_cache.float(), rtol=tolerance, atol=tolerance
+    )
     written = torch.zeros(cache.shape[:4], dtype=torch.bool)
     for row in range(batch):
         written[:, row, :, positions[row]] = True
@@ -249,7 +342,11 @@ def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     from voxtriton.kernels.checks import KERNEL_CHECKS
 
     # Triton's interpreter computes bf16 tl.dot wrongly (see above); the GPU runs the attention check.
-    shipped = {name: check for name, check in KERNEL_CHECKS.items() if DEVICE.type == "cuda" or name != "decode_attention"}
+    shipped = {
+        name: check
+        for name, check in KERNEL_CHECKS.items()
+        if DEVICE.type == "cuda" or name != "decode_attention"
+    }
 
     def fails_to_build(device):
         raise RuntimeError("no C compiler")
@@ -260,7 +357,9 @@ def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     usable = run_checks(DEVICE, {**shipped, "fails_to_build": fails_to_build, "disagrees": disagrees})
     assert usable == {**dict.fromkeys(shipped, True), "fails_to_build": False, "disagrees": False}
     assert "Triton kernel fails_to_build unavailable" in caplog.text and "no C compiler" in caplog.text
-    assert "Triton kernel disagrees unavailable" in caplog.text and "disagrees with its reference" in caplog.text
+    assert (
+        "Triton kernel disagrees unavailable" in caplog.text and "disagrees with its reference" in caplog.text
+    )
 
 
 def compiled_variants(kernel, launch) -> set:
@@ -268,9 +367,9 @@ def compiled_variants(kernel, launch) -> set:
     per distinct specialisation of the arguments (dtypes; pointers aligned to 16 bytes or not; ints
     equal to 1, divisible by 16 or neither; constexprs), at its first launch, on the launching thread:
     a variant first met while serving stalls every stream for the compile (a second or more)."""
+    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import JITFunction
-    from triton._C.libtriton import native_specialize_impl
 
     # Triton's interpreter (CPU) keeps the decorator's arguments; the JIT function reads them.
     jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
@@ -279,9 +378,12 @@ def compiled_variants(kernel, launch) -> set:
 
     def record(*args, **kwargs):
         assert len(args) == len(jit.params) - len(constexprs), "launch with every runtime argument positional"
-        arguments = [native_specialize_impl(BaseBackend, arg, False, not p.do_not_specialize,
-                                            not p.do_not_specialize_on_alignment)
-                     for p, arg in zip(jit.params, args)]
+        arguments = [
+            native_specialize_impl(
+                BaseBackend, arg, False, not p.do_not_specialize, not p.do_not_specialize_on_alignment
+            )
+            for p, arg in zip(jit.params, args)
+        ]
         options = {k: v for k, v in kwargs.items() if k in constexprs or k in ("num_warps", "num_stages")}
         variants.add((tuple(arguments), tuple(sorted(options.items()))))
 
@@ -332,10 +434,22 @@ def test_rotary_kernel_compiles_once_for_every_prompt_length():
     def launches():
         for new_tokens in (1, 2, 16, 17, 33):
             for batch in (1, 3):
-                qkv = on_device(torch.randn(batch, new_tokens, heads + 2 * kv_heads, dim, generator=generator))
+                qkv = on_device(
+                    torch.randn(batch, new_tokens, heads + 2 * kv_heads, dim, generator=generator)
+                )
                 positions = on_device(torch.arange(new_tokens)[None, :].repeat(batch, 1))
                 cos, sin = embedding(positions, torch.float32)
-                rotary.rotate_into_cache_triton(qkv, heads, kv_heads, *norms, 1e-6, cos, sin, cache[0, :batch],
-                                                cache[1, :batch], positions)
+                rotary.rotate_into_cache_triton(
+                    qkv,
+                    heads,
+                    kv_heads,
+                    *norms,
+                    1e-6,
+                    cos,
+                    sin,
+                    cache[0, :batch],
+                    cache[1, :batch],
+                    positions,
+                )
 
     assert len(compiled_variants(rotary._rotate_into_cache_kernel, launches)) == 1

@@ -10,10 +10,17 @@ import time
 from pathlib import Path
 
 import pytest
-
 from server_helpers import processes_mentioning
-from voxtriton.serving.launcher import REPOSITORY, TritonServer, free_port, gpu_count, render_repository, set_parameter
 from voxtriton_client import TTSClient
+
+from voxtriton.serving.launcher import (
+    REPOSITORY,
+    TritonServer,
+    free_port,
+    gpu_count,
+    render_repository,
+    set_parameter,
+)
 
 
 def test_set_parameter_replaces_or_appends():
@@ -25,8 +32,11 @@ def test_set_parameter_replaces_or_appends():
 
 
 def test_render_sets_per_model_parameters(tmp_path):
-    target = render_repository(REPOSITORY, tmp_path / "repo", {"*": {"checkpoint_dir": "/ckpt"},
-                                                               "tts": {"scheduler_policy": "serial"}})
+    target = render_repository(
+        REPOSITORY,
+        tmp_path / "repo",
+        {"*": {"checkpoint_dir": "/ckpt"}, "tts": {"scheduler_policy": "serial"}},
+    )
     tts = (target / "tts" / "config.pbtxt").read_text()
     codec = (target / "codec_urgent" / "config.pbtxt").read_text()
     assert 'key: "scheduler_policy" value: { string_value: "serial" }' in tts
@@ -36,9 +46,18 @@ def test_render_sets_per_model_parameters(tmp_path):
 
 
 @pytest.mark.server  # builds a TritonServer: needs the tritonserver install
-@pytest.mark.parametrize("visible, gpu, daemon, clients", [
-    ("1", None, "1", "0"), ("2,3", None, "2,3", "0,1"), (None, 1, "1", "0"), ("2,3", 1, "3", "0"),
-    ("GPU-a, GPU-b", None, "GPU-a, GPU-b", "0,1"), ("0,-1,1", None, "0,-1,1", "0"), (None, None, None, None)])
+@pytest.mark.parametrize(
+    "visible, gpu, daemon, clients",
+    [
+        ("1", None, "1", "0"),
+        ("2,3", None, "2,3", "0,1"),
+        (None, 1, "1", "0"),
+        ("2,3", 1, "3", "0"),
+        ("GPU-a, GPU-b", None, "GPU-a, GPU-b", "0,1"),
+        ("0,-1,1", None, "0,-1,1", "0"),
+        (None, None, None, None),
+    ],
+)
 def test_mps_clients_number_the_gpus_their_mps_server_sees(monkeypatch, visible, gpu, daemon, clients):
     """The MPS daemon gets the real devices (a pinned GPU counts among those CUDA_VISIBLE_DEVICES
     allows); the server's processes, its MPS clients, get them renumbered from 0. Without MPS the
@@ -93,9 +112,26 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
     grpc, http, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "voxtriton.cli", "serve", "--checkpoint", str(tiny_checkpoint), "--grpc-port", str(grpc),
-         "--http-port", str(http), "--metrics-port", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "voxtriton.cli",
+            "serve",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--grpc-port",
+            str(grpc),
+            "--http-port",
+            str(http),
+            "--metrics-port",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         lines = []
@@ -107,8 +143,9 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
         assert f"gRPC 127.0.0.1:{grpc}" in "".join(lines)
         workdir = next(line.split("log: ")[1].strip() for line in lines if "log: " in line)
         workdir = str(Path(workdir).parent)
-        synthesis = TTSClient(f"127.0.0.1:{grpc}").synthesize("Hello from the launcher test.", max_frames=10,
-                                                               ignore_eos=True, seed=1)
+        synthesis = TTSClient(f"127.0.0.1:{grpc}").synthesize(
+            "Hello from the launcher test.", max_frames=10, ignore_eos=True, seed=1
+        )
         assert synthesis.completed and len(synthesis.audio) == 10 * 1920
         assert processes_mentioning(workdir), "tritonserver should be running from the rendered repository"
         launcher.send_signal(signal.SIGTERM)
@@ -121,13 +158,16 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("visible, expected", [(None, 2), ("1", 1), ("0,1", 2), ("", 0), ("-1", 0),
-                                               ("0,1,2,3", 2)])
+@pytest.mark.parametrize(
+    "visible, expected", [(None, 2), ("1", 1), ("0,1", 2), ("", 0), ("-1", 0), ("0,1,2,3", 2)]
+)
 def test_gpu_count_honours_cuda_visible_devices(tmp_path, monkeypatch, visible, expected):
     """A stand-in nvidia-smi lists two GPUs; CUDA_VISIBLE_DEVICES limits what the server may use
     (the disaggregated policy puts its codec on a second GPU only when it may use one)."""
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     if visible is None:
@@ -141,9 +181,17 @@ def test_gpu_count_honours_cuda_visible_devices(tmp_path, monkeypatch, visible, 
 def test_the_codecs_capture_the_shapes_the_scheduler_will_ask_for():
     """A chunk schedule or batch limits given for tts set the codecs' graph shapes, each up to its own
     lane's limit, unless given for them."""
-    server = TritonServer(parameters={"tts": {"scheduler_chunk_schedule": "1,1,2,2,4,25", "scheduler_max_batch": "24",
-                                              "scheduler_background_max_batch": "48"},
-                                      "codec_background": {"graph_batch_sizes": "4,24"}}, use_mps=False)
+    server = TritonServer(
+        parameters={
+            "tts": {
+                "scheduler_chunk_schedule": "1,1,2,2,4,25",
+                "scheduler_max_batch": "24",
+                "scheduler_background_max_batch": "48",
+            },
+            "codec_background": {"graph_batch_sizes": "4,24"},
+        },
+        use_mps=False,
+    )
     try:
         urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
         background = (server.repository / "codec_background" / "config.pbtxt").read_text()

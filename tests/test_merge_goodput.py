@@ -19,8 +19,14 @@ def probe(rate, passed, listeners=100):
 
 
 def test_highest_pass_and_majority_rule():
-    rows = [probe(22.5497, True), probe(22.55, True), probe(23.8747, False), probe(23.9, True, 316),
-            probe(25.0, False), probe(21.3, True)]
+    rows = [
+        probe(22.5497, True),
+        probe(22.55, True),
+        probe(23.8747, False),
+        probe(23.9, True, 316),
+        probe(25.0, False),
+        probe(21.3, True),
+    ]
     result = merge_goodput.goodput(rows)
     assert result["goodput"] == 23.9 and result["passes"] == "1 of 2" and result["listeners_peak"] == 316
     assert result["goodput_most"] == 22.55  # 23.9 passed in only half of its probes
@@ -28,29 +34,50 @@ def test_highest_pass_and_majority_rule():
 
 
 def test_rates_apart_by_more_than_half_a_percent_are_different_rates():
-    result = merge_goodput.goodput([probe(32.0, True), probe(32.2, False), probe(34.0, True), probe(34.0, True),
-                                    probe(34.0, False)])
+    result = merge_goodput.goodput(
+        [probe(32.0, True), probe(32.2, False), probe(34.0, True), probe(34.0, True), probe(34.0, False)]
+    )
     assert result["passes"] == "2 of 3" and result["goodput_most"] == 34.0
     assert merge_goodput.goodput([probe(30.0, False)]) == {
-        "goodput": None, "passes": None, "goodput_most": None, "lowest_failed": 30.0, "listeners_peak": None}
+        "goodput": None,
+        "passes": None,
+        "goodput_most": None,
+        "lowest_failed": 30.0,
+        "listeners_peak": None,
+    }
 
 
 def test_merging_runs_writes_the_tables_with_or_without_matplotlib(tmp_path):
     """Two runs of one policy that disagree at 80 req/s: the command line merges them into one table
     (matplotlib is an optional extra: without it the plot is skipped, saying so)."""
+
     def trial(rate, stalled):
-        return {"rate": rate, "failed": 0, "stalled_requests": stalled, "requests": 1600, "ttfa_p90_ms": 150.0,
-                "stall_total_s": 0.1 * stalled, "listeners_peak": 900, "server": {"frame_step_ms_mean": 20.0}}
+        return {
+            "rate": rate,
+            "failed": 0,
+            "stalled_requests": stalled,
+            "requests": 1600,
+            "ttfa_p90_ms": 150.0,
+            "stall_total_s": 0.1 * stalled,
+            "listeners_peak": 900,
+            "server": {"frame_step_ms_mean": 20.0},
+        }
+
     runs = []
     for name, trials in (("a", [trial(76, 0), trial(80, 0)]), ("b", [trial(80, 2), trial(84, 14)])):
         runs.append(tmp_path / name)
         runs[-1].mkdir()
         meta = {"command": "serving_bench.py", "checkpoint": "/tmp/ck-1.7b"}
-        (runs[-1] / "results.json").write_text(json.dumps({"meta": meta, "policies": [
-            {"policy": "concurrent", "rates": trials}]}))
+        (runs[-1] / "results.json").write_text(
+            json.dumps({"meta": meta, "policies": [{"policy": "concurrent", "rates": trials}]})
+        )
     out = tmp_path / "merged"
-    completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "merge_goodput.py"), "--out", str(out),
-                                *map(str, runs)], capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "merge_goodput.py"), "--out", str(out), *map(str, runs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 0, completed.stderr
     table = (out / "results.md").read_text()
     assert "| 1.7b | concurrent | 80.00 | 1 of 2 | 76.00 | 80.00 | 900 |" in table

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import require_or_skip
+
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
@@ -29,14 +29,19 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     qwen_tts = require_or_skip("qwen_tts", "the parity tests need the official qwen-tts-hf package")
-    return qwen_tts.Qwen3TTSModel.from_pretrained(str(tiny_checkpoint), dtype=torch.float32,
-                                                  attn_implementation="eager")
+    return qwen_tts.Qwen3TTSModel.from_pretrained(
+        str(tiny_checkpoint), dtype=torch.float32, attn_implementation="eager"
+    )
 
 
 @pytest.fixture(scope="module")
 def ours(tiny_checkpoint):
     config = load_config(tiny_checkpoint)
-    return config, load_backbone(tiny_checkpoint, config), PromptBuilder(config, TextTokenizer(tiny_checkpoint))
+    return (
+        config,
+        load_backbone(tiny_checkpoint, config),
+        PromptBuilder(config, TextTokenizer(tiny_checkpoint)),
+    )
 
 
 class LogitRecorder:
@@ -69,9 +74,16 @@ def run_reference(reference, instruct=None, interleaved=False):
 
     reference.model.speech_tokenizer.decode = keep_codes
     try:
-        reference.generate_custom_voice(text=TEXT, speaker="ryan", language="english", instruct=instruct,
-                                        non_streaming_mode=not interleaved, do_sample=False,
-                                        subtalker_dosample=False, max_new_tokens=FRAMES + 1)
+        reference.generate_custom_voice(
+            text=TEXT,
+            speaker="ryan",
+            language="english",
+            instruct=instruct,
+            non_streaming_mode=not interleaved,
+            do_sample=False,
+            subtalker_dosample=False,
+            max_new_tokens=FRAMES + 1,
+        )
     finally:
         reference.model.speech_tokenizer.decode = decode
         talker_rec.close()
@@ -95,8 +107,11 @@ def run_ours(ours, instruct=None, interleaved=False):
     return np.stack(frames), talker_rec.calls, predictor_rec.calls
 
 
-@pytest.mark.parametrize("instruct,interleaved", [(None, False), (None, True), ("Speak slowly and warmly.", False)],
-                         ids=["full-text", "interleaved-text", "instruct"])
+@pytest.mark.parametrize(
+    "instruct,interleaved",
+    [(None, False), (None, True), ("Speak slowly and warmly.", False)],
+    ids=["full-text", "interleaved-text", "instruct"],
+)
 def test_greedy_codes_and_logits_match_reference(reference, ours, instruct, interleaved):
     ref_codes, ref_talker, ref_predictor = run_reference(reference, instruct, interleaved)
     our_codes, our_talker, our_predictor = run_ours(ours, instruct, interleaved)

@@ -6,14 +6,17 @@ import concurrent.futures
 
 import numpy as np
 import pytest
-
 from server_helpers import start_server
 from voxtriton_client import TTSClient
 
 pytestmark = pytest.mark.server
 
-REQUESTS = [("Policies change timing, never content.", 11, 45), ("A second voice joins.", 12, 30),
-            ("Third stream, shorter.", 13, 18), ("The fourth one talks the longest of them all.", 14, 60)]
+REQUESTS = [
+    ("Policies change timing, never content.", 11, 45),
+    ("A second voice joins.", 12, 30),
+    ("Third stream, shorter.", 13, 18),
+    ("The fourth one talks the longest of them all.", 14, 60),
+]
 
 
 def run_all(url: str) -> list:
@@ -21,8 +24,9 @@ def run_all(url: str) -> list:
 
     def one(item):
         text, seed, frames = item
-        return client.synthesize(text, speaker="aiden", seed=seed, max_frames=frames, ignore_eos=True, codes=True,
-                                 info=True).raise_for_error()
+        return client.synthesize(
+            text, speaker="aiden", seed=seed, max_frames=frames, ignore_eos=True, codes=True, info=True
+        ).raise_for_error()
 
     with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
         return list(pool.map(one, REQUESTS))
@@ -34,11 +38,25 @@ def baseline(tiny_checkpoint):
         return run_all(server.grpc_url)
 
 
-@pytest.mark.parametrize("policy, parameters", [("concurrent", None), ("serial", None), ("disaggregated", None),
-                                                ("voxserve", {"tts": {"lane_workers": "1", "switch_interval_ms": "0.5"}}),
-                                                ("voxserve", {"tts": {"scheduler_background_fullest_size": "false",
-                                                                      "scheduler_idle_urgent_takes_frames": "16"}}),
-                                                ("voxserve", {"tts": {"scheduler_catch_up": "true"}})])
+@pytest.mark.parametrize(
+    "policy, parameters",
+    [
+        ("concurrent", None),
+        ("serial", None),
+        ("disaggregated", None),
+        ("voxserve", {"tts": {"lane_workers": "1", "switch_interval_ms": "0.5"}}),
+        (
+            "voxserve",
+            {
+                "tts": {
+                    "scheduler_background_fullest_size": "false",
+                    "scheduler_idle_urgent_takes_frames": "16",
+                }
+            },
+        ),
+        ("voxserve", {"tts": {"scheduler_catch_up": "true"}}),
+    ],
+)
 def test_policy_changes_timing_not_content(tiny_checkpoint, baseline, policy, parameters):
     """The baseline runs the defaults: two calls in flight per codec lane (BLS calls from two threads
     to one codec model) and the background lane's fullest size. Also one call in flight (with a

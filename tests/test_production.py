@@ -11,7 +11,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from server_helpers import start_server, stream_and_abandon, stub_anon_and_shm_mb, wait_for_metric
 from test_server import raw_request, string_input, typed
 from voxtriton_client import TTSClient
@@ -36,8 +35,16 @@ def until_admitted(attempt) -> str:
 
 
 def speak(client, seed, frames, text=TEXT, **options):
-    return client.synthesize(text, speaker="vivian", seed=seed, max_frames=frames, ignore_eos=True, codes=True,
-                             timeout=120, **options)
+    return client.synthesize(
+        text,
+        speaker="vivian",
+        seed=seed,
+        max_frames=frames,
+        ignore_eos=True,
+        codes=True,
+        timeout=120,
+        **options,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +53,9 @@ def server(tiny_checkpoint):
     # 16 requests are sent at once, and its first two streams generate for BURST_FRAMES frame steps
     # (seconds on a CPU) before the queued ones can start, so requests are refused unless sending
     # the burst takes longer than that.
-    with start_server(tiny_checkpoint, parameters={"tts": {"max_streams": "2", "max_queued": "2"}}) as running:
+    with start_server(
+        tiny_checkpoint, parameters={"tts": {"max_streams": "2", "max_queued": "2"}}
+    ) as running:
         yield running
 
 
@@ -72,7 +81,9 @@ def test_burst_beyond_capacity_is_refused_fast_and_admitted_streams_complete(ser
     for synthesis, seconds in busy:
         assert synthesis.error.startswith("server busy:"), synthesis.error
         assert seconds < 2.0  # refused at once, not timed out
-    wait_for_metric(server, "voxtriton_rejected_requests_total", lambda total: total - rejected_before == len(busy))
+    wait_for_metric(
+        server, "voxtriton_rejected_requests_total", lambda total: total - rejected_before == len(busy)
+    )
 
 
 def test_hundreds_of_cancellations_return_rows_and_memory_to_baseline(server):
@@ -141,32 +152,62 @@ def test_soak_of_mixed_traffic_leaves_nothing_behind(server):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.fixed_dictionaries({}, optional={
-    "text": st.one_of(st.text(max_size=60), st.binary(max_size=60)),
-    "speaker": st.one_of(st.sampled_from(["ryan", "Vivian", "", "nobody", "../../etc/passwd"]), st.text(max_size=12)),
-    "language": st.one_of(st.sampled_from(["auto", "english", "Chinese", "klingon", "/etc/shadow"]), st.text(max_size=12)),
-    "seed": st.integers(-2**63, 2**63 - 1),
-    "max_frames": st.integers(-5, 40),
-    "temperature": st.floats(allow_nan=True, allow_infinity=True, width=32),
-    "top_p": st.floats(allow_nan=True, allow_infinity=True, width=32),
-    "top_k": st.integers(-10, 5000),
-    "ignore_eos": st.booleans(),
-}))
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "text": st.one_of(st.text(max_size=60), st.binary(max_size=60)),
+            "speaker": st.one_of(
+                st.sampled_from(["ryan", "Vivian", "", "nobody", "../../etc/passwd"]), st.text(max_size=12)
+            ),
+            "language": st.one_of(
+                st.sampled_from(["auto", "english", "Chinese", "klingon", "/etc/shadow"]),
+                st.text(max_size=12),
+            ),
+            "seed": st.integers(-(2**63), 2**63 - 1),
+            "max_frames": st.integers(-5, 40),
+            "temperature": st.floats(allow_nan=True, allow_infinity=True, width=32),
+            "top_p": st.floats(allow_nan=True, allow_infinity=True, width=32),
+            "top_k": st.integers(-10, 5000),
+            "ignore_eos": st.booleans(),
+        },
+    )
+)
 def test_fuzzed_requests_get_audio_or_a_clean_error(server, fields):
     inputs = []
     for name, value in fields.items():
         if name in ("text", "speaker", "language"):
             inputs.append(string_input(name, value if isinstance(value, bytes) else value.encode("utf-8")))
         else:
-            dtype = {"seed": (np.int64, "INT64"), "max_frames": (np.int32, "INT32"), "temperature": (np.float32, "FP32"),
-                     "top_p": (np.float32, "FP32"), "top_k": (np.int32, "INT32"), "ignore_eos": (np.bool_, "BOOL")}[name]
+            dtype = {
+                "seed": (np.int64, "INT64"),
+                "max_frames": (np.int32, "INT32"),
+                "temperature": (np.float32, "FP32"),
+                "top_p": (np.float32, "FP32"),
+                "top_k": (np.int32, "INT32"),
+                "ignore_eos": (np.bool_, "BOOL"),
+            }[name]
             inputs.append(typed(name, np.array([value], dtype=dtype[0]), dtype[1]))
     if "max_frames" not in fields:  # keep successful requests short
         inputs.append(typed("max_frames", np.array([8], np.int32), "INT32"))
     error = until_admitted(lambda: raw_request(server.grpc_url, inputs) or "ok")
     if error != "ok":
         field = error.split(":")[0]
-        assert field in ("text", "speaker", "language", "seed", "max_frames", "temperature", "top_p", "top_k",
-                         "instruct") or "unexpected" in error or "expected" in error, error
+        assert (
+            field
+            in (
+                "text",
+                "speaker",
+                "language",
+                "seed",
+                "max_frames",
+                "temperature",
+                "top_p",
+                "top_k",
+                "instruct",
+            )
+            or "unexpected" in error
+            or "expected" in error
+        ), error
         assert "internal error" not in error and "generation failed" not in error, error
     assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from voxtriton.engine.sampling import (RowParams, apply_repetition_penalty, bits_to_uniform, filter_top_k_top_p,
-                                       fold_seed, noise_keys, sample, uniform_noise)
+from voxtriton.engine.sampling import (
+    RowParams,
+    apply_repetition_penalty,
+    bits_to_uniform,
+    filter_top_k_top_p,
+    fold_seed,
+    noise_keys,
+    sample,
+    uniform_noise,
+)
 
 
 def draw(logits, p, frames, group):
@@ -17,9 +28,15 @@ def draw(logits, p, frames, group):
 
 
 def params(batch, temperature=0.9, top_k=50, top_p=1.0, seed=7):
-    full = lambda value, dtype: torch.full((batch,), value, dtype=dtype)
-    return RowParams(full(temperature, torch.float32), full(top_k, torch.long), full(top_p, torch.float32),
-                     full(fold_seed(seed), torch.long))
+    def full(value, dtype):
+        return torch.full((batch,), value, dtype=dtype)
+
+    return RowParams(
+        full(temperature, torch.float32),
+        full(top_k, torch.long),
+        full(top_p, torch.float32),
+        full(fold_seed(seed), torch.long),
+    )
 
 
 @pytest.mark.parametrize("top_k,top_p", [(50, 1.0), (0, 0.8), (10, 0.5), (1, 1.0), (0, 0.05)])
@@ -45,7 +62,10 @@ def test_repetition_penalty_matches_transformers():
 def test_noise_is_uniform_and_keyed():
     seeds = torch.tensor([fold_seed(1), fold_seed(2)])
     frames = torch.tensor([[0], [0]])
-    noise = lambda frames, group: uniform_noise(noise_keys(seeds, frames, torch.tensor([group]))[:, 0], 50000)
+
+    def noise(frames, group):
+        return uniform_noise(noise_keys(seeds, frames, torch.tensor([group]))[:, 0], 50000)
+
     u = noise(frames, 0)
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     assert not torch.equal(u[0], u[1])
@@ -62,7 +82,7 @@ def test_keys_of_all_groups_at_once_equal_each_group_alone():
     together = noise_keys(seeds, frames, groups)
     assert together.unique().numel() == together.numel()
     for group in range(16):
-        alone = noise_keys(seeds, frames[:, group: group + 1], groups[group: group + 1])[:, 0]
+        alone = noise_keys(seeds, frames[:, group : group + 1], groups[group : group + 1])[:, 0]
         assert torch.equal(together[:, group], alone)
     # A shorter vocabulary's noise is the start of a longer one's.
     assert torch.equal(uniform_noise(together, 3072)[..., :2048], uniform_noise(together, 2048))
@@ -90,7 +110,9 @@ def test_draws_follow_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).expand(4000, 4)
     p = params(4000, temperature=1.0, top_k=0)
     p.seeds[:] = torch.arange(4000)
-    counts = torch.bincount(draw(logits, p, torch.zeros(4000, dtype=torch.long), 0), minlength=4).float() / 4000
+    counts = (
+        torch.bincount(draw(logits, p, torch.zeros(4000, dtype=torch.long), 0), minlength=4).float() / 4000
+    )
     assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
 
 
@@ -101,14 +123,19 @@ def test_same_seed_same_draw_whatever_the_batch():
     frames = torch.tensor([3, 1, 4, 1, 5])
     together = draw(logits, batch, frames, group=2)
     for row in range(5):
-        alone = RowParams(*(t[row: row + 1] for t in (batch.temperature, batch.top_k, batch.top_p, batch.seeds)))
-        assert draw(logits[row: row + 1], alone, frames[row: row + 1], group=2).item() == together[row].item()
+        alone = RowParams(
+            *(t[row : row + 1] for t in (batch.temperature, batch.top_k, batch.top_p, batch.seeds))
+        )
+        assert (
+            draw(logits[row : row + 1], alone, frames[row : row + 1], group=2).item() == together[row].item()
+        )
 
 
 def test_temperature_zero_is_greedy():
     logits = torch.randn(3, 300)
-    assert torch.equal(draw(logits, params(3, temperature=0.0), torch.zeros(3, dtype=torch.long), 0),
-                       logits.argmax(-1))
+    assert torch.equal(
+        draw(logits, params(3, temperature=0.0), torch.zeros(3, dtype=torch.long), 0), logits.argmax(-1)
+    )
 
 
 def test_fold_seed_uses_all_bits():

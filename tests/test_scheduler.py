@@ -204,7 +204,9 @@ def test_the_background_lane_takes_larger_calls_than_the_urgent_lane():
 def test_the_background_lane_can_take_its_fullest_size_instead_of_its_heads(fullest):
     """Two 8-frame chunks due soonest, three 16-frame chunks due later: without
     `background_fullest_size` the head's size goes first; with it the three, in deadline order."""
-    sched, clock = scheduler(chunk_schedule="4,8,16", slack_margin_s=0.0, max_batch=4, background_fullest_size=fullest)
+    sched, clock = scheduler(
+        chunk_schedule="4,8,16", slack_margin_s=0.0, max_batch=4, background_fullest_size=fullest
+    )
     later, sooner = ["c", "d", "e"], ["a", "b"]
     for names in (later, sooner):
         for name in names:
@@ -321,13 +323,31 @@ def test_next_chunk_beats_first_chunks_well_before_its_deadline():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["open", "frames", "done", "urgent", "background", "tick"]),
-                          st.integers(0, 5), st.integers(1, 30)), min_size=20, max_size=300),
-       st.sampled_from(["voxserve", "concurrent", "serial"]), st.sampled_from([0, 8]), st.booleans(), st.booleans())
-def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgent_takes_frames, background_fullest_size,
-                                                      catch_up):
-    sched, clock = scheduler(policy=policy, max_batch=4, idle_urgent_takes_frames=idle_urgent_takes_frames,
-                             background_fullest_size=background_fullest_size, catch_up=catch_up)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["open", "frames", "done", "urgent", "background", "tick"]),
+            st.integers(0, 5),
+            st.integers(1, 30),
+        ),
+        min_size=20,
+        max_size=300,
+    ),
+    st.sampled_from(["voxserve", "concurrent", "serial"]),
+    st.sampled_from([0, 8]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_random_sequences_keep_order_and_never_starve(
+    events, policy, idle_urgent_takes_frames, background_fullest_size, catch_up
+):
+    sched, clock = scheduler(
+        policy=policy,
+        max_batch=4,
+        idle_urgent_takes_frames=idle_urgent_takes_frames,
+        background_fullest_size=background_fullest_size,
+        catch_up=catch_up,
+    )
     lanes = [INLINE] if policy == "serial" else [URGENT, BACKGROUND]
     generated: dict[str, int] = {}
     delivered: dict[str, list[tuple[int, int]]] = {}
@@ -370,11 +390,15 @@ def test_random_sequences_keep_order_and_never_starve(events, policy, idle_urgen
         assert [start for start, _ in chunks] == [sum(s for _, s in chunks[:i]) for i in range(len(chunks))]
         config = sched.config
         assert all(size <= decoded for (_, size), decoded in zip(chunks, decode_sizes[name]))
-        assert all(size == decoded for (_, size), decoded in zip(chunks[:-1], decode_sizes[name]))  # only the last is short
+        assert all(
+            size == decoded for (_, size), decoded in zip(chunks[:-1], decode_sizes[name])
+        )  # only the last is short
         if catch_up:  # schedule sizes, never behind the schedule; the first chunk's is kept
             assert decode_sizes[name][:1] in ([], [config.chunk_frames(0)])
-            assert all(decoded in config.sizes and decoded >= config.chunk_frames(i)
-                       for i, decoded in enumerate(decode_sizes[name]))
+            assert all(
+                decoded in config.sizes and decoded >= config.chunk_frames(i)
+                for i, decoded in enumerate(decode_sizes[name])
+            )
         else:
             assert all(decoded == config.chunk_frames(i) for i, decoded in enumerate(decode_sizes[name]))
         assert sched.streams[name].in_flight is None

@@ -12,17 +12,24 @@ import wave
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-
 from server_helpers import live_processes, start_server, stream_and_abandon, wait_for_metric
-from voxtriton.scheduler.policy import SchedulerConfig
 from voxtriton_client import StreamingWavWriter, TTSClient
 from voxtriton_client.api import request_inputs
 
+from voxtriton.scheduler.policy import SchedulerConfig
+
 pytestmark = pytest.mark.server
 
-TEXTS = ["Good morning, this is the first voice.", "A second sentence, somewhat longer than the first one.",
-         "Three.", "Streaming speech should never stall.", "Numbers like 42 and 1999 are text too.",
-         "Short.", "The seventh request asks for a different seed.", "And the eighth closes the set."]
+TEXTS = [
+    "Good morning, this is the first voice.",
+    "A second sentence, somewhat longer than the first one.",
+    "Three.",
+    "Streaming speech should never stall.",
+    "Numbers like 42 and 1999 are text too.",
+    "Short.",
+    "The seventh request asks for a different seed.",
+    "And the eighth closes the set.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +47,47 @@ def test_one_tritonserver_holds_the_ports_and_a_second_start_is_refused(server):
     """One server per `with start_server(...)`. A second start on the same ports would launch a
     server that fails to bind them after loading its models, while the readiness check sees the
     first answer; stop() would then end only the second, and the first would run on unnoticed."""
+
     def grpc_port(process) -> str | None:
         words = process.arguments
         return next((words[i + 1] for i in range(len(words) - 1) if words[i] == "--grpc-port"), None)
 
-    started_here = [pid for pid, child in live_processes().items()
-                    if child.parent == os.getpid() and grpc_port(child) == str(server.grpc_port)]
+    started_here = [
+        pid
+        for pid, child in live_processes().items()
+        if child.parent == os.getpid() and grpc_port(child) == str(server.grpc_port)
+    ]
     assert len(started_here) == 1
     with pytest.raises(RuntimeError, match=f"tritonserver already started on gRPC port {server.grpc_port}"):
         server.start()
 
 
 def speak(client, text, seed, frames=40, **options):
-    return client.synthesize(text, speaker="serena", seed=seed, max_frames=frames, ignore_eos=True, codes=True,
-                             info=True, **options).raise_for_error()
+    return client.synthesize(
+        text,
+        speaker="serena",
+        seed=seed,
+        max_frames=frames,
+        ignore_eos=True,
+        codes=True,
+        info=True,
+        **options,
+    ).raise_for_error()
 
 
 def test_streams_chunks_and_writes_a_valid_wav(client, tmp_path):
     path = tmp_path / "out.wav"
     with StreamingWavWriter(path) as wav:
-        synthesis = client.synthesize(TEXTS[0], speaker="ryan", seed=1, max_frames=50, ignore_eos=True,
-                                      codes=True, info=True, on_chunk=lambda chunk: wav.write(chunk.audio))
+        synthesis = client.synthesize(
+            TEXTS[0],
+            speaker="ryan",
+            seed=1,
+            max_frames=50,
+            ignore_eos=True,
+            codes=True,
+            info=True,
+            on_chunk=lambda chunk: wav.write(chunk.audio),
+        )
     synthesis.raise_for_error()
     assert synthesis.completed
     assert len(synthesis.chunks) >= 3  # audio arrives in pieces, before the final response
@@ -89,7 +116,9 @@ def test_same_seed_alone_is_bit_identical(client):
 def test_eight_concurrent_requests_match_their_solo_runs(client):
     solo = [speak(client, text, seed=100 + i, frames=20 + 4 * i) for i, text in enumerate(TEXTS)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda i: speak(client, TEXTS[i], seed=100 + i, frames=20 + 4 * i), range(8)))
+        together = list(
+            pool.map(lambda i: speak(client, TEXTS[i], seed=100 + i, frames=20 + 4 * i), range(8))
+        )
     for alone, shared in zip(solo, together):
         np.testing.assert_array_equal(shared.codes, alone.codes)
         assert len(shared.audio) == len(alone.audio)
@@ -139,7 +168,9 @@ def raw_request(url: str, inputs: list) -> str | None:
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer("tts", inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+        client.async_stream_infer(
+            "tts", inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
+        )
         while True:
             result, error = responses.get(timeout=60)
             if error is not None:
@@ -153,11 +184,15 @@ def raw_request(url: str, inputs: list) -> str | None:
 
 def string_input(name: str, value) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, [1], "BYTES")
-    tensor.set_data_from_numpy(np.array([value if isinstance(value, bytes) else value.encode()], dtype=object))
+    tensor.set_data_from_numpy(
+        np.array([value if isinstance(value, bytes) else value.encode()], dtype=object)
+    )
     return tensor
 
 
-@pytest.mark.parametrize("fields,message", BAD_INPUTS, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize(
+    "fields,message", BAD_INPUTS, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD_INPUTS)]
+)
 def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, client, fields, message):
     text = fields.pop("text")
     inputs = [string_input("text", text)] + request_inputs(grpcclient, "x", **fields)[1:]
@@ -166,12 +201,19 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, clien
     assert speak(client, "still serving", seed=1, frames=3).completed
 
 
-@pytest.mark.parametrize("build,field", [
-    (lambda: [string_input("text", "hi"), typed("temperature", np.array([0.5], np.float64), "FP64")], "temperature"),
-    (lambda: [string_input("text", "hi"), typed("seed", np.array([1, 2], np.int64), "INT64")], "seed"),
-    (lambda: [typed("text", np.array([1.0], np.float32), "FP32")], "text"),
-    (lambda: [string_input("speaker", "ryan")], "text"),
-], ids=["dtype", "shape", "text-dtype", "missing-text"])
+@pytest.mark.parametrize(
+    "build,field",
+    [
+        (
+            lambda: [string_input("text", "hi"), typed("temperature", np.array([0.5], np.float64), "FP64")],
+            "temperature",
+        ),
+        (lambda: [string_input("text", "hi"), typed("seed", np.array([1, 2], np.int64), "INT64")], "seed"),
+        (lambda: [typed("text", np.array([1.0], np.float32), "FP32")], "text"),
+        (lambda: [string_input("speaker", "ryan")], "text"),
+    ],
+    ids=["dtype", "shape", "text-dtype", "missing-text"],
+)
 def test_wrong_dtype_or_shape_is_refused_naming_the_input(server, client, build, field):
     error = raw_request(server.grpc_url, build())
     assert error is not None and re.search(rf"\b{field}\b", error), error
@@ -186,12 +228,17 @@ def typed(name, array, datatype):
 
 def test_metrics_are_exported(server, client):
     speak(client, TEXTS[2], seed=3, frames=30)
-    samples = wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0) is not None and server.metrics()
+    samples = (
+        wait_for_metric(server, "voxtriton_active_streams", lambda v: v == 0) is not None and server.metrics()
+    )
     assert samples['voxtriton_chunks_total{lane="urgent"}'] >= 1
     assert "voxtriton_chunks_promoted_total" in samples
     calls = samples['voxtriton_codec_calls_total{lane="urgent"}']
     assert 1 <= calls <= samples['voxtriton_chunks_total{lane="urgent"}']
-    assert sum(samples[f'voxtriton_codec_frames_total{{lane="{lane}"}}'] for lane in ("urgent", "background")) >= 30
+    assert (
+        sum(samples[f'voxtriton_codec_frames_total{{lane="{lane}"}}'] for lane in ("urgent", "background"))
+        >= 30
+    )
     assert samples['voxtriton_codec_busy_seconds_total{lane="urgent"}'] > 0
     assert samples["voxtriton_ttfa_seconds_count"] >= 1
     assert 'voxtriton_lane_queue_depth{lane="background"}' in samples

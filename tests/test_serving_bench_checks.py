@@ -12,12 +12,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from serving_bench import kernel_fallbacks  # noqa: E402
 
 # Lines of a real server log (session 22, call 2: CC in the environment named no compiler).
-FALLBACK = ("2026-12-03 14:05:08,646 voxtriton WARNING voxtriton.kernels: Triton kernel decode_attention unavailable "
-            "on cuda:0 (FileNotFoundError: [Errno 2] No such file or directory: '--param "
-            "tts:scheduler_chunk_schedule=2,2,4,8,16,25'); using its slower PyTorch formula")
-GREEN_CONTEXT = "2026-12-03 14:05:08,695 voxtriton INFO voxtriton.serving.runtime: using a green context of 96 of 132 SMs"
-GRAPHS = ("2026-12-03 14:05:22,090 voxtriton INFO voxtriton: tts: captured 28 frame-step, 16 prefill, 32 admission "
-          "and 2 row-move CUDA graphs")
+FALLBACK = (
+    "2026-12-03 14:05:08,646 voxtriton WARNING voxtriton.kernels: Triton kernel decode_attention unavailable "
+    "on cuda:0 (FileNotFoundError: [Errno 2] No such file or directory: '--param "
+    "tts:scheduler_chunk_schedule=2,2,4,8,16,25'); using its slower PyTorch formula"
+)
+GREEN_CONTEXT = (
+    "2026-12-03 14:05:08,695 voxtriton INFO voxtriton.serving.runtime: using a green context of 96 of 132 SMs"
+)
+GRAPHS = (
+    "2026-12-03 14:05:22,090 voxtriton INFO voxtriton: tts: captured 28 frame-step, 16 prefill, 32 admission "
+    "and 2 row-move CUDA graphs"
+)
 
 
 def test_a_gpu_kernel_that_failed_its_check_is_found_in_the_server_log():

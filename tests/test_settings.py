@@ -12,28 +12,44 @@ def config(**parameters):
 
 
 def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
-    settings, scheduler = TTSSettings.from_model_config(config(cancellation_check_s="0.5", backbone_partition="exclusive",
-                                                               scheduler_policy="concurrent"))
+    settings, scheduler = TTSSettings.from_model_config(
+        config(cancellation_check_s="0.5", backbone_partition="exclusive", scheduler_policy="concurrent")
+    )
     assert settings.cancellation_check_s == 0.5 and settings.backbone_partition == "exclusive"
     assert scheduler.policy == "concurrent"
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("backbone_partition", "half", "'backbone_partition' must be exclusive or shared"),
-    ("cancellation_check_s", "fast", "'cancellation_check_s': cannot read 'fast' as float"),
-    ("cancellation_check_s", "0", "'cancellation_check_s' must be positive"),
-    ("cancellation_lock_share", "0", "'cancellation_lock_share' must be above 0 and at most 1, got 0.0"),
-    ("cancellation_lock_share", "1.5", "'cancellation_lock_share' must be above 0 and at most 1, got 1.5"),
-    ("backbone_sms", "100", "unknown parameter(s) backbone_sms"),
-    ("background_sms", "most", "'background_sms' must be an SM count or a fraction of the GPU's SMs between 0 and 1 (such as 0.75), got 'most'"),
-    ("background_sms", "1.5", "'background_sms' must be an SM count or a fraction"),
-    ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),
-    ("lane_workers", "0", "'lane_workers' must be at least 1, got 0"),
-    ("max_draining", "-1", "'max_draining' must be 0 or more, got -1"),
-    ("switch_interval_ms", "0", "'switch_interval_ms' must be between 0.001 and 1000, got 0.0"),
-    ("switch_interval_ms", "inf", "'switch_interval_ms' must be between 0.001 and 1000, got inf"),
-    ("scheduler_idle_urgent_takes_frames", "-1", "scheduler_idle_urgent_takes_frames must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("backbone_partition", "half", "'backbone_partition' must be exclusive or shared"),
+        ("cancellation_check_s", "fast", "'cancellation_check_s': cannot read 'fast' as float"),
+        ("cancellation_check_s", "0", "'cancellation_check_s' must be positive"),
+        ("cancellation_lock_share", "0", "'cancellation_lock_share' must be above 0 and at most 1, got 0.0"),
+        (
+            "cancellation_lock_share",
+            "1.5",
+            "'cancellation_lock_share' must be above 0 and at most 1, got 1.5",
+        ),
+        ("backbone_sms", "100", "unknown parameter(s) backbone_sms"),
+        (
+            "background_sms",
+            "most",
+            "'background_sms' must be an SM count or a fraction of the GPU's SMs between 0 and 1 (such as 0.75), got 'most'",
+        ),
+        ("background_sms", "1.5", "'background_sms' must be an SM count or a fraction"),
+        ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),
+        ("lane_workers", "0", "'lane_workers' must be at least 1, got 0"),
+        ("max_draining", "-1", "'max_draining' must be 0 or more, got -1"),
+        ("switch_interval_ms", "0", "'switch_interval_ms' must be between 0.001 and 1000, got 0.0"),
+        ("switch_interval_ms", "inf", "'switch_interval_ms' must be between 0.001 and 1000, got inf"),
+        (
+            "scheduler_idle_urgent_takes_frames",
+            "-1",
+            "scheduler_idle_urgent_takes_frames must be >= 0, got -1",
+        ),
+    ],
+)
 def test_a_bad_parameter_is_refused_by_name(name, value, message):
     with pytest.raises(ValueError) as error:
         TTSSettings.from_model_config(config(**{name: value}))
@@ -65,8 +81,12 @@ def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
     # As the README says:
     assert CodecSettings.from_model_config(config()).graph_shapes() == ([1, 2, 4, 8, 16], [2, 4, 8, 16, 25])
     assert CodecSettings.from_model_config(config(lane="background")).graph_shapes() == (
-        [1, 2, 4, 8, 16, 32, 64], [2, 4, 8, 16, 25])
-    given = CodecSettings.from_model_config(config(graph_batch_sizes="4,24", graph_frame_sizes="3")).graph_shapes()
+        [1, 2, 4, 8, 16, 32, 64],
+        [2, 4, 8, 16, 25],
+    )
+    given = CodecSettings.from_model_config(
+        config(graph_batch_sizes="4,24", graph_frame_sizes="3")
+    ).graph_shapes()
     assert given == ([4, 24], [3])
     with pytest.raises(ValueError, match="parameter 'lane' must be 'urgent' or 'background', got 'inline'"):
         CodecSettings.from_model_config(config(lane="inline"))
@@ -84,7 +104,9 @@ def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA build of torch
-    refusal = r"this host has a GPU .* set device=cpu for every model \(voxtriton serve --param .\*:device=cpu.\)"
+    refusal = (
+        r"this host has a GPU .* set device=cpu for every model \(voxtriton serve --param .\*:device=cpu.\)"
+    )
     with pytest.raises(ValueError, match=refusal):
         runtime.resolve_device("auto")
     assert runtime.resolve_device("cpu") == torch.device("cpu")
@@ -98,9 +120,18 @@ def test_auto_device_refuses_to_fall_back_to_the_cpu_on_a_gpu_host(monkeypatch, 
     assert runtime.resolve_device("auto") == torch.device("cpu")
 
 
-@pytest.mark.parametrize("value, devices", [("0,1", ["0", "1"]), (" 2, 3 ", ["2", "3"]), ("0,,1", ["0"]),
-                                            ("1,-1,0", ["1"]), ("", []), ("NoDevFiles", []),
-                                            ("GPU-a,MIG-b", ["GPU-a", "MIG-b"])])
+@pytest.mark.parametrize(
+    "value, devices",
+    [
+        ("0,1", ["0", "1"]),
+        (" 2, 3 ", ["2", "3"]),
+        ("0,,1", ["0"]),
+        ("1,-1,0", ["1"]),
+        ("", []),
+        ("NoDevFiles", []),
+        ("GPU-a,MIG-b", ["GPU-a", "MIG-b"]),
+    ],
+)
 def test_cuda_visible_devices_is_read_as_cuda_reads_it(value, devices):
     from voxtriton.serving.settings import visible_devices
 
@@ -116,8 +147,11 @@ def test_a_codec_without_cuda_graphs_never_autotunes_cudnn(tiny_checkpoint, valu
     previous = torch.backends.cudnn.benchmark
     try:
         torch.backends.cudnn.benchmark = True
-        CodecService(CodecSettings.from_model_config(config(checkpoint_dir=str(tiny_checkpoint), device="cpu",
-                                                            cudnn_autotune=value)))
+        CodecService(
+            CodecSettings.from_model_config(
+                config(checkpoint_dir=str(tiny_checkpoint), device="cpu", cudnn_autotune=value)
+            )
+        )
         assert torch.backends.cudnn.benchmark is False
     finally:
         torch.backends.cudnn.benchmark = previous

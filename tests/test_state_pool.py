@@ -15,8 +15,10 @@ from voxtriton.serving.codec_service import CodecService
 from voxtriton.serving.settings import CodecSettings
 from voxtriton.serving.state_pool import CodecStatePool, attach
 
-ATTACH_FROM_STDIN = ("import os, sys; from voxtriton.serving.state_pool import attach; "
-                     "attach(sys.stdin.buffer.read(), os.getppid())[2] += 7")
+ATTACH_FROM_STDIN = (
+    "import os, sys; from voxtriton.serving.state_pool import attach; "
+    "attach(sys.stdin.buffer.read(), os.getppid())[2] += 7"
+)
 
 
 @pytest.fixture()
@@ -45,7 +47,9 @@ def test_nothing_attaches_once_the_pool_is_closed(pool):
     pool.close()
     with pytest.raises(ValueError, match="published no codec state pool"):
         attach(handle, os.getpid())
-    failed = subprocess.run([sys.executable, "-c", ATTACH_FROM_STDIN], input=handle, capture_output=True, timeout=120)
+    failed = subprocess.run(
+        [sys.executable, "-c", ATTACH_FROM_STDIN], input=handle, capture_output=True, timeout=120
+    )
     assert failed.returncode != 0 and b"published no codec state pool" in failed.stderr
 
 
@@ -59,14 +63,23 @@ def test_chunks_decoded_through_the_pool_equal_one_whole_decode(tiny_checkpoint)
         slots = torch.tensor([3, 1])
         pieces, start = [], 0
         for size in (2, 2, 4, 8):
-            pieces.append(service.decode(codes[:, start: start + size].int(), torch.full((2,), start), slots, pool.tensor))
+            pieces.append(
+                service.decode(
+                    codes[:, start : start + size].int(), torch.full((2,), start), slots, pool.tensor
+                )
+            )
             start += size
-        whole, _ = load_codec(tiny_checkpoint).decode(codes, torch.zeros(2, dtype=torch.long),
-                                                        service.model.new_state(2))
+        whole, _ = load_codec(tiny_checkpoint).decode(
+            codes, torch.zeros(2, dtype=torch.long), service.model.new_state(2)
+        )
         assert (torch.cat(pieces, dim=1) - whole).abs().max().item() <= 1e-4
         with pytest.raises(ValueError, match="slots must be distinct rows"):
-            service.decode(codes[:, :2].int(), torch.zeros(2, dtype=torch.long), torch.tensor([1, 1]), pool.tensor)
+            service.decode(
+                codes[:, :2].int(), torch.zeros(2, dtype=torch.long), torch.tensor([1, 1]), pool.tensor
+            )
         with pytest.raises(ValueError, match="slots must be distinct rows"):
-            service.decode(codes[:, :2].int(), torch.zeros(2, dtype=torch.long), torch.tensor([0, 4]), pool.tensor)
+            service.decode(
+                codes[:, :2].int(), torch.zeros(2, dtype=torch.long), torch.tensor([0, 4]), pool.tensor
+            )
     finally:
         pool.close()

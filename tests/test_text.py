@@ -14,7 +14,9 @@ def builder(tiny_checkpoint):
     return PromptBuilder(load_config(tiny_checkpoint), TextTokenizer(tiny_checkpoint))
 
 
-def test_byte_fallback_ids_decode_back_with_the_real_vocabulary(tiny_checkpoint, tiny_checkpoint_no_tokenizer):
+def test_byte_fallback_ids_decode_back_with_the_real_vocabulary(
+    tiny_checkpoint, tiny_checkpoint_no_tokenizer
+):
     real = TextTokenizer(tiny_checkpoint)
     fallback = TextTokenizer(tiny_checkpoint_no_tokenizer)
     assert (real.kind, fallback.kind) == ("checkpoint", "byte-fallback")
@@ -30,10 +32,21 @@ def test_checkpoint_tokenizer_matches_transformers(tiny_checkpoint):
 
     reference = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
     ours = TextTokenizer(tiny_checkpoint)
-    samples = ["Hello, world!", "  leading spaces and trailing  ", "It's 3:45pm -- isn't it?", "naïve café",
-               "你好，世界。今天天气很好！", "こんにちは、元気ですか", "Line one\nLine two\r\n\n\tTabbed",
-               "Numbers 1234567890 and 3.14159", "Émojis 🎉🔊 and symbols ©®™", "MixedCASE words, ALLCAPS.",
-               "don't you'll we've I'm they'd she's", "a" * 300, "Ünïcödé ñ ß ø Å"]
+    samples = [
+        "Hello, world!",
+        "  leading spaces and trailing  ",
+        "It's 3:45pm -- isn't it?",
+        "naïve café",
+        "你好，世界。今天天气很好！",
+        "こんにちは、元気ですか",
+        "Line one\nLine two\r\n\n\tTabbed",
+        "Numbers 1234567890 and 3.14159",
+        "Émojis 🎉🔊 and symbols ©®™",
+        "MixedCASE words, ALLCAPS.",
+        "don't you'll we've I'm they'd she's",
+        "a" * 300,
+        "Ünïcödé ñ ß ø Å",
+    ]
     for text in samples:
         assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
         assert ours.decode(ours.encode(text)) == text
@@ -51,8 +64,14 @@ def test_full_text_prompt_layout(builder):
     talker = cfg.talker
     assert prompt.text_ids[:3] == [cfg.im_start_token_id, cfg.assistant_token_id, 198]
     assert prompt.codec_ids[:3] == [NO_CODEC] * 3
-    codec_prefix = [talker.codec_think_id, talker.codec_think_bos_id, talker.languages["english"],
-                    talker.codec_think_eos_id, talker.speakers["ryan"], talker.codec_pad_id]
+    codec_prefix = [
+        talker.codec_think_id,
+        talker.codec_think_bos_id,
+        talker.languages["english"],
+        talker.codec_think_eos_id,
+        talker.speakers["ryan"],
+        talker.codec_pad_id,
+    ]
     assert prompt.codec_ids[3:9] == codec_prefix
     assert prompt.text_ids[3:9] == [cfg.tts_pad_token_id] * 5 + [cfg.tts_bos_token_id]
     assert prompt.text_ids[9:] == text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
@@ -84,12 +103,15 @@ def test_instruct_is_prepended_as_a_user_turn(builder):
     assert styled.codec_ids[:extra] == [NO_CODEC] * extra
 
 
-@pytest.mark.parametrize("kwargs,field,message", [
-    (dict(text="", speaker="ryan"), "text", "is empty"),
-    (dict(text="hi", speaker="nobody"), "speaker", "unknown speaker 'nobody'"),
-    (dict(text="hi"), "speaker", "is required"),
-    (dict(text="hi", speaker="ryan", language="klingon"), "language", "unknown language 'klingon'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field,message",
+    [
+        (dict(text="", speaker="ryan"), "text", "is empty"),
+        (dict(text="hi", speaker="nobody"), "speaker", "unknown speaker 'nobody'"),
+        (dict(text="hi"), "speaker", "is required"),
+        (dict(text="hi", speaker="ryan", language="klingon"), "language", "unknown language 'klingon'"),
+    ],
+)
 def test_bad_requests_name_the_field(builder, kwargs, field, message):
     with pytest.raises(RequestError, match=message) as info:
         builder.build(**kwargs)
@@ -99,7 +121,9 @@ def test_bad_requests_name_the_field(builder, kwargs, field, message):
 def test_instruct_refused_where_the_model_lacks_it(tmp_path):
     import json
     import shutil
+
     from voxtriton.models.random_checkpoint import PRESET_DIR, preset_configs
+
     config, speech = preset_configs("0.6b")
     (tmp_path / "speech_tokenizer").mkdir()
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -61,8 +61,12 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics.chunk_sent("urgent", 8, 0.007, False, 0.3, promoted=True)
     metrics.codec_call("background", 75, 0.04)
     metrics.codec_call("background", 50, 0.03)
-    metrics.frame_step(0.03, 5, StepTiming(admit_s=0.004, decode_s=0.02, decode_device_s=0.019, admitted=2,
-                                           prefill_device_s=0.003), 0.007)
+    metrics.frame_step(
+        0.03,
+        5,
+        StepTiming(admit_s=0.004, decode_s=0.02, decode_device_s=0.019, admitted=2, prefill_device_s=0.003),
+        0.007,
+    )
     metrics.frame_step(0.02, 5, StepTiming(admit_s=0.0, decode_s=0.02, decode_device_s=0.018), 0.0005)
     metrics.cancellation_checks(32, 0.0016)
     metrics.cancellation_checks(5, 0.0004)
@@ -76,19 +80,29 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     assert [c[3] for c in calls if c[0] == "voxtriton_codec_seconds"] == [0.004, 0.006, 0.007]
     background = (("lane", "background"),)
     per_call = {c[0]: c[3] for c in calls if c[1] == background and c[0] != "voxtriton_lane_queue_depth"}
-    assert per_call == pytest.approx({"voxtriton_codec_calls_total": 2, "voxtriton_codec_busy_seconds_total": 0.07,
-                                      "voxtriton_codec_frames_total": 125})
+    assert per_call == pytest.approx(
+        {
+            "voxtriton_codec_calls_total": 2,
+            "voxtriton_codec_busy_seconds_total": 0.07,
+            "voxtriton_codec_frames_total": 125,
+        }
+    )
     assert [c[3] for c in calls if c[0] == "voxtriton_ttfa_seconds"] == [0.09]
     parts = {c[1][0][1]: c[3] for c in calls if c[0] == "voxtriton_frame_step_part_seconds_total"}
     assert parts == pytest.approx({"admit": 0.004, "decode": 0.04, "other": 0.006})
-    assert [c[3] for c in calls if c[0] == "voxtriton_frame_step_host_cpu_seconds_total"] == pytest.approx([0.0075])
+    assert [c[3] for c in calls if c[0] == "voxtriton_frame_step_host_cpu_seconds_total"] == pytest.approx(
+        [0.0075]
+    )
     assert [c[3] for c in calls if c[0] == "voxtriton_cancellation_checks_total"] == [37]
-    assert [c[3] for c in calls if c[0] == "voxtriton_cancellation_lock_seconds_total"] == pytest.approx([0.002])
+    assert [c[3] for c in calls if c[0] == "voxtriton_cancellation_lock_seconds_total"] == pytest.approx(
+        [0.002]
+    )
     assert [c[3] for c in calls if c[0] == "voxtriton_frame_step_device_seconds"] == [0.019, 0.018]
     assert [c[2:] for c in calls if c[0] == "voxtriton_admitted_requests_total"] == [("increment", 2)]
     assert [c[3] for c in calls if c[0] == "voxtriton_prefill_device_seconds_total"] == pytest.approx([0.003])
     assert [c for c in calls if c[0] == "voxtriton_lane_queue_depth" and c[1] == (("lane", "urgent"),)] == [
-        ("voxtriton_lane_queue_depth", (("lane", "urgent"),), "set", 0)]  # only the latest value
+        ("voxtriton_lane_queue_depth", (("lane", "urgent"),), "set", 0)
+    ]  # only the latest value
     assert [c[2:] for c in calls if c[0] == "voxtriton_waiting_requests"] == [("set", 0)]
     assert [c[2:] for c in calls if c[0] == "voxtriton_draining_streams"] == [("set", 1)]
     assert [c[3] for c in calls if c[0] == "voxtriton_deadline_misses_total"] == [1]
@@ -101,5 +115,9 @@ def test_a_failing_update_does_not_stop_the_writer(metrics_module):
     metrics.chunk_sent("urgent", 2, 0.004, True, 0.09)
     metrics.rejected()
     metrics.close()
-    assert [c[0] for c in calls] == ["voxtriton_codec_seconds", "voxtriton_first_chunk_codec_seconds",
-                                     "voxtriton_chunks_total", "voxtriton_rejected_requests_total"]
+    assert [c[0] for c in calls] == [
+        "voxtriton_codec_seconds",
+        "voxtriton_first_chunk_codec_seconds",
+        "voxtriton_chunks_total",
+        "voxtriton_rejected_requests_total",
+    ]

@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from voxtriton.engine.engine import Engine
-from voxtriton.errors import ServerBusy
 from voxtriton.engine.model_runner import ModelRunner
+from voxtriton.errors import ServerBusy
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
+from voxtriton.serving import tts_service
 from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
 from voxtriton.serving.settings import CodecSettings, TTSSettings
 from voxtriton.serving.state_pool import CodecStatePool
-from voxtriton.serving import tts_service
 from voxtriton.serving.tts_service import MAX_HOLD_S, TTSService, codec_slots
 
 
@@ -60,7 +60,9 @@ def wait_for(condition, timeout=30.0):
         time.sleep(0.01)
 
 
-def engine_and_parser(tiny_checkpoint, policy: str, **scheduler) -> tuple[Engine, RequestParser, SchedulerConfig]:
+def engine_and_parser(
+    tiny_checkpoint, policy: str, **scheduler
+) -> tuple[Engine, RequestParser, SchedulerConfig]:
     """The tiny backbone's engine with two rows, built as the tts model builds it (overlapped, except
     under serial), a request parser and the scheduler's configuration."""
     config = load_config(tiny_checkpoint)
@@ -70,24 +72,31 @@ def engine_and_parser(tiny_checkpoint, policy: str, **scheduler) -> tuple[Engine
     return Engine(runner, 2, overlap=policy != "serial"), parser, SchedulerConfig(policy=policy, **scheduler)
 
 
-def cpu_codec(tiny_checkpoint, engine: Engine, scheduler_config: SchedulerConfig,
-              lane_workers: int = 1) -> tuple[CodecService, CodecStatePool]:
+def cpu_codec(
+    tiny_checkpoint, engine: Engine, scheduler_config: SchedulerConfig, lane_workers: int = 1
+) -> tuple[CodecService, CodecStatePool]:
     """A CPU codec and a state pool with the rows the service needs (max_queued=1)."""
     codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
-    return codec, CodecStatePool(codec_slots(engine, 1, scheduler_config, lane_workers), codec.state_size, "cpu")
+    return codec, CodecStatePool(
+        codec_slots(engine, 1, scheduler_config, lane_workers), codec.state_size, "cpu"
+    )
 
 
 @pytest.mark.parametrize("policy", ["concurrent", "serial"])
 def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhile(tiny_checkpoint, policy):
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, policy)
     lane = LaneThatFailsAfterCancellation()
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1,
-                         cancellation_check_s=0.01)
+    service = TTSService(
+        engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, cancellation_check_s=0.01
+    )
     try:
         slots = codec_slots(engine, 1, scheduler_config)
         sink = CancellableSink()
-        inputs = {"text": np.array([b"Cancelled while decoding."], dtype=object), "max_frames": np.array([40]),
-                  "ignore_eos": np.array([True])}
+        inputs = {
+            "text": np.array([b"Cancelled while decoding."], dtype=object),
+            "max_frames": np.array([40]),
+            "ignore_eos": np.array([True]),
+        }
         service.submit(parser.parse("r1", inputs), sink)
         assert lane.called.wait(60)  # (under serial it is the engine thread that waits in the call)
         sink.cancel = True
@@ -102,7 +111,9 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
         service.shutdown()
 
 
-def test_the_watcher_lets_the_lock_go_after_max_hold_s_and_its_sweep_still_reaches_every_stream(tiny_checkpoint):
+def test_the_watcher_lets_the_lock_go_after_max_hold_s_and_its_sweep_still_reaches_every_stream(
+    tiny_checkpoint,
+):
     """Checks of a millisecond, no shorter than MAX_HOLD_S: every hold of the lock is one check, and
     a cancelled stream at the end of the list, many holds into a sweep, is still ended, with the
     error, and only that one."""
@@ -112,11 +123,20 @@ def test_the_watcher_lets_the_lock_go_after_max_hold_s_and_its_sweep_still_reach
     checks = []
     metrics = HoldRecorder(checks)
     count = 12
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane},
-                         max_queued=count, cancellation_check_s=0.01, metrics=metrics)
+    service = TTSService(
+        engine,
+        scheduler_config,
+        {URGENT: lane, BACKGROUND: lane},
+        max_queued=count,
+        cancellation_check_s=0.01,
+        metrics=metrics,
+    )
     try:
-        inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
-                  "ignore_eos": np.array([True])}
+        inputs = {
+            "text": np.array([b"Queued."], dtype=object),
+            "max_frames": np.array([40]),
+            "ignore_eos": np.array([True]),
+        }
         sinks = [SlowCheckSink(f"r{index}", checks) for index in range(count)]
         for index, sink in enumerate(sinks):
             service.submit(parser.parse(f"r{index}", inputs), sink)
@@ -167,7 +187,9 @@ class HoldRecorder(DroppedMetrics):
         self.holds.append((streams, seconds, time.perf_counter(), len(self.checks)))
 
 
-def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_last(tiny_checkpoint, monkeypatch):
+def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_last(
+    tiny_checkpoint, monkeypatch
+):
     """With cancellation_lock_share 0.25, the watcher lets the lock go for at least three times each
     hold before the next (so it holds it at most a quarter of the time), and a sweep checks the
     streams still generating or queued before those that have generated all their frames. Holds
@@ -178,11 +200,21 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
     checks = []
     metrics = HoldRecorder(checks)
     names = [f"r{index}" for index in range(21)]
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=len(names),
-                         cancellation_check_s=0.01, metrics=metrics, cancellation_lock_share=0.25)
+    service = TTSService(
+        engine,
+        scheduler_config,
+        {URGENT: lane, BACKGROUND: lane},
+        max_queued=len(names),
+        cancellation_check_s=0.01,
+        metrics=metrics,
+        cancellation_lock_share=0.25,
+    )
     try:
-        inputs = {"text": np.array([b"Queued."], dtype=object), "max_frames": np.array([40]),
-                  "ignore_eos": np.array([True])}
+        inputs = {
+            "text": np.array([b"Queued."], dtype=object),
+            "max_frames": np.array([40]),
+            "ignore_eos": np.array([True]),
+        }
         for name in names:
             service.submit(parser.parse(name, inputs), SlowCheckSink(name, checks))
         wait_for(lambda: service.draining >= 2)  # the first two have generated theirs (two rows)
@@ -192,8 +224,10 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
         assert [streams for streams, *_ in holds] == [len(names)] * len(holds)
         for (_, held, reported, _), (_, next_held, next_reported, _) in zip(holds, holds[1:]):
             next_started = next_reported - next_held
-            assert next_started - reported >= 0.9 * 3 * held  # (0.9: the report comes a little after the hold)
-        sweep = checks[holds[1][3] - len(names):holds[1][3]]
+            assert (
+                next_started - reported >= 0.9 * 3 * held
+            )  # (0.9: the report comes a little after the hold)
+        sweep = checks[holds[1][3] - len(names) : holds[1][3]]
         assert sorted(sweep) == sorted(names)  # every stream once
         generated = len(sweep) - sweep.index("r0")  # the streams checked from r0 on
         assert 2 <= generated < len(names)
@@ -230,8 +264,9 @@ def assert_audio_is_the_whole_decode(codec: CodecService, sink: CollectingSink, 
     in one piece."""
     codes = np.concatenate(sink.codes)
     assert codes.shape == (frames, 16)
-    whole, _ = codec.model.decode(torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long),
-                                  codec.model.new_state(1))
+    whole, _ = codec.model.decode(
+        torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long), codec.model.new_state(1)
+    )
     assert np.abs(np.concatenate(sink.audio) - whole[0].float().numpy()).max() <= 1e-4
 
 
@@ -243,11 +278,17 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     trace = io.StringIO()
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace)
+    service = TTSService(
+        engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace
+    )
     try:
         sink = CollectingSink()
-        inputs = {"text": np.array([b"Padded at the end."], dtype=object), "max_frames": np.array([13]),
-                  "ignore_eos": np.array([True]), "seed": np.array([5])}
+        inputs = {
+            "text": np.array([b"Padded at the end."], dtype=object),
+            "max_frames": np.array([13]),
+            "ignore_eos": np.array([True]),
+            "seed": np.array([5]),
+        }
         service.submit(parser.parse("r1", inputs), sink)
         assert sink.done.wait(120) and sink.errors == []
     finally:
@@ -266,7 +307,9 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     # The engine thread's CPU time outside the decode is at most that part's wall time (1 ms for the
     # clocks being read apart).
     assert all(0 <= r["host_cpu_s"] <= r["period"] - r["decode_s"] + 1e-3 for r in steps)
-    assert [(r["index"], r["frames"], r["batch"]) for r in records] == [(i, n, 1) for i, n in enumerate([2, 2, 4, 4, 1])]
+    assert [(r["index"], r["frames"], r["batch"]) for r in records] == [
+        (i, n, 1) for i, n in enumerate([2, 2, 4, 4, 1])
+    ]
     assert {r["lane"] for r in records} == {"inline" if policy == "serial" else "urgent"}
     for previous, record in zip([None] + records, records):
         assert record["arrived"] <= record["cut"] <= record["start"] <= record["end"] <= record["sent"]
@@ -308,12 +351,22 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config, lane_workers=2)
     lane = LaneThatHoldsItsFirstCallUntilASecondStarts(InProcessLane(codec, pool.tensor))
     trace = io.StringIO()
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, lane_workers=2,
-                         chunk_trace=trace)
+    service = TTSService(
+        engine,
+        scheduler_config,
+        {URGENT: lane, BACKGROUND: lane},
+        max_queued=1,
+        lane_workers=2,
+        chunk_trace=trace,
+    )
     try:
         sinks = [CollectingSink(), CollectingSink()]
-        inputs = {"text": np.array([b"Two calls at once."], dtype=object), "max_frames": np.array([10]),
-                  "ignore_eos": np.array([True]), "seed": np.array([3])}
+        inputs = {
+            "text": np.array([b"Two calls at once."], dtype=object),
+            "max_frames": np.array([10]),
+            "ignore_eos": np.array([True]),
+            "seed": np.array([3]),
+        }
         service.submit(parser.parse("r1", inputs), sinks[0])
         assert lane.first_started.wait(60)  # the first stream's first chunk is out
         service.submit(parser.parse("r2", inputs), sinks[1])
@@ -324,8 +377,14 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
         service.shutdown()
     # A call that waited for the lane's other call counts from that call's end, so the lane's calls,
     # as the scheduler's decode estimate and the trace see them, never overlap.
-    calls = sorted({(r["start"], r["end"]) for r in map(json.loads, trace.getvalue().splitlines()) if r["kind"] == "chunk"},
-                   key=lambda call: call[1])
+    calls = sorted(
+        {
+            (r["start"], r["end"])
+            for r in map(json.loads, trace.getvalue().splitlines())
+            if r["kind"] == "chunk"
+        },
+        key=lambda call: call[1],
+    )
     assert len(calls) >= 2 and all(later[0] >= earlier[1] for earlier, later in zip(calls, calls[1:]))
     for sink in sinks:
         assert_audio_is_the_whole_decode(codec, sink, 10)
@@ -345,6 +404,7 @@ class SinkThatTriesTheServiceLock(CollectingSink):
                 self.lock_free.append(True)
             else:
                 self.lock_free.append(False)
+
         other = threading.Thread(target=try_lock)
         other.start()
         other.join()
@@ -361,8 +421,11 @@ def test_audio_is_sent_without_the_service_lock(tiny_checkpoint):
     try:
         sink = SinkThatTriesTheServiceLock()
         sink.service = service
-        inputs = {"text": np.array([b"Sent freely."], dtype=object), "max_frames": np.array([10]),
-                  "ignore_eos": np.array([True])}
+        inputs = {
+            "text": np.array([b"Sent freely."], dtype=object),
+            "max_frames": np.array([10]),
+            "ignore_eos": np.array([True]),
+        }
         service.submit(parser.parse("r1", inputs), sink)
         assert sink.done.wait(120) and sink.errors == []
     finally:
@@ -383,11 +446,16 @@ def test_each_chunk_counts_as_sent_when_its_own_send_returned(tiny_checkpoint):
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     trace = io.StringIO()
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace)
+    service = TTSService(
+        engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace
+    )
     try:
         sinks = [SlowSink(), SlowSink()]
-        inputs = {"text": np.array([b"Sent in turn."], dtype=object), "max_frames": np.array([2]),
-                  "ignore_eos": np.array([True])}
+        inputs = {
+            "text": np.array([b"Sent in turn."], dtype=object),
+            "max_frames": np.array([2]),
+            "ignore_eos": np.array([True]),
+        }
         with service.lock:  # both admitted in one engine pass: their chunks go in one call
             for name, sink in zip(("r1", "r2"), sinks):
                 service.submit(parser.parse(name, inputs), sink)
@@ -415,8 +483,11 @@ def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_
 
     runner.prefill = prefill_failing_once
     service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1)
-    inputs = {"text": np.array([b"Admitted?"], dtype=object), "max_frames": np.array([4]),
-              "ignore_eos": np.array([True])}
+    inputs = {
+        "text": np.array([b"Admitted?"], dtype=object),
+        "max_frames": np.array([4]),
+        "ignore_eos": np.array([True]),
+    }
     try:
         failed, served = CollectingSink(), CollectingSink()
         service.submit(parser.parse("r1", inputs), failed)
@@ -443,8 +514,11 @@ def test_a_step_that_fails_after_the_engine_finished_a_request_still_ends_its_st
 
     engine._frames = frames_then_fault
     service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1)
-    inputs = {"text": np.array([b"Lost at the end."], dtype=object), "max_frames": np.array([4]),
-              "ignore_eos": np.array([True])}
+    inputs = {
+        "text": np.array([b"Lost at the end."], dtype=object),
+        "max_frames": np.array([4]),
+        "ignore_eos": np.array([True]),
+    }
     try:
         sink = CollectingSink()
         service.submit(parser.parse("r1", inputs), sink)
@@ -463,12 +537,20 @@ class FullDisk:
 def test_a_failing_chunk_trace_turns_itself_off_and_the_stream_completes(tiny_checkpoint):
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2")
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
-    service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1,
-                         chunk_trace=FullDisk())
+    service = TTSService(
+        engine,
+        scheduler_config,
+        {URGENT: InProcessLane(codec, pool.tensor)},
+        max_queued=1,
+        chunk_trace=FullDisk(),
+    )
     try:
         sink = CollectingSink()
-        inputs = {"text": np.array([b"Traced."], dtype=object), "max_frames": np.array([6]),
-                  "ignore_eos": np.array([True])}
+        inputs = {
+            "text": np.array([b"Traced."], dtype=object),
+            "max_frames": np.array([6]),
+            "ignore_eos": np.array([True]),
+        }
         service.submit(parser.parse("r1", inputs), sink)
         assert sink.done.wait(60) and sink.errors == [] and len(sink.info) == 3
         assert service.chunk_trace is None
@@ -493,11 +575,17 @@ def test_the_waiting_gauge_counts_requests_no_row_was_free_for(tiny_checkpoint):
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     metrics = GaugeRecorder()
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, metrics=metrics)
+    service = TTSService(
+        engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, metrics=metrics
+    )
     try:
         sinks = [CollectingSink() for _ in range(3)]
-        inputs = {"text": np.array([b"Wait for a row."], dtype=object), "max_frames": np.array([12]),
-                  "ignore_eos": np.array([True]), "seed": np.array([4])}
+        inputs = {
+            "text": np.array([b"Wait for a row."], dtype=object),
+            "max_frames": np.array([12]),
+            "ignore_eos": np.array([True]),
+            "seed": np.array([4]),
+        }
         for index, sink in enumerate(sinks):
             service.submit(parser.parse(f"r{index}", inputs), sink)
         assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
@@ -509,13 +597,17 @@ def test_the_waiting_gauge_counts_requests_no_row_was_free_for(tiny_checkpoint):
     assert all(rows + waiting + draining <= active for active, rows, waiting, draining in metrics.gauge_calls)
 
 
-@pytest.mark.parametrize("policy, lane_workers, in_flight", [
-    ("voxserve", 2, 2 * (16 + 64)),  # two workers on each of two lanes
-    ("concurrent", 2, 2 * 16),  # one lane: no background batches to hold rows for
-    ("serial", 2, 16),  # one inline decode at a time, on the engine thread
-])
+@pytest.mark.parametrize(
+    "policy, lane_workers, in_flight",
+    [
+        ("voxserve", 2, 2 * (16 + 64)),  # two workers on each of two lanes
+        ("concurrent", 2, 2 * 16),  # one lane: no background batches to hold rows for
+        ("serial", 2, 16),  # one inline decode at a time, on the engine thread
+    ],
+)
 def test_the_codec_state_pool_holds_a_batch_per_worker_of_each_lane_the_policy_uses(
-        tiny_checkpoint, policy, lane_workers, in_flight):
+    tiny_checkpoint, policy, lane_workers, in_flight
+):
     engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, policy)
     assert (scheduler_config.max_batch, scheduler_config.background_max_batch) == (16, 64)
     assert codec_slots(engine, 3, scheduler_config, lane_workers) == engine.max_running + 3 + in_flight
@@ -525,7 +617,11 @@ class LaneHeldUntilReleased:
     """An in-process codec lane whose calls wait until the test releases them."""
 
     def __init__(self, codec: CodecService, pool: torch.Tensor):
-        self.lane, self.release, self.called = InProcessLane(codec, pool), threading.Event(), threading.Event()
+        self.lane, self.release, self.called = (
+            InProcessLane(codec, pool),
+            threading.Event(),
+            threading.Event(),
+        )
         self.slots_in_call: list[int] = []  # the codec state rows of the latest call
 
     def decode(self, codes, start, slots):
@@ -536,19 +632,26 @@ class LaneHeldUntilReleased:
 
 
 @pytest.mark.parametrize("catch_up, sizes", [(True, [2, 8, 3]), (False, [2, 2, 4, 4, 1])])
-def test_chunks_catch_up_with_a_generation_that_ran_ahead_and_the_audio_stays_exact(tiny_checkpoint, catch_up, sizes):
+def test_chunks_catch_up_with_a_generation_that_ran_ahead_and_the_audio_stays_exact(
+    tiny_checkpoint, catch_up, sizes
+):
     """The lane holds the first chunk until all 13 frames are generated. With catch-up the second
     chunk takes the largest size of 2,2,4,4,8 that the 11 waiting frames fill (8), the last the 3 left
     (padded to 8); without it, the schedule. The audio is the whole decode's either way."""
-    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,2,4,4,8",
-                                                         catch_up=catch_up)
+    engine, parser, scheduler_config = engine_and_parser(
+        tiny_checkpoint, "concurrent", chunk_schedule="2,2,4,4,8", catch_up=catch_up
+    )
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = LaneHeldUntilReleased(codec, pool.tensor)
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
     try:
         sink = CollectingSink()
-        inputs = {"text": np.array([b"Generation runs ahead."], dtype=object), "max_frames": np.array([13]),
-                  "ignore_eos": np.array([True]), "seed": np.array([7])}
+        inputs = {
+            "text": np.array([b"Generation runs ahead."], dtype=object),
+            "max_frames": np.array([13]),
+            "ignore_eos": np.array([True]),
+            "seed": np.array([7]),
+        }
         service.submit(parser.parse("r1", inputs), sink)
         assert lane.called.wait(60)  # the first chunk is out
         wait_for(lambda: service.scheduler.streams["r1"].generation_done)
@@ -572,21 +675,33 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
     assert slots == 2 + 0 + 2 + 1  # two rows, no queue, two draining, one chunk in flight on the one lane
     pool = CodecStatePool(slots, codec.state_size, "cpu")
     lane, metrics = LaneHeldUntilReleased(codec, pool.tensor), GaugeRecorder()
-    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=0, max_draining=2,
-                         cancellation_check_s=0.01, metrics=metrics)
+    service = TTSService(
+        engine,
+        scheduler_config,
+        {URGENT: lane},
+        max_queued=0,
+        max_draining=2,
+        cancellation_check_s=0.01,
+        metrics=metrics,
+    )
     sinks: dict[str, CollectingSink] = {}
 
     def submit(request_id: str, frames: int) -> None:
         sink = CollectingSink()
-        inputs = {"text": np.array([b"Still playing."], dtype=object), "max_frames": np.array([frames]),
-                  "ignore_eos": np.array([True])}
+        inputs = {
+            "text": np.array([b"Still playing."], dtype=object),
+            "max_frames": np.array([frames]),
+            "ignore_eos": np.array([True]),
+        }
         service.submit(parser.parse(request_id, inputs), sink)
         sinks[request_id] = sink
 
     def pool_full(in_flight: int, draining: str) -> str:
-        return (rf"codec state pool full: all 5 rows held \([01] streams generating or queued, {draining} draining "
-                rf"\(generated, audio still owed\), {in_flight} by ended streams whose chunk a lane is still "
-                rf"decoding\); raise max_draining \(now 2\)")
+        return (
+            rf"codec state pool full: all 5 rows held \([01] streams generating or queued, {draining} draining "
+            rf"\(generated, audio still owed\), {in_flight} by ended streams whose chunk a lane is still "
+            rf"decoding\); raise max_draining \(now 2\)"
+        )
 
     try:
         submit("short1", 4)
@@ -594,11 +709,16 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
         wait_for(lambda: service.draining == 2)  # generated; their chunks wait in the held lane
         submit("long1", 40)  # the rows are free again
         submit("long2", 40)
-        with pytest.raises(ServerBusy, match=r"2 streams generating or queued \(max_streams 2 \+ max_queued 0; "
-                                             r"[0-2] of them not started yet\)"):
+        with pytest.raises(
+            ServerBusy,
+            match=r"2 streams generating or queued \(max_streams 2 \+ max_queued 0; "
+            r"[0-2] of them not started yet\)",
+        ):
             submit("refused_for_rows", 4)
         wait_for(lambda: service.draining == 4)
-        wait_for(lambda: metrics.gauge_calls[-1] == (4, 0, 0, 4))  # four held, all draining: no row, none waiting
+        wait_for(
+            lambda: metrics.gauge_calls[-1] == (4, 0, 0, 4)
+        )  # four held, all draining: no row, none waiting
         submit("last_codec_row", 4)  # the fifth: the in-flight reserve's row
         with pytest.raises(ServerBusy, match=pool_full(0, "[45]")):
             submit("refused_for_codec_rows", 4)
@@ -627,8 +747,11 @@ def test_a_late_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
     lane = LaneThatFailsAfterCancellation()  # holds the first call: nothing is decoded meanwhile
     service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1, cancellation_check_s=0.01)
-    inputs = {"text": np.array([b"Reused id."], dtype=object), "max_frames": np.array([40]),
-              "ignore_eos": np.array([True])}
+    inputs = {
+        "text": np.array([b"Reused id."], dtype=object),
+        "max_frames": np.array([40]),
+        "ignore_eos": np.array([True]),
+    }
     try:
         old_request, old_sink = parser.parse("r1", inputs), CancellableSink()
         service.submit(old_request, old_sink)

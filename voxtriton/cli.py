@@ -11,8 +11,13 @@ from pathlib import Path
 def make_checkpoint_command(args: argparse.Namespace) -> int:
     from .models.random_checkpoint import make_checkpoint
 
-    out = make_checkpoint(args.preset, Path(args.out_dir), seed=args.seed, shard_mb=args.shard_mb,
-                          tokenizer=not args.no_tokenizer)
+    out = make_checkpoint(
+        args.preset,
+        Path(args.out_dir),
+        seed=args.seed,
+        shard_mb=args.shard_mb,
+        tokenizer=not args.no_tokenizer,
+    )
     print(f"wrote a random-weight {args.preset} checkpoint (it produces noise, not speech) to {out}")
     return 0
 
@@ -33,13 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voxtriton", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    make = commands.add_parser("make-checkpoint", help="write a random-weight checkpoint in the official layout")
+    make = commands.add_parser(
+        "make-checkpoint", help="write a random-weight checkpoint in the official layout"
+    )
     make.add_argument("--preset", choices=("tiny", "0.6b", "1.7b"), required=True)
     make.add_argument("out_dir")
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--shard-mb", type=int, default=None, help="write model.safetensors in shards of this size")
-    make.add_argument("--no-tokenizer", action="store_true",
-                      help="leave out the text tokenizer files (the server then uses its byte-level fallback)")
+    make.add_argument(
+        "--shard-mb", type=int, default=None, help="write model.safetensors in shards of this size"
+    )
+    make.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="leave out the text tokenizer files (the server then uses its byte-level fallback)",
+    )
     make.set_defaults(run=make_checkpoint_command)
 
     from .serving.launcher import add_serve_arguments
@@ -50,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serving.gateway import add_gateway_arguments
 
-    gateway = commands.add_parser("gateway", help="OpenAI-compatible HTTP speech endpoint and browser playground")
+    gateway = commands.add_parser(
+        "gateway", help="OpenAI-compatible HTTP speech endpoint and browser playground"
+    )
     add_gateway_arguments(gateway)
     gateway.set_defaults(run=gateway_command)
     return parser

@@ -23,9 +23,19 @@ SAMPLE_RATE = 24000
 MODEL = "tts"
 
 # input name -> numpy dtype, as declared in model_repository/tts/config.pbtxt
-INPUT_TYPES = {"text": np.object_, "speaker": np.object_, "language": np.object_, "instruct": np.object_,
-               "seed": np.int64, "max_frames": np.int32, "ignore_eos": np.bool_, "temperature": np.float32,
-               "top_p": np.float32, "top_k": np.int32, "repetition_penalty": np.float32}
+INPUT_TYPES = {
+    "text": np.object_,
+    "speaker": np.object_,
+    "language": np.object_,
+    "instruct": np.object_,
+    "seed": np.int64,
+    "max_frames": np.int32,
+    "ignore_eos": np.bool_,
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "top_k": np.int32,
+    "repetition_penalty": np.float32,
+}
 
 
 class SynthesisError(RuntimeError):
@@ -37,7 +47,9 @@ class Chunk:
     audio: np.ndarray  # float32, mono, 24 kHz
     arrived_s: float  # seconds after the request was sent
     codes: np.ndarray | None = None  # [frames, 16], when requested
-    info: np.ndarray | None = None  # [chunk index, first frame, frames, lane (0 urgent, 1 background, 2 inline)]
+    info: np.ndarray | None = (
+        None  # [chunk index, first frame, frames, lane (0 urgent, 1 background, 2 inline)]
+    )
 
     @property
     def seconds(self) -> float:
@@ -92,9 +104,12 @@ def requested_outputs(client_module, codes: bool, info: bool) -> list:
 
 def _chunk_from(result, sent_at: float) -> Chunk:
     names = {output.name for output in result.get_response().outputs}
-    return Chunk(result.as_numpy("audio").astype(np.float32, copy=False), time.perf_counter() - sent_at,
-                 result.as_numpy("codes") if "codes" in names else None,
-                 result.as_numpy("chunk_info") if "chunk_info" in names else None)
+    return Chunk(
+        result.as_numpy("audio").astype(np.float32, copy=False),
+        time.perf_counter() - sent_at,
+        result.as_numpy("codes") if "codes" in names else None,
+        result.as_numpy("chunk_info") if "chunk_info" in names else None,
+    )
 
 
 def _is_final(result) -> bool:
@@ -121,8 +136,9 @@ class TTSClient:
     def __init__(self, url: str = "127.0.0.1:8001", model: str = MODEL):
         self.url, self.model = url, model
 
-    def stream(self, text: str, *, codes: bool = False, info: bool = False, timeout: float = 300.0,
-               **options) -> Iterator[tuple[Chunk | None, Synthesis]]:
+    def stream(
+        self, text: str, *, codes: bool = False, info: bool = False, timeout: float = 300.0, **options
+    ) -> Iterator[tuple[Chunk | None, Synthesis]]:
         """Yield (chunk, synthesis so far) as chunks arrive; the last item has chunk None."""
         client = grpcclient.InferenceServerClient(self.url)
         responses: queue.Queue = queue.Queue()
@@ -130,9 +146,13 @@ class TTSClient:
         synthesis = Synthesis()
         try:
             sent_at = time.perf_counter()
-            client.async_stream_infer(self.model, request_inputs(grpcclient, text, **options),
-                                      request_id=uuid.uuid4().hex, outputs=requested_outputs(grpcclient, codes, info),
-                                      enable_empty_final_response=True)
+            client.async_stream_infer(
+                self.model,
+                request_inputs(grpcclient, text, **options),
+                request_id=uuid.uuid4().hex,
+                outputs=requested_outputs(grpcclient, codes, info),
+                enable_empty_final_response=True,
+            )
             deadline = sent_at + timeout
             while True:
                 try:
@@ -174,15 +194,27 @@ class AsyncTTSClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def synthesize(self, text: str, *, codes: bool = False, info: bool = False,
-                         on_chunk: Callable[[Chunk], None] | None = None, **options) -> Synthesis:
+    async def synthesize(
+        self,
+        text: str,
+        *,
+        codes: bool = False,
+        info: bool = False,
+        on_chunk: Callable[[Chunk], None] | None = None,
+        **options,
+    ) -> Synthesis:
         synthesis = Synthesis()
         inputs = request_inputs(aioclient, text, **options)
         outputs = requested_outputs(aioclient, codes, info)
 
         async def requests() -> AsyncIterator[dict]:
-            yield {"model_name": self.model, "inputs": inputs, "outputs": outputs, "request_id": uuid.uuid4().hex,
-                   "enable_empty_final_response": True}
+            yield {
+                "model_name": self.model,
+                "inputs": inputs,
+                "outputs": outputs,
+                "request_id": uuid.uuid4().hex,
+                "enable_empty_final_response": True,
+            }
 
         sent_at = time.perf_counter()
         async for result, error in self.client.stream_infer(requests()):

@@ -13,23 +13,37 @@ LANES = {0: "urgent", 1: "background", 2: "inline"}
 
 def speak(args: argparse.Namespace) -> int:
     client = TTSClient(args.server)
-    options = dict(speaker=args.speaker, language=args.language, instruct=args.instruct, seed=args.seed,
-                   max_frames=args.max_frames, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    options = dict(
+        speaker=args.speaker,
+        language=args.language,
+        instruct=args.instruct,
+        seed=args.seed,
+        max_frames=args.max_frames,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
     print(f"{'chunk':>5} {'arrived ms':>10} {'audio ms':>8} {'lane':>10}")
     with StreamingWavWriter(args.output, SAMPLE_RATE) as wav:
+
         def on_chunk(chunk):
             wav.write(chunk.audio)
             lane = LANES.get(int(chunk.info[3]), "?") if chunk.info is not None else ""
             index = int(chunk.info[0]) if chunk.info is not None else ""
-            print(f"{index:>5} {chunk.arrived_s * 1000:>10.1f} {chunk.seconds * 1000:>8.0f} {lane:>10}", flush=True)
+            print(
+                f"{index:>5} {chunk.arrived_s * 1000:>10.1f} {chunk.seconds * 1000:>8.0f} {lane:>10}",
+                flush=True,
+            )
 
         synthesis = client.synthesize(args.text, on_chunk=on_chunk, info=True, **options)
     if synthesis.error:
         print(f"error: {synthesis.error}", file=sys.stderr)
         return 1
     report = synthesis.playback
-    print(f"TTFA {report.ttfa_s * 1000:.1f} ms, {report.audio_s:.2f} s of audio in {len(synthesis.chunks)} chunks, "
-          f"stall {report.stall_s * 1000:.1f} ms ({report.stalls} stalls) under simulated playback; wrote {args.output}")
+    print(
+        f"TTFA {report.ttfa_s * 1000:.1f} ms, {report.audio_s:.2f} s of audio in {len(synthesis.chunks)} chunks, "
+        f"stall {report.stall_s * 1000:.1f} ms ({report.stalls} stalls) under simulated playback; wrote {args.output}"
+    )
     return 0
 
 

@@ -36,4 +36,6 @@ def simulate_playback(sent_at: float, arrivals: list[tuple[float, float]]) -> Pl
             play_until = arrived
         play_until += seconds
         audio += seconds
-    return PlaybackReport(arrivals[0][0] - sent_at, stall, len(late), audio, play_until - sent_at, tuple(late))
+    return PlaybackReport(
+        arrivals[0][0] - sent_at, stall, len(late), audio, play_until - sent_at, tuple(late)
+    )

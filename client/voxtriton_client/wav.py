@@ -21,7 +21,9 @@ class StreamingWavWriter:
         data = self.samples * 2
         self.file.seek(0)
         self.file.write(b"RIFF" + struct.pack("<I", 36 + data) + b"WAVE")
-        self.file.write(b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, self.sample_rate, self.sample_rate * 2, 2, 16))
+        self.file.write(
+            b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, self.sample_rate, self.sample_rate * 2, 2, 16)
+        )
         self.file.write(b"data" + struct.pack("<I", data))
 
     def write(self, audio: np.ndarray) -> None:

@@ -21,8 +21,18 @@ from .sampling import fold_seed
 
 # The request values an admission writes into each of its rows, in the order of their columns: the
 # sampling parameters, then the folded seed and the prompt length (the row's first KV position).
-ROW_SCALARS = ("repetition_penalty", "ignore_eos", "temperature", "top_k", "top_p",
-               "sub_temperature", "sub_top_k", "sub_top_p", "seed", "position")
+ROW_SCALARS = (
+    "repetition_penalty",
+    "ignore_eos",
+    "temperature",
+    "top_k",
+    "top_p",
+    "sub_temperature",
+    "sub_top_k",
+    "sub_top_p",
+    "seed",
+    "position",
+)
 
 
 @dataclass
@@ -66,22 +76,36 @@ class AdmissionLayout:
         """Values an admission of prompts padded to [batch, length] uses (a prefix of the array)."""
         return self._text + 2 * batch * length
 
-    def pack(self, requests: list[Request], first_row: int, batch: int, length: int, pad_text_id: int,
-             no_codec: int) -> np.ndarray:
+    def pack(
+        self,
+        requests: list[Request],
+        first_row: int,
+        batch: int,
+        length: int,
+        pad_text_id: int,
+        no_codec: int,
+    ) -> np.ndarray:
         """The inputs of admitting `requests` into rows first_row.., prompts padded to [batch, length]
         (text with 0, codec with `no_codec`), trailing text with `pad_text_id`."""
         count = len(requests)
         if not count <= batch <= self.capacity:
-            raise ValueError(f"an admission of {count} requests padded to {batch} does not fit {self.capacity}")
+            raise ValueError(
+                f"an admission of {count} requests padded to {batch} does not fit {self.capacity}"
+            )
         flat = np.zeros(self.size(batch, length), dtype=np.int64)
         flat[0] = first_row
-        scalars = np.array([[float(getattr(r.params, name)) for name in ROW_SCALARS[:-2]]
-                            + [float(fold_seed(r.params.seed)), float(len(r.prompt.text_ids))] for r in requests])
-        flat[self._scalars: self._scalars + scalars.size] = scalars.reshape(-1).view(np.int64)
-        trailing = flat[self._trailing: self._last_index].reshape(self.capacity, self.trailing_width)
+        scalars = np.array(
+            [
+                [float(getattr(r.params, name)) for name in ROW_SCALARS[:-2]]
+                + [float(fold_seed(r.params.seed)), float(len(r.prompt.text_ids))]
+                for r in requests
+            ]
+        )
+        flat[self._scalars : self._scalars + scalars.size] = scalars.reshape(-1).view(np.int64)
+        trailing = flat[self._trailing : self._last_index].reshape(self.capacity, self.trailing_width)
         trailing[:count] = pad_text_id
-        text = flat[self._text: self._text + batch * length].reshape(batch, length)
-        codec = flat[self._text + batch * length:].reshape(batch, length)
+        text = flat[self._text : self._text + batch * length].reshape(batch, length)
+        codec = flat[self._text + batch * length :].reshape(batch, length)
         codec[:] = no_codec
         for i, request in enumerate(requests):
             prompt = request.prompt
@@ -93,9 +117,15 @@ class AdmissionLayout:
 
     def views(self, flat: torch.Tensor, count: int, batch: int, length: int) -> AdmissionInputs:
         """`flat` (at least `size(batch, length)` values) seen as the inputs `pack` wrote."""
-        scalars = flat[self._scalars: self._trailing].view(torch.float64).view(self.capacity, len(ROW_SCALARS))
-        trailing = flat[self._trailing: self._last_index].view(self.capacity, self.trailing_width)
-        return AdmissionInputs(first_row=flat[:1], scalars=scalars[:count], trailing=trailing[:count],
-                               last_index=flat[self._last_index: self._last_index + batch],
-                               text=flat[self._text: self._text + batch * length].view(batch, length),
-                               codec=flat[self._text + batch * length: self._text + 2 * batch * length].view(batch, length))
+        scalars = (
+            flat[self._scalars : self._trailing].view(torch.float64).view(self.capacity, len(ROW_SCALARS))
+        )
+        trailing = flat[self._trailing : self._last_index].view(self.capacity, self.trailing_width)
+        return AdmissionInputs(
+            first_row=flat[:1],
+            scalars=scalars[:count],
+            trailing=trailing[:count],
+            last_index=flat[self._last_index : self._last_index + batch],
+            text=flat[self._text : self._text + batch * length].view(batch, length),
+            codec=flat[self._text + batch * length : self._text + 2 * batch * length].view(batch, length),
+        )

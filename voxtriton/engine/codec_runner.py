@@ -21,7 +21,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 class CodecRunner:
-    def __init__(self, model: CodecModel, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None):
+    def __init__(
+        self, model: CodecModel, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None
+    ):
         self.model = model
         param = model.decoder.pre_conv.conv.weight
         self.device, self.dtype = param.device, param.dtype
@@ -36,9 +38,11 @@ class CodecRunner:
                     self._capture(batch, frames)
 
     def _static_inputs(self, batch: int, frames: int) -> dict:
-        return {"codes": torch.zeros(batch, frames, self.quantizers, dtype=torch.long, device=self.device),
-                "start": torch.zeros(batch, dtype=torch.long, device=self.device),
-                "state": self.model.new_state(batch)}
+        return {
+            "codes": torch.zeros(batch, frames, self.quantizers, dtype=torch.long, device=self.device),
+            "start": torch.zeros(batch, dtype=torch.long, device=self.device),
+            "state": self.model.new_state(batch),
+        }
 
     @torch.inference_mode()
     def _capture(self, batch: int, frames: int) -> None:
@@ -52,7 +56,9 @@ class CodecRunner:
         self.graphs[(batch, frames)] = (graph, inputs, outputs)
 
     @torch.inference_mode()
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """codes [B, T, Q], start [B], state [B, S] -> (audio [B, T*spf], next state [B, S]), model dtype."""
         batch, frames = codes.shape[0], codes.shape[1]
         bucket = next((b for b in self.batch_buckets if b >= batch), None)

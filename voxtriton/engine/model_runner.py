@@ -29,8 +29,14 @@ NO_CODEC = -1
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3TTSBackbone, max_rows: int, max_positions: int, max_text_tokens: int,
-                 prefill_stream: torch.cuda.Stream | None = None):
+    def __init__(
+        self,
+        model: Qwen3TTSBackbone,
+        max_rows: int,
+        max_positions: int,
+        max_text_tokens: int,
+        prefill_stream: torch.cuda.Stream | None = None,
+    ):
         """prefill_stream: where padded prefills run, beside the frame step in flight (see
         `_beside_the_step`); None: on the caller's stream, between steps."""
         config: Qwen3TTSConfig = model.config
@@ -42,10 +48,15 @@ class ModelRunner:
         check_kernels(self.device)  # decided now, before any graph capture
         t, p = config.talker.transformer, config.talker.predictor
         self.max_rows, self.max_positions = max_rows, max_positions
-        zeros = lambda *shape, dtype=None: torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)
+
+        def zeros(*shape, dtype=None):
+            return torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)
+
         long = torch.long
-        self.cache = StaticKV(zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
-                              zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim))
+        self.cache = StaticKV(
+            zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
+            zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
+        )
         predictor_length = talker.code_predictor.cache_length
         # Every position here is below the cache's length, so rotary embeddings can be lookups.
         talker.model.rotary.tabulate(max_positions, self.dtype)
@@ -59,20 +70,54 @@ class ModelRunner:
         self.frame_index = zeros(max_rows, dtype=long)
         self.position = zeros(max_rows, dtype=long)
         # Trailing text ids, padded with tts_pad: row r feeds trailing[r, min(frame, last column)].
-        self.trailing = torch.full((max_rows, max_text_tokens + 1), config.tts_pad_token_id, device=self.device, dtype=long)
+        self.trailing = torch.full(
+            (max_rows, max_text_tokens + 1), config.tts_pad_token_id, device=self.device, dtype=long
+        )
         self.seen = zeros(max_rows, vocab, dtype=torch.bool)
         self.penalty = torch.ones(max_rows, device=self.device, dtype=torch.float32)
         self.ignore_eos = zeros(max_rows, dtype=torch.bool)
-        self.main = RowParams(zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long),
-                              zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long))
-        self.sub = RowParams(zeros(max_rows, dtype=torch.float32), zeros(max_rows, dtype=long),
-                             zeros(max_rows, dtype=torch.float32), self.main.seeds)
-        self.row_tensors = [self.last_code, self.past_hidden, self.frame_index, self.position, self.trailing,
-                            self.seen, self.penalty, self.ignore_eos, self.main.temperature, self.main.top_k,
-                            self.main.top_p, self.main.seeds, self.sub.temperature, self.sub.top_k, self.sub.top_p]
+        self.main = RowParams(
+            zeros(max_rows, dtype=torch.float32),
+            zeros(max_rows, dtype=long),
+            zeros(max_rows, dtype=torch.float32),
+            zeros(max_rows, dtype=long),
+        )
+        self.sub = RowParams(
+            zeros(max_rows, dtype=torch.float32),
+            zeros(max_rows, dtype=long),
+            zeros(max_rows, dtype=torch.float32),
+            self.main.seeds,
+        )
+        self.row_tensors = [
+            self.last_code,
+            self.past_hidden,
+            self.frame_index,
+            self.position,
+            self.trailing,
+            self.seen,
+            self.penalty,
+            self.ignore_eos,
+            self.main.temperature,
+            self.main.top_k,
+            self.main.top_p,
+            self.main.seeds,
+            self.sub.temperature,
+            self.sub.top_k,
+            self.sub.top_p,
+        ]
         # Where an admission writes each of its ROW_SCALARS.
-        self.scalar_columns = [self.penalty, self.ignore_eos, self.main.temperature, self.main.top_k, self.main.top_p,
-                               self.sub.temperature, self.sub.top_k, self.sub.top_p, self.main.seeds, self.position]
+        self.scalar_columns = [
+            self.penalty,
+            self.ignore_eos,
+            self.main.temperature,
+            self.main.top_k,
+            self.main.top_p,
+            self.sub.temperature,
+            self.sub.top_k,
+            self.sub.top_p,
+            self.main.seeds,
+            self.position,
+        ]
         assert len(self.scalar_columns) == len(ROW_SCALARS)
         self.row_offsets = torch.arange(max_rows, device=self.device)
         self.move_pair = torch.zeros(2, device=self.device, dtype=long)  # (source, target) of `move_row`
@@ -160,14 +205,17 @@ class ModelRunner:
 
     # -- codebook 0 --------------------------------------------------------------------------------
 
-    def _sample_first_codebook(self, logits: torch.Tensor, rows: slice | torch.Tensor, frames: torch.Tensor,
-                               keys: torch.Tensor) -> torch.Tensor:
+    def _sample_first_codebook(
+        self, logits: torch.Tensor, rows: slice | torch.Tensor, frames: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
         """Penalties, suppression and the official minimum of two frames, then sampling. rows: the
         batch's (a slice) or admitted ones (row indices)."""
         logits = apply_repetition_penalty(logits.float(), self.seen[rows], self.penalty[rows])
         block_eos = (frames < 2) | self.ignore_eos[rows]
         logits = logits.masked_fill(self.suppressed | (block_eos[:, None] & self.is_eos), float("-inf"))
-        params = RowParams(self.main.temperature[rows], self.main.top_k[rows], self.main.top_p[rows], self.main.seeds[rows])
+        params = RowParams(
+            self.main.temperature[rows], self.main.top_k[rows], self.main.top_p[rows], self.main.seeds[rows]
+        )
         code = sample(logits, params, keys)
         if isinstance(rows, slice):
             self.seen[rows].scatter_(1, code[:, None], True)
@@ -185,7 +233,7 @@ class ModelRunner:
         """
         group = max(self.prefill_batch_buckets, default=len(requests))
         for start in range(0, len(requests), group):
-            self._prefill_group(requests[start: start + group], first_row + start)
+            self._prefill_group(requests[start : start + group], first_row + start)
 
     def _prefill_group(self, requests: list[Request], first_row: int) -> None:
         count, longest = len(requests), max(len(r.prompt.text_ids) for r in requests)
@@ -198,8 +246,12 @@ class ModelRunner:
             flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, longest)))
             inputs = layout.views(flat, count, count, longest)
             rows = slice(first_row, first_row + count)
-            last = self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index,
-                                            StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]))
+            last = self._prompt_last_hidden(
+                inputs.text,
+                inputs.codec,
+                inputs.last_index,
+                StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]),
+            )
             self._write_admitted(inputs, last, None)
 
     def _prefill_padded_group(self, requests: list[Request], first_row: int, batch: int, length: int) -> None:
@@ -223,14 +275,17 @@ class ModelRunner:
         if self.prefill_read is not None:
             self.prefill_read.record()
 
-    def _pack(self, layout: AdmissionLayout, requests: list[Request], first_row: int, batch: int,
-              length: int) -> np.ndarray:
+    def _pack(
+        self, layout: AdmissionLayout, requests: list[Request], first_row: int, batch: int, length: int
+    ) -> np.ndarray:
         return layout.pack(requests, first_row, batch, length, self.config.tts_pad_token_id, NO_CODEC)
 
     def _admission_inputs(self, count: int, batch: int, length: int) -> AdmissionInputs:
         return self.admission_layout.views(self.admission, count, batch, length)
 
-    def _write_admitted(self, inputs: AdmissionInputs, last_hidden: torch.Tensor, scratch_length: int | None) -> None:
+    def _write_admitted(
+        self, inputs: AdmissionInputs, last_hidden: torch.Tensor, scratch_length: int | None
+    ) -> None:
         """Write admitted requests' rows: their scalars and trailing text, their prompts' KV entries
         when prefilled into the scratch cache (`scratch_length` positions of it), the prompts' last
         hidden states and the first codebook-0 tokens. The rows follow the uploaded first row, so one
@@ -244,13 +299,18 @@ class ModelRunner:
         self.frame_index.index_fill_(0, rows, 0)
         if scratch_length is not None:
             # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
-            for cache, scratch in ((self.cache.keys, self.prefill_kv.keys), (self.cache.values, self.prefill_kv.values)):
+            for cache, scratch in (
+                (self.cache.keys, self.prefill_kv.keys),
+                (self.cache.values, self.prefill_kv.values),
+            ):
                 cache[:, :, :, :scratch_length].index_copy_(1, rows, scratch[:, :count, :, :scratch_length])
         last = last_hidden[:count]
         self.past_hidden.index_copy_(0, rows, last)
         frames = self.frame_index[rows]
         keys = noise_keys(self.main.seeds[rows], frames[:, None], self.code_groups[:1])[:, 0]
-        self.last_code.index_copy_(0, rows, self._sample_first_codebook(self.talker.codec_head(last), rows, frames, keys))
+        self.last_code.index_copy_(
+            0, rows, self._sample_first_codebook(self.talker.codec_head(last), rows, frames, keys)
+        )
 
     @contextlib.contextmanager
     def _beside_the_step(self):
@@ -269,8 +329,9 @@ class ModelRunner:
             yield
         caller.wait_stream(self.prefill_stream)
 
-    def _prompt_last_hidden(self, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor,
-                            cache: StaticKV) -> torch.Tensor:
+    def _prompt_last_hidden(
+        self, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor, cache: StaticKV
+    ) -> torch.Tensor:
         """Prompts [B, L] into `cache`; returns each prompt's final hidden state [B, D]."""
         batch, length = text.shape
         positions = torch.arange(length, device=self.device).expand(batch, length)
@@ -284,8 +345,13 @@ class ModelRunner:
         inputs = self._admission_inputs(batch, batch, length)
         return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache)
 
-    def set_buckets(self, batch_sizes: list[int], spans: list[int], prefill_batch_sizes: list[int] = (),
-                    prefill_lengths: list[int] = ()) -> None:
+    def set_buckets(
+        self,
+        batch_sizes: list[int],
+        spans: list[int],
+        prefill_batch_sizes: list[int] = (),
+        prefill_lengths: list[int] = (),
+    ) -> None:
         """Pad steps to these batch sizes and attention spans, and prompts to these prefill batch sizes
         and lengths (needed for graphs, allowed without)."""
         self.batch_buckets = sorted(b for b in set(batch_sizes) if b <= self.max_rows)
@@ -295,11 +361,23 @@ class ModelRunner:
         if self.prefill_batch_buckets and self.prefill_length_buckets:
             batch, length = self.prefill_batch_buckets[-1], self.prefill_length_buckets[-1]
             t = self.config.talker.transformer
-            scratch = lambda: torch.zeros(t.num_layers, batch, t.num_kv_heads, length, t.head_dim,
-                                          device=self.device, dtype=self.dtype)
+
+            def scratch():
+                return torch.zeros(
+                    t.num_layers,
+                    batch,
+                    t.num_kv_heads,
+                    length,
+                    t.head_dim,
+                    device=self.device,
+                    dtype=self.dtype,
+                )
+
             self.prefill_kv = StaticKV(scratch(), scratch())
             self.admission_layout = AdmissionLayout(batch, self.trailing.shape[1])
-            self.admission = torch.zeros(self.admission_layout.size(batch, length), device=self.device, dtype=torch.long)
+            self.admission = torch.zeros(
+                self.admission_layout.size(batch, length), device=self.device, dtype=torch.long
+            )
         else:
             self.prefill_batch_buckets, self.prefill_length_buckets = [], []
 
@@ -308,8 +386,13 @@ class ModelRunner:
         return next((b for b in buckets if b >= value), value)
 
     @torch.inference_mode()
-    def capture_graphs(self, batch_sizes: list[int], spans: list[int], prefill_batch_sizes: list[int] = (),
-                       prefill_lengths: list[int] = ()) -> None:
+    def capture_graphs(
+        self,
+        batch_sizes: list[int],
+        spans: list[int],
+        prefill_batch_sizes: list[int] = (),
+        prefill_lengths: list[int] = (),
+    ) -> None:
         """Capture the frame step for every (batch, span) bucket and the prefill for every (batch,
         length) bucket. Run before any request is admitted."""
         self.set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
@@ -322,15 +405,18 @@ class ModelRunner:
                 self._reset_rows(slice(0, batch))
                 graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
                 self.graphs[(batch, span)] = graph
-            self.move_graphs[span], pool = self._capture(lambda: self._move_row_by_index(span), pool)  # row 0 onto itself
+            self.move_graphs[span], pool = self._capture(
+                lambda: self._move_row_by_index(span), pool
+            )  # row 0 onto itself
         # A prefill may run beside a frame step (`_beside_the_step`), so its graphs get a memory pool
         # of their own (graphs sharing a pool share their intermediate buffers) and are captured on the
         # prefill stream (a graph keeps the cuBLAS workspace of the stream it was captured on).
         prefill_pool, stream = None, self.prefill_stream or capture_stream(self.device)
         for length in reversed(self.prefill_length_buckets):
             for batch in reversed(self.prefill_batch_buckets):
-                graph, prefill_pool = self._capture(lambda: self._prefill_padded(batch, length), prefill_pool,
-                                                    keep_output=True, stream=stream)
+                graph, prefill_pool = self._capture(
+                    lambda: self._prefill_padded(batch, length), prefill_pool, keep_output=True, stream=stream
+                )
                 self.prefill_graphs[(batch, length)] = graph
         # The rows' writes run on the compute stream between frame steps: the steps' pool serves them.
         for length in self.prefill_length_buckets:
@@ -338,7 +424,9 @@ class ModelRunner:
                 batch = self._bucket(count, self.prefill_batch_buckets)
                 last = self.prefill_graphs[(batch, length)][1]
                 self.admission_graphs[(count, length)], pool = self._capture(
-                    lambda: self._write_admitted(self._admission_inputs(count, batch, length), last, length), pool)
+                    lambda: self._write_admitted(self._admission_inputs(count, batch, length), last, length),
+                    pool,
+                )
         for tensor, initial in zip(self.row_tensors, initial_rows):
             tensor.copy_(initial)
         torch.cuda.synchronize(self.device)
@@ -380,10 +468,16 @@ class ModelRunner:
         # Draw keys for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
         groups = self.code_groups
         keys = noise_keys(self.main.seeds[rows], frames[:, None] + (groups == 0), groups)
-        sub = RowParams(self.sub.temperature[rows], self.sub.top_k[rows], self.sub.top_p[rows], self.sub.seeds[rows])
+        sub = RowParams(
+            self.sub.temperature[rows], self.sub.top_k[rows], self.sub.top_p[rows], self.sub.seeds[rows]
+        )
         residual = talker.code_predictor.predict_frame(
-            self.past_hidden[rows], talker.model.codec_embedding(self.last_code[rows]),
-            self.predictor_keys, self.predictor_values, lambda logits, group: sample(logits, sub, keys[:, group]))
+            self.past_hidden[rows],
+            talker.model.codec_embedding(self.last_code[rows]),
+            self.predictor_keys,
+            self.predictor_values,
+            lambda logits, group: sample(logits, sub, keys[:, group]),
+        )
         frame = torch.cat((self.last_code[rows, None], residual), dim=1)
         text = self.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
         embeds = (talker.frame_embeds(frame) + talker.text_embeds(text))[:, None]
@@ -391,7 +485,8 @@ class ModelRunner:
         self.frame_index[rows] += 1
         self.position[rows] += 1
         self.past_hidden[rows] = hidden
-        self.last_code[rows] = self._sample_first_codebook(talker.codec_head(hidden), rows, self.frame_index[rows],
-                                                           keys[:, 0])
+        self.last_code[rows] = self._sample_first_codebook(
+            talker.codec_head(hidden), rows, self.frame_index[rows], keys[:, 0]
+        )
         self.step_output[rows, :-1] = frame
         self.step_output[rows, -1] = self.last_code[rows]

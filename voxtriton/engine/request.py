@@ -31,9 +31,18 @@ class GenerationParams:
     ignore_eos: bool = False
 
     @staticmethod
-    def create(generation_config: dict, max_frames_limit: int, *, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
-               seed: int | None = None, max_frames: int | None = None, ignore_eos: bool = False) -> "GenerationParams":
+    def create(
+        generation_config: dict,
+        max_frames_limit: int,
+        *,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        max_frames: int | None = None,
+        ignore_eos: bool = False,
+    ) -> "GenerationParams":
         g = generation_config
 
         def pick(value, key, fallback):
@@ -52,8 +61,11 @@ class GenerationParams:
             sub_top_k=int(pick(top_k, "subtalker_top_k", 50)),
             sub_top_p=float(pick(top_p, "subtalker_top_p", 1.0)),
             seed=int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else int(seed),
-            max_frames=int(max_frames if max_frames is not None else min(g.get("max_new_tokens", max_frames_limit),
-                                                                             max_frames_limit)),
+            max_frames=int(
+                max_frames
+                if max_frames is not None
+                else min(g.get("max_new_tokens", max_frames_limit), max_frames_limit)
+            ),
             ignore_eos=bool(ignore_eos),
         )
         params.validate(max_frames_limit)
@@ -70,9 +82,13 @@ class GenerationParams:
             if value < 0:
                 raise RequestError(name, f"must be >= 0 (0 = no limit), got {value}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise RequestError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+            raise RequestError(
+                "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}"
+            )
         if not 1 <= self.max_frames <= max_frames_limit:
-            raise RequestError("max_frames", f"must be between 1 and {max_frames_limit}, got {self.max_frames}")
+            raise RequestError(
+                "max_frames", f"must be between 1 and {max_frames_limit}, got {self.max_frames}"
+            )
         if not -(2**63) <= self.seed < 2**64:
             raise RequestError("seed", "must fit in 64 bits")
 

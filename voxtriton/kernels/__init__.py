@@ -53,13 +53,17 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
         return dict.fromkeys(KERNEL_CHECKS, False)
     if triton is None:  # said per kernel, as a failed check is: benchmarks look for these lines
         for name in KERNEL_CHECKS:
-            log.warning(FALLBACK_WARNING, name, device, "ImportError", "the triton package cannot be imported")
+            log.warning(
+                FALLBACK_WARNING, name, device, "ImportError", "the triton package cannot be imported"
+            )
         return dict.fromkeys(KERNEL_CHECKS, False)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _usable:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the Triton kernel check must run before CUDA graph capture: call "
-                               "voxtriton.kernels.check_kernels(device) first")
+            raise RuntimeError(
+                "the Triton kernel check must run before CUDA graph capture: call "
+                "voxtriton.kernels.check_kernels(device) first"
+            )
         _usable[index] = run_checks(torch.device("cuda", index), KERNEL_CHECKS)
     return _usable[index]
 

@@ -42,12 +42,22 @@ def launch_shape(span: int) -> tuple[int, int, int]:
 def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
     """Whether `decode_attention` serves a query of `query_rows` (query heads per KV head x new tokens)
     and head size `dim` on `device`: a GPU, few new tokens, a power-of-two head size."""
-    return (query_rows <= MAX_QUERY_ROWS and dim >= 16 and dim & (dim - 1) == 0
-            and triton_usable(device, "decode_attention"))
+    return (
+        query_rows <= MAX_QUERY_ROWS
+        and dim >= 16
+        and dim & (dim - 1) == 0
+        and triton_usable(device, "decode_attention")
+    )
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                     scale: float, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    launch: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
     """q [B, H, T, D] at positions [B, T] (increasing along T); keys, values [B, KVH, L, D] (views of the
     cache) with entries 0..positions[:, -1] written; entries at L and beyond are never read. All three
     need unit stride in D. `launch` overrides `launch_shape(L)` (for measuring). Returns [B, H, T, D]."""
@@ -60,10 +70,26 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     block_keys, warps, stages = launch or launch_shape(span)
     with launch_device(q):
         _decode_attention_kernel[(batch, kv_heads)](
-            q, *q.stride()[:3], keys, *keys.stride()[:3], values, *values.stride()[:3], out, positions, scale, span,
-            GROUP=heads // kv_heads, LENGTH=length, DIM=dim, BLOCK_ROWS=MAX_QUERY_ROWS, BLOCK_KEYS=block_keys,
+            q,
+            *q.stride()[:3],
+            keys,
+            *keys.stride()[:3],
+            values,
+            *values.stride()[:3],
+            out,
+            positions,
+            scale,
+            span,
+            GROUP=heads // kv_heads,
+            LENGTH=length,
+            DIM=dim,
+            BLOCK_ROWS=MAX_QUERY_ROWS,
+            BLOCK_KEYS=block_keys,
             # fp32 stays fp32 (tl.dot would round fp32 inputs to tf32); bf16 products are exact anyway.
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=warps,
+            num_stages=stages,
+        )
     return out
 
 
@@ -72,17 +98,38 @@ def decode_attention_reference(q, keys, values, positions, scale):
     group = q.shape[1] // keys.shape[1]
     keys, values = (t.float().repeat_interleave(group, dim=1) for t in (keys, values))
     mask = torch.arange(keys.shape[2])[None, None, None, :] <= positions.cpu()[:, None, :, None]
-    return torch.nn.functional.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask.to(q.device), scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys, values, attn_mask=mask.to(q.device), scale=scale
+    )
 
 
 if triton is not None:
+
     @triton.jit
-    def _decode_attention_kernel(q_ptr, q_batch_stride, q_head_stride, q_token_stride,
-                                 k_ptr, k_batch_stride, k_head_stride, k_position_stride,
-                                 v_ptr, v_batch_stride, v_head_stride, v_position_stride,
-                                 out_ptr, positions_ptr, scale, span,
-                                 GROUP: tl.constexpr, LENGTH: tl.constexpr, DIM: tl.constexpr,
-                                 BLOCK_ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr, PRECISION: tl.constexpr):
+    def _decode_attention_kernel(
+        q_ptr,
+        q_batch_stride,
+        q_head_stride,
+        q_token_stride,
+        k_ptr,
+        k_batch_stride,
+        k_head_stride,
+        k_position_stride,
+        v_ptr,
+        v_batch_stride,
+        v_head_stride,
+        v_position_stride,
+        out_ptr,
+        positions_ptr,
+        scale,
+        span,
+        GROUP: tl.constexpr,
+        LENGTH: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+        BLOCK_KEYS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         row, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         # Query block row r is (query head kv_head * GROUP + r // LENGTH, new token r % LENGTH).
         rows = tl.arange(0, BLOCK_ROWS)
@@ -102,10 +149,16 @@ if triton is not None:
         for start in range(0, end, BLOCK_KEYS):
             key_positions = start + tl.arange(0, BLOCK_KEYS)
             inside = key_positions < end
-            key = tl.load(key_base + key_positions[:, None] * k_position_stride + dims[None, :],
-                          mask=inside[:, None], other=0.0)
-            value = tl.load(value_base + key_positions[:, None] * v_position_stride + dims[None, :],
-                            mask=inside[:, None], other=0.0)
+            key = tl.load(
+                key_base + key_positions[:, None] * k_position_stride + dims[None, :],
+                mask=inside[:, None],
+                other=0.0,
+            )
+            value = tl.load(
+                value_base + key_positions[:, None] * v_position_stride + dims[None, :],
+                mask=inside[:, None],
+                other=0.0,
+            )
             scores = tl.dot(query, tl.trans(key), input_precision=PRECISION) * scale
             visible = key_positions[None, :] <= query_position[:, None]
             scores = tl.where(visible, scores, float("-inf"))
@@ -115,9 +168,14 @@ if triton is not None:
             weights = tl.exp(scores - safe_best[:, None])
             correction = tl.exp(best - safe_best)
             total = total * correction + tl.sum(weights, axis=1)
-            acc = acc * correction[:, None] + tl.dot(weights.to(value.dtype), value, input_precision=PRECISION)
+            acc = acc * correction[:, None] + tl.dot(
+                weights.to(value.dtype), value, input_precision=PRECISION
+            )
             best = new_best
         result = acc / tl.where(total == 0.0, 1.0, total)[:, None]
         out_offsets = ((row * (GROUP * tl.num_programs(1)) + head) * LENGTH + token) * DIM
-        tl.store(out_ptr + out_offsets[:, None] + dims[None, :], result.to(out_ptr.dtype.element_ty),
-                 mask=valid_rows[:, None])
+        tl.store(
+            out_ptr + out_offsets[:, None] + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=valid_rows[:, None],
+        )

@@ -22,8 +22,13 @@ def check_snake(device: torch.device) -> list[Comparison]:
     log_alpha, log_beta, bias = (torch.randn(3, generator=generator) * 0.5 for _ in range(3))
     history = torch.randn(2, 3, 6, generator=generator)
     on = [t.to(device) for t in (x, log_alpha, log_beta, bias, history)]
-    return [(snake_triton(*on, tail=3), snake_reference(x, log_alpha, log_beta, bias, history, tail=3),
-             HARDWARE_SINE_TOLERANCE)]
+    return [
+        (
+            snake_triton(*on, tail=3),
+            snake_reference(x, log_alpha, log_beta, bias, history, tail=3),
+            HARDWARE_SINE_TOLERANCE,
+        )
+    ]
 
 
 def check_channel_bias(device: torch.device) -> list[Comparison]:
@@ -32,8 +37,13 @@ def check_channel_bias(device: torch.device) -> list[Comparison]:
     generator = torch.Generator().manual_seed(1)
     x, residual = torch.randn(2, 3, 40, generator=generator), torch.randn(2, 3, 40, generator=generator)
     bias = torch.randn(3, generator=generator)
-    return [(add_channel_bias_triton(x.to(device), bias.to(device), residual.to(device)),
-             add_channel_bias_reference(x, bias, residual), 1e-5)]
+    return [
+        (
+            add_channel_bias_triton(x.to(device), bias.to(device), residual.to(device)),
+            add_channel_bias_reference(x, bias, residual),
+            1e-5,
+        )
+    ]
 
 
 def check_decode_attention(device: torch.device) -> list[Comparison]:
@@ -47,7 +57,9 @@ def check_decode_attention(device: torch.device) -> list[Comparison]:
         for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
             q = torch.randn(2, 4, 1, 128, generator=generator).to(dtype)
             keys, values = (torch.randn(2, 2, span, 128, generator=generator).to(dtype) for _ in range(2))
-            out = decode_attention(q.to(device), keys.to(device), values.to(device), positions.to(device), 0.1)
+            out = decode_attention(
+                q.to(device), keys.to(device), values.to(device), positions.to(device), 0.1
+            )
             comparisons.append((out, decode_attention_reference(q, keys, values, positions, 0.1), tolerance))
     return comparisons
 
@@ -62,8 +74,11 @@ def check_rotary(device: torch.device) -> list[Comparison]:
     positions = torch.tensor([[1], [4]])
     caches = torch.zeros(2, 2, 1, 6, 8)
     qkv_, q_norm, k_norm, cos, sin, caches_, positions_ = (
-        t.to(device) for t in (qkv, *norms, *rotary, caches, positions))
-    q = rotate_into_cache_triton(qkv_, 2, 1, q_norm, k_norm, 1e-6, cos, sin, caches_[0], caches_[1], positions_)
+        t.to(device) for t in (qkv, *norms, *rotary, caches, positions)
+    )
+    q = rotate_into_cache_triton(
+        qkv_, 2, 1, q_norm, k_norm, 1e-6, cos, sin, caches_[0], caches_[1], positions_
+    )
     q_reference = rotate_into_cache(qkv, 2, 1, *norms, 1e-6, *rotary, caches[0], caches[1], positions)
     return [(q, q_reference, 1e-5), (caches_, caches, 1e-5)]
 
@@ -74,8 +89,12 @@ def check_sampling(device: torch.device) -> list[Comparison]:
 
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(4)) * 3
     keys = torch.tensor([5, 2**31 - 1, 0, 123456789])
-    params = RowParams(torch.tensor([0.0, 0.9, 1.3, 0.7]), torch.tensor([0, 50, 0, 3]),
-                       torch.tensor([1.0, 1.0, 0.8, 1.0]), torch.zeros(4, dtype=torch.long))
+    params = RowParams(
+        torch.tensor([0.0, 0.9, 1.3, 0.7]),
+        torch.tensor([0, 50, 0, 3]),
+        torch.tensor([1.0, 1.0, 0.8, 1.0]),
+        torch.zeros(4, dtype=torch.long),
+    )
     on = [t.to(device) for t in (logits, params.temperature, params.top_k, params.top_p, keys)]
     return [(sample_triton(*on), sample(logits, params, keys), 0)]
 
@@ -99,6 +118,11 @@ def check_silu_and_mul(device: torch.device) -> list[Comparison]:
 
 
 KERNEL_CHECKS: dict[str, Callable[[torch.device], list[Comparison]]] = {
-    "snake": check_snake, "channel_bias": check_channel_bias, "decode_attention": check_decode_attention,
-    "rotary": check_rotary, "sampling": check_sampling, "add_rms_norm": check_add_rms_norm,
-    "silu_and_mul": check_silu_and_mul}
+    "snake": check_snake,
+    "channel_bias": check_channel_bias,
+    "decode_attention": check_decode_attention,
+    "rotary": check_rotary,
+    "sampling": check_sampling,
+    "add_rms_norm": check_add_rms_norm,
+    "silu_and_mul": check_silu_and_mul,
+}

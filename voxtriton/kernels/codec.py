@@ -32,13 +32,20 @@ HARDWARE_SINE_TOLERANCE = 1e-4
 
 def pad_time(y: torch.Tensor, history: torch.Tensor | None = None, tail: int = 0) -> torch.Tensor:
     """[history | y | `tail` zero columns] along time; y itself when there is nothing to add."""
-    parts = ([] if history is None else [history]) + [y] + ([y.new_zeros(*y.shape[:-1], tail)] if tail else [])
+    parts = (
+        ([] if history is None else [history]) + [y] + ([y.new_zeros(*y.shape[:-1], tail)] if tail else [])
+    )
     return torch.cat(parts, dim=-1) if len(parts) > 1 else y
 
 
-def snake_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
-                    bias: torch.Tensor | None = None, history: torch.Tensor | None = None,
-                    tail: int = 0) -> torch.Tensor:
+def snake_reference(
+    x: torch.Tensor,
+    log_alpha: torch.Tensor,
+    log_beta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    history: torch.Tensor | None = None,
+    tail: int = 0,
+) -> torch.Tensor:
     """x + bias -> y + sin(alpha y)^2 / beta per channel, with the checkpoint's log-scale alpha and beta
     (rounded to x's dtype), prefixed along time by `history` [B, C, H] as it is and followed by `tail`
     zero columns."""
@@ -50,7 +57,9 @@ def snake_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Te
     return pad_time(y, history, tail)
 
 
-def add_channel_bias_reference(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def add_channel_bias_reference(
+    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     out = x + bias.to(x.dtype)[:, None]
     return out if residual is None else out + residual
 
@@ -83,10 +92,23 @@ def snake_triton(x, log_alpha, log_beta, bias=None, history=None, tail=0):
     grid = (batch * channels, triton.cdiv(out.shape[-1], BLOCK))
     with launch_device(x):
         _snake_kernel[grid](
-            x, x.stride(0), x.stride(1), length,
-            history if history is not None else x, *(history.stride()[:2] if history is not None else (0, 0)),
-            history_length, log_alpha, log_beta, bias if bias is not None else log_alpha, out, channels, tail,
-            HAS_BIAS=bias is not None, HARDWARE_SINE=x.is_cuda, BLOCK=BLOCK)
+            x,
+            x.stride(0),
+            x.stride(1),
+            length,
+            history if history is not None else x,
+            *(history.stride()[:2] if history is not None else (0, 0)),
+            history_length,
+            log_alpha,
+            log_beta,
+            bias if bias is not None else log_alpha,
+            out,
+            channels,
+            tail,
+            HAS_BIAS=bias is not None,
+            HARDWARE_SINE=x.is_cuda,
+            BLOCK=BLOCK,
+        )
     return out
 
 
@@ -99,18 +121,43 @@ def add_channel_bias_triton(x, bias, residual=None):
     grid = (batch * channels, triton.cdiv(length, BLOCK))
     with launch_device(x):
         _channel_bias_kernel[grid](
-            x, x.stride(0), x.stride(1), bias,
-            residual if residual is not None else x, *(residual.stride()[:2] if residual is not None else (0, 0)),
-            out, channels, length, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK)
+            x,
+            x.stride(0),
+            x.stride(1),
+            bias,
+            residual if residual is not None else x,
+            *(residual.stride()[:2] if residual is not None else (0, 0)),
+            out,
+            channels,
+            length,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=BLOCK,
+        )
     return out
 
 
 if triton is not None:
+
     @triton.jit
-    def _snake_kernel(x_ptr, x_batch_stride, x_channel_stride, length,
-                      history_ptr, history_batch_stride, history_channel_stride, history_length,
-                      log_alpha_ptr, log_beta_ptr, bias_ptr, out_ptr, channels, tail,
-                      HAS_BIAS: tl.constexpr, HARDWARE_SINE: tl.constexpr, BLOCK: tl.constexpr):
+    def _snake_kernel(
+        x_ptr,
+        x_batch_stride,
+        x_channel_stride,
+        length,
+        history_ptr,
+        history_batch_stride,
+        history_channel_stride,
+        history_length,
+        log_alpha_ptr,
+        log_beta_ptr,
+        bias_ptr,
+        out_ptr,
+        channels,
+        tail,
+        HAS_BIAS: tl.constexpr,
+        HARDWARE_SINE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # One program: BLOCK output columns of one (batch, channel) row: history, then x, then zeros.
         row = tl.program_id(0).to(tl.int64)  # row * width passes 2**31 at large batches
         batch, channel = row // channels, row % channels
@@ -118,14 +165,24 @@ if triton is not None:
         width = history_length + length + tail
         from_history = columns < history_length
         from_x = (columns >= history_length) & (columns < history_length + length)
-        past = tl.load(history_ptr + batch * history_batch_stride + channel * history_channel_stride + columns,
-                       mask=from_history, other=0.0)
-        value = tl.load(x_ptr + batch * x_batch_stride + channel * x_channel_stride + (columns - history_length),
-                        mask=from_x, other=0.0).to(tl.float32)
+        past = tl.load(
+            history_ptr + batch * history_batch_stride + channel * history_channel_stride + columns,
+            mask=from_history,
+            other=0.0,
+        )
+        value = tl.load(
+            x_ptr + batch * x_batch_stride + channel * x_channel_stride + (columns - history_length),
+            mask=from_x,
+            other=0.0,
+        ).to(tl.float32)
         out_type = out_ptr.dtype.element_ty
         # The parameters are rounded to the activation's dtype, as the reference formula rounds them.
         alpha = tl.exp(tl.load(log_alpha_ptr + channel).to(tl.float32)).to(out_type).to(tl.float32)
-        inverse_beta = (1.0 / (tl.exp(tl.load(log_beta_ptr + channel).to(tl.float32)) + 1e-9)).to(out_type).to(tl.float32)
+        inverse_beta = (
+            (1.0 / (tl.exp(tl.load(log_beta_ptr + channel).to(tl.float32)) + 1e-9))
+            .to(out_type)
+            .to(tl.float32)
+        )
         if HAS_BIAS:
             value += tl.load(bias_ptr + channel).to(tl.float32)
         # On a GPU, the hardware's approximate sine (one MUFU instruction): the accurate one's range
@@ -135,21 +192,38 @@ if triton is not None:
             wave = libdevice.fast_sinf(value * alpha)
         else:
             wave = tl.sin(value * alpha)
-        result = tl.where(from_history, past.to(tl.float32), tl.where(from_x, value + inverse_beta * wave * wave, 0.0))
+        result = tl.where(
+            from_history, past.to(tl.float32), tl.where(from_x, value + inverse_beta * wave * wave, 0.0)
+        )
         tl.store(out_ptr + row * width + columns, result.to(out_type), mask=columns < width)
 
     @triton.jit
-    def _channel_bias_kernel(x_ptr, x_batch_stride, x_channel_stride, bias_ptr,
-                             residual_ptr, residual_batch_stride, residual_channel_stride,
-                             out_ptr, channels, length, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _channel_bias_kernel(
+        x_ptr,
+        x_batch_stride,
+        x_channel_stride,
+        bias_ptr,
+        residual_ptr,
+        residual_batch_stride,
+        residual_channel_stride,
+        out_ptr,
+        channels,
+        length,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         batch, channel = row // channels, row % channels
         columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = columns < length
-        value = tl.load(x_ptr + batch * x_batch_stride + channel * x_channel_stride + columns,
-                        mask=inside, other=0.0).to(tl.float32)
+        value = tl.load(
+            x_ptr + batch * x_batch_stride + channel * x_channel_stride + columns, mask=inside, other=0.0
+        ).to(tl.float32)
         value += tl.load(bias_ptr + channel).to(tl.float32)
         if HAS_RESIDUAL:
-            value += tl.load(residual_ptr + batch * residual_batch_stride + channel * residual_channel_stride + columns,
-                             mask=inside, other=0.0).to(tl.float32)
+            value += tl.load(
+                residual_ptr + batch * residual_batch_stride + channel * residual_channel_stride + columns,
+                mask=inside,
+                other=0.0,
+            ).to(tl.float32)
         tl.store(out_ptr + row * length + columns, value.to(out_ptr.dtype.element_ty), mask=inside)

@@ -31,8 +31,9 @@ if triton is not None:
 SILU_BLOCK = 1024
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x + residual
     return F.rms_norm(summed, weight.shape, weight, eps), summed
 
@@ -42,8 +43,9 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) over the last dimension, which `weight` [D] scales.
     x and residual: one shape and dtype."""
     if triton_usable(x.device, "add_rms_norm"):
@@ -60,7 +62,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """[..., D] as [rows, D] with unit stride along D (a view where the layout allows)."""
-    return tensor.reshape(-1, tensor.shape[-1]) if tensor.stride(-1) == 1 else tensor.contiguous().view(-1, tensor.shape[-1])
+    return (
+        tensor.reshape(-1, tensor.shape[-1])
+        if tensor.stride(-1) == 1
+        else tensor.contiguous().view(-1, tensor.shape[-1])
+    )
 
 
 def add_rms_norm_triton(x, residual, weight, eps):
@@ -71,8 +77,17 @@ def add_rms_norm_triton(x, residual, weight, eps):
     normed, summed = (torch.empty(x_rows.shape, dtype=x.dtype, device=x.device) for _ in range(2))
     with launch_device(x):
         _add_rms_norm_kernel[(x_rows.shape[0],)](
-            x_rows, x_rows.stride(0), residual_rows, residual_rows.stride(0), weight, eps, normed, summed, size,
-            BLOCK=triton.next_power_of_2(size))
+            x_rows,
+            x_rows.stride(0),
+            residual_rows,
+            residual_rows.stride(0),
+            weight,
+            eps,
+            normed,
+            summed,
+            size,
+            BLOCK=triton.next_power_of_2(size),
+        )
     return normed.view(x.shape), summed.view(x.shape)
 
 
@@ -82,15 +97,17 @@ def silu_and_mul_triton(gate_up):
     out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
     with launch_device(gate_up):
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, SILU_BLOCK))](
-            rows, rows.stride(0), out, width, BLOCK=SILU_BLOCK)
+            rows, rows.stride(0), out, width, BLOCK=SILU_BLOCK
+        )
     return out.view(*gate_up.shape[:-1], width)
 
 
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(x, x_row_stride, residual, residual_row_stride, weight, eps, normed, summed, size,
-                             BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(
+        x, x_row_stride, residual, residual_row_stride, weight, eps, normed, summed, size, BLOCK: tl.constexpr
+    ):
         # One program per row: the row's sum stays in registers between the add and the norm.
         row = tl.program_id(0).to(tl.int64)
         dtype = x.dtype.element_ty

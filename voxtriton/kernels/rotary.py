@@ -29,25 +29,48 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None,
-                k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor):
+def split_heads(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+):
     """qkv [B, T, heads + 2 * kv_heads, D] -> q [B, heads, T, D] and k, v [B, kv_heads, T, D]: q and k
     normalised per head (when the model has q/k norms; weights [D]) and rotated."""
     q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)
     if q_norm is not None:
         q, k = F.rms_norm(q, q_norm.shape, q_norm, eps), F.rms_norm(k, k_norm.shape, k_norm, eps)
-    return apply_rotary(q.transpose(1, 2), cos, signed_sin), apply_rotary(k.transpose(1, 2), cos, signed_sin), v.transpose(1, 2)
+    return (
+        apply_rotary(q.transpose(1, 2), cos, signed_sin),
+        apply_rotary(k.transpose(1, 2), cos, signed_sin),
+        v.transpose(1, 2),
+    )
 
 
-def rotate_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None,
-                      k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, signed_sin: torch.Tensor,
-                      key_cache: torch.Tensor, value_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def rotate_into_cache(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """`split_heads`, then k and v written into key_cache / value_cache [B, kv_heads, L, D] at
     positions [B, T] (each below L). Returns q [B, heads, T, D]. One Triton kernel on GPUs that run
     it. One `eps` serves both norms: the models' q and k norms share `rms_norm_eps`."""
     if serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device, "rotary"):
-        return rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache,
-                                        value_cache, positions)
+        return rotate_into_cache_triton(
+            qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache, positions
+        )
     q, k, v = split_heads(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin)
     index = positions[:, None, :, None].expand_as(k)
     key_cache.scatter_(2, index, k)
@@ -60,12 +83,18 @@ def serves_head_size(dim: int) -> bool:
     return dim >= 4 and dim & (dim - 1) == 0
 
 
-def rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache,
-                             positions):
+def rotate_into_cache_triton(
+    qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache, positions
+):
     batch, length, total_heads, dim = qkv.shape
     if not serves_head_size(dim):
         raise ValueError(f"rotate_into_cache needs a power-of-two head size of at least 4, got {dim}")
-    if qkv.stride(-1) != 1 or qkv.stride(-2) != dim or cos.stride(-1) != 1 or signed_sin.stride() != cos.stride():
+    if (
+        qkv.stride(-1) != 1
+        or qkv.stride(-2) != dim
+        or cos.stride(-1) != 1
+        or signed_sin.stride() != cos.stride()
+    ):
         raise ValueError("rotate_into_cache needs packed heads and cos/sin of one layout")
     if cos.shape[0] != batch or cos.shape[2] != length:
         raise ValueError("rotate_into_cache needs cos/sin for every row and new token (no broadcasting)")
@@ -75,28 +104,66 @@ def rotate_into_cache_triton(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, sig
     has_norm = q_norm is not None
     with launch_device(qkv):
         _rotate_into_cache_kernel[(batch, length)](
-            qkv, qkv.stride(0), qkv.stride(1), cos, signed_sin, cos.stride(0), cos.stride(2),
-            q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps, q,
-            key_cache, value_cache, *key_cache.stride()[:3], positions, *positions.stride(),
-            length, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
-            BLOCK_HEADS=triton.next_power_of_2(total_heads), HAS_NORM=has_norm)
+            qkv,
+            qkv.stride(0),
+            qkv.stride(1),
+            cos,
+            signed_sin,
+            cos.stride(0),
+            cos.stride(2),
+            q_norm if has_norm else qkv,
+            k_norm if has_norm else qkv,
+            eps,
+            q,
+            key_cache,
+            value_cache,
+            *key_cache.stride()[:3],
+            positions,
+            *positions.stride(),
+            length,
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HALF=dim // 2,
+            BLOCK_HEADS=triton.next_power_of_2(total_heads),
+            HAS_NORM=has_norm,
+        )
     return q
 
 
 if triton is not None:
-
     # The new-token count and the positions' row stride (equal to it) are not specialised (equal to
     # 1, divisible by 16): decode steps and prefills of every prompt length share one compiled kernel,
     # so no prompt length meets a compile (seconds, stalling every stream) while serving. The q/k/v
     # and cos/sin row strides scale with it too but stay specialised, for vector loads: for head
     # sizes of 16 and more they are multiples of 16 whatever the length.
     @triton.jit(do_not_specialize=["positions_row_stride", "length"])
-    def _rotate_into_cache_kernel(qkv, qkv_row_stride, qkv_token_stride, cos, sin, rotary_row_stride,
-                                  rotary_token_stride, q_norm, k_norm, eps, q_out,
-                                  key_cache, value_cache, cache_row_stride, cache_head_stride, cache_position_stride,
-                                  positions, positions_row_stride, positions_token_stride, length,
-                                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                                  BLOCK_HEADS: tl.constexpr, HAS_NORM: tl.constexpr):
+    def _rotate_into_cache_kernel(
+        qkv,
+        qkv_row_stride,
+        qkv_token_stride,
+        cos,
+        sin,
+        rotary_row_stride,
+        rotary_token_stride,
+        q_norm,
+        k_norm,
+        eps,
+        q_out,
+        key_cache,
+        value_cache,
+        cache_row_stride,
+        cache_head_stride,
+        cache_position_stride,
+        positions,
+        positions_row_stride,
+        positions_token_stride,
+        length,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
         row, token = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         dtype = qkv.dtype.element_ty
         # Heads in projection order: q (HEADS), k (KV_HEADS), v (KV_HEADS); each split into halves for
@@ -105,21 +172,29 @@ if triton is not None:
         lane = tl.arange(0, HALF)
         is_q, is_k = head < HEADS, (head >= HEADS) & (head < HEADS + KV_HEADS)
         is_v = (head >= HEADS + KV_HEADS) & (head < HEADS + 2 * KV_HEADS)
-        source = qkv + row * qkv_row_stride + token * qkv_token_stride + head[:, None] * (2 * HALF) + lane[None, :]
+        source = (
+            qkv + row * qkv_row_stride + token * qkv_token_stride + head[:, None] * (2 * HALF) + lane[None, :]
+        )
         present = (is_q | is_k | is_v)[:, None]
         first = tl.load(source, mask=present, other=0.0).to(tl.float32)
         second = tl.load(source + HALF, mask=present, other=0.0).to(tl.float32)
         rotated = (is_q | is_k)[:, None]
         if HAS_NORM:
-            inverse_rms = tl.rsqrt((tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / (2 * HALF) + eps)
+            inverse_rms = tl.rsqrt(
+                (tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / (2 * HALF) + eps
+            )
             q_weight_first = tl.load(q_norm + lane).to(tl.float32)[None, :]
             k_weight_first = tl.load(k_norm + lane).to(tl.float32)[None, :]
             q_weight_second = tl.load(q_norm + HALF + lane).to(tl.float32)[None, :]
             k_weight_second = tl.load(k_norm + HALF + lane).to(tl.float32)[None, :]
             weight_first = tl.where(is_q[:, None], q_weight_first, k_weight_first)
             weight_second = tl.where(is_q[:, None], q_weight_second, k_weight_second)
-            first = tl.where(rotated, (first * inverse_rms[:, None] * weight_first).to(dtype).to(tl.float32), first)
-            second = tl.where(rotated, (second * inverse_rms[:, None] * weight_second).to(dtype).to(tl.float32), second)
+            first = tl.where(
+                rotated, (first * inverse_rms[:, None] * weight_first).to(dtype).to(tl.float32), first
+            )
+            second = tl.where(
+                rotated, (second * inverse_rms[:, None] * weight_second).to(dtype).to(tl.float32), second
+            )
         rotary = row * rotary_row_stride + token * rotary_token_stride + lane
         cos_first = tl.load(cos + rotary).to(tl.float32)[None, :]
         cos_second = tl.load(cos + rotary + HALF).to(tl.float32)[None, :]

@@ -30,8 +30,13 @@ TOKEN_MULTIPLIER = 0x61C8864F
 MAX_KERNEL_VOCAB = 8192
 
 
-def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  keys: torch.Tensor) -> torch.Tensor:
+def sample_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    keys: torch.Tensor,
+) -> torch.Tensor:
     """logits [B, V] with unit stride along the vocabulary; temperature [B] (0: greedy), top_k [B] (0: no
     limit), top_p [B] (1: no limit); keys [B] int64 draw keys. Returns [B] int64 token ids."""
     batch, vocab = logits.shape
@@ -39,9 +44,22 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         raise ValueError("sample_triton needs unit stride along the vocabulary")
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     with launch_device(logits):
-        _sample_kernel[(batch,)](logits, logits.stride(0), keys, keys.stride(0), temperature.contiguous(),
-                                 top_k.contiguous(), top_p.contiguous(), out, vocab, MASK31=MASK31, MIX=MIX,
-                                 TOKEN_MULTIPLIER=TOKEN_MULTIPLIER, BLOCK=triton.next_power_of_2(vocab), num_warps=8)
+        _sample_kernel[(batch,)](
+            logits,
+            logits.stride(0),
+            keys,
+            keys.stride(0),
+            temperature.contiguous(),
+            top_k.contiguous(),
+            top_p.contiguous(),
+            out,
+            vocab,
+            MASK31=MASK31,
+            MIX=MIX,
+            TOKEN_MULTIPLIER=TOKEN_MULTIPLIER,
+            BLOCK=triton.next_power_of_2(vocab),
+            num_warps=8,
+        )
     return out
 
 
@@ -58,10 +76,25 @@ if triton is not None:
     # prefill graphs). Specialising those pointers on alignment (and the keys' stride) would compile a
     # variant per kind of launch, some only at the first such admission while serving, stalling every
     # stream for each compile; one-element loads gain nothing from it.
-    @triton.jit(do_not_specialize=["keys_stride"],
-                do_not_specialize_on_alignment=["keys", "temperature", "top_k", "top_p"])
-    def _sample_kernel(logits, logits_row_stride, keys, keys_stride, temperature, top_k, top_p, out, vocab,
-                       MASK31: tl.constexpr, MIX: tl.constexpr, TOKEN_MULTIPLIER: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit(
+        do_not_specialize=["keys_stride"],
+        do_not_specialize_on_alignment=["keys", "temperature", "top_k", "top_p"],
+    )
+    def _sample_kernel(
+        logits,
+        logits_row_stride,
+        keys,
+        keys_stride,
+        temperature,
+        top_k,
+        top_p,
+        out,
+        vocab,
+        MASK31: tl.constexpr,
+        MIX: tl.constexpr,
+        TOKEN_MULTIPLIER: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         index = tl.arange(0, BLOCK)
         valid = index < vocab

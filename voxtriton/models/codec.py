@@ -52,7 +52,9 @@ class StreamingModule(nn.Module):
     def state_slots(self) -> list[StateSlot]:
         raise NotImplementedError
 
-    def _input(self, x: torch.Tensor, state: StreamState, keep: int, activation=None, tail: int = 0) -> torch.Tensor:
+    def _input(
+        self, x: torch.Tensor, state: StreamState, keep: int, activation=None, tail: int = 0
+    ) -> torch.Tensor:
         """activation(x) (or x), after the carried history when the layer keeps one (`keep` > 0) and
         before `tail` zero columns: the last `keep` columns of history and x become the next chunk's
         history. The activation writes its output between the history and the tail itself, so the
@@ -65,7 +67,7 @@ class StreamingModule(nn.Module):
         else:
             padded = kernels.pad_time(x, history, tail)
         end = padded.shape[-1] - tail
-        state.put(self.state_name, padded[..., end - keep:end])
+        state.put(self.state_name, padded[..., end - keep : end])
         return padded
 
 
@@ -76,8 +78,13 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, history: torch.Tensor | None = None,
-                tail: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        history: torch.Tensor | None = None,
+        tail: int = 0,
+    ) -> torch.Tensor:
         """SnakeBeta of x (+ the previous convolution's bias), prefixed along time by `history` and
         followed by `tail` zero columns."""
         return kernels.snake(x, self.alpha, self.beta, bias, history, tail)
@@ -86,7 +93,9 @@ class SnakeBeta(nn.Module):
 class CausalConv(StreamingModule):
     """Conv1d (stride 1) that sees only the past: the state is the last (receptive field - 1) inputs."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1
+    ):
         super().__init__()
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.context = (kernel_size - 1) * dilation
@@ -94,8 +103,9 @@ class CausalConv(StreamingModule):
     def state_slots(self):
         return [StateSlot(self.state_name, (self.conv.in_channels, self.context))] if self.context else []
 
-    def forward(self, x: torch.Tensor, state: StreamState, activation: SnakeBeta | None = None,
-                add_bias: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: StreamState, activation: SnakeBeta | None = None, add_bias: bool = True
+    ) -> torch.Tensor:
         """conv(activation(x)) (or conv(x)) over the carried history. add_bias=False leaves this
         convolution's bias to the caller, which fuses it into what follows."""
         conv = self.conv
@@ -134,7 +144,9 @@ class CausalTransConv(StreamingModule):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
         super().__init__()
         if not stride <= kernel_size <= 2 * stride:
-            raise ValueError(f"causal transposed conv needs stride <= kernel <= 2*stride, got k={kernel_size} s={stride}")
+            raise ValueError(
+                f"causal transposed conv needs stride <= kernel <= 2*stride, got k={kernel_size} s={stride}"
+            )
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.stride = stride
         self.overlaps = kernel_size > stride
@@ -142,14 +154,16 @@ class CausalTransConv(StreamingModule):
     def state_slots(self):
         return [StateSlot(self.state_name, (self.conv.in_channels, 1))] if self.overlaps else []
 
-    def forward(self, x: torch.Tensor, state: StreamState, activation: SnakeBeta | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: StreamState, activation: SnakeBeta | None = None
+    ) -> torch.Tensor:
         """conv(activation(x)) (or conv(x)) after the previous frame, trimmed; the bias is added to the
         trimmed output in the same pass that makes it contiguous."""
         frames = x.shape[-1]
         x = self._input(x, state, 1 if self.overlaps else 0, activation)
         y = F.conv_transpose1d(x, self.conv.weight, None, stride=self.stride)
         first = self.stride if self.overlaps else 0
-        return kernels.add_channel_bias(y[..., first: first + self.stride * frames], self.conv.bias)
+        return kernels.add_channel_bias(y[..., first : first + self.stride * frames], self.conv.bias)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -176,15 +190,19 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, kernel_size=1)
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
-        hidden = self.act2(self.conv1(x, state, activation=self.act1, add_bias=False), bias=self.conv1.conv.bias)
+        hidden = self.act2(
+            self.conv1(x, state, activation=self.act1, add_bias=False), bias=self.conv1.conv.bias
+        )
         return self.conv2.pointwise(hidden, residual=x)
 
 
 class DecoderBlock(nn.Module):
     def __init__(self, in_dim: int, out_dim: int, rate: int):
         super().__init__()
-        self.block = nn.ModuleList([SnakeBeta(in_dim), CausalTransConv(in_dim, out_dim, 2 * rate, rate)]
-                                   + [ResidualUnit(out_dim, d) for d in (1, 3, 9)])
+        self.block = nn.ModuleList(
+            [SnakeBeta(in_dim), CausalTransConv(in_dim, out_dim, 2 * rate, rate)]
+            + [ResidualUnit(out_dim, d) for d in (1, 3, 9)]
+        )
 
     def forward(self, x: torch.Tensor, state: StreamState) -> torch.Tensor:
         x = self.block[1](x, state, activation=self.block[0])
@@ -202,7 +220,10 @@ class WindowKV(StreamingModule):
         self.current: StreamState | None = None
 
     def state_slots(self):
-        return [StateSlot(self.state_name + ".keys", self.shape), StateSlot(self.state_name + ".values", self.shape)]
+        return [
+            StateSlot(self.state_name + ".keys", self.shape),
+            StateSlot(self.state_name + ".values", self.shape),
+        ]
 
     def update(self, layer, keys, values):
         state = self.current
@@ -287,10 +308,14 @@ class SplitQuantizer(nn.Module):
         semantic = cfg.num_semantic_quantizers
         self.semantic = semantic
         self.rvq_first = ResidualQuantizer(semantic, cfg.codebook_size, dim, cfg.codebook_dim)
-        self.rvq_rest = ResidualQuantizer(cfg.num_quantizers - semantic, cfg.codebook_size, dim, cfg.codebook_dim)
+        self.rvq_rest = ResidualQuantizer(
+            cfg.num_quantizers - semantic, cfg.codebook_size, dim, cfg.codebook_dim
+        )
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.rvq_first.decode(codes[:, : self.semantic]) + self.rvq_rest.decode(codes[:, self.semantic:])
+        return self.rvq_first.decode(codes[:, : self.semantic]) + self.rvq_rest.decode(
+            codes[:, self.semantic :]
+        )
 
 
 class CodecDecoder(nn.Module):
@@ -301,13 +326,17 @@ class CodecDecoder(nn.Module):
         self.pre_conv = CausalConv(cfg.codebook_dim, cfg.latent_dim, kernel_size=3)
         self.pre_transformer = PreTransformer(cfg)
         self.upsample = nn.ModuleList(
-            nn.ModuleList([CausalTransConv(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXtBlock(cfg.latent_dim)])
-            for r in cfg.upsampling_ratios)
-        dims = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
+            nn.ModuleList(
+                [CausalTransConv(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXtBlock(cfg.latent_dim)]
+            )
+            for r in cfg.upsampling_ratios
+        )
+        dims = [cfg.decoder_dim // 2**i for i in range(len(cfg.upsample_rates) + 1)]
         self.decoder = nn.ModuleList(
             [CausalConv(cfg.latent_dim, cfg.decoder_dim, 7)]
             + [DecoderBlock(dims[i], dims[i + 1], rate) for i, rate in enumerate(cfg.upsample_rates)]
-            + [SnakeBeta(dims[-1]), CausalConv(dims[-1], 1, 7)])
+            + [SnakeBeta(dims[-1]), CausalConv(dims[-1], 1, 7)]
+        )
         for name, module in self.named_modules():
             if isinstance(module, StreamingModule):
                 module.state_name = name
@@ -318,7 +347,9 @@ class CodecDecoder(nn.Module):
     def forward(self, codes: torch.Tensor, start: torch.Tensor, state: StreamState) -> torch.Tensor:
         """codes [B, T, num_quantizers] (T frames of every request) -> waveform [B, T * samples_per_frame]."""
         if codes.shape[-1] != self.config.num_quantizers:
-            raise ValueError(f"expected {self.config.num_quantizers} codebooks per frame, got {codes.shape[-1]}")
+            raise ValueError(
+                f"expected {self.config.num_quantizers} codebooks per frame, got {codes.shape[-1]}"
+            )
         hidden = self.pre_conv(self.quantizer.decode(codes.transpose(1, 2)), state)
         hidden = self.pre_transformer.stream(hidden.transpose(1, 2), start, state).transpose(1, 2)
         for transposed, convnext in self.upsample:
@@ -349,16 +380,20 @@ class CodecModel(nn.Module):
         tensors, offset = {}, 0
         for slot in self.slots:
             size = math.prod(slot.shape)
-            tensors[slot.name] = packed[:, offset: offset + size].view(-1, *slot.shape)
+            tensors[slot.name] = packed[:, offset : offset + size].view(-1, *slot.shape)
             offset += size
         return StreamState(tensors)
 
     def pack(self, state: StreamState) -> torch.Tensor:
-        return torch.cat([state.updated[slot.name].reshape(state.updated[slot.name].shape[0], -1)
-                          for slot in self.slots], dim=1)
+        return torch.cat(
+            [state.updated[slot.name].reshape(state.updated[slot.name].shape[0], -1) for slot in self.slots],
+            dim=1,
+        )
 
     @torch.inference_mode()
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode the next chunk of B streams.
 
         codes: [B, T, 16] int64, the next T frames of each stream; start: [B] int64, frames each

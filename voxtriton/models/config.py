@@ -42,7 +42,9 @@ class _Fields:
 
     def _fail(self, key: str, expected: str) -> CheckpointError:
         value = self.data.get(key, "<missing>")
-        return CheckpointError(f"{self.source}: {self._name(key)} = {value!r} is not supported (expected {expected})")
+        return CheckpointError(
+            f"{self.source}: {self._name(key)} = {value!r} is not supported (expected {expected})"
+        )
 
     def int(self, key: str, minimum: int = 1, default: int | None = None) -> int:
         value = self.data.get(key, default)
@@ -52,7 +54,12 @@ class _Fields:
 
     def float(self, key: str, default: float | None = None) -> float:
         value = self.data.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
             raise self._fail(key, "a positive number")
         return float(value)
 
@@ -70,7 +77,9 @@ class _Fields:
 
     def id_map(self, key: str, vocab_size: int) -> dict[str, int]:
         value = self.data.get(key, {})
-        if not isinstance(value, dict) or not all(isinstance(v, int) and 0 <= v < vocab_size for v in value.values()):
+        if not isinstance(value, dict) or not all(
+            isinstance(v, int) and 0 <= v < vocab_size for v in value.values()
+        ):
             raise self._fail(key, f"an object of names to token ids below {vocab_size}")
         return {str(k).lower(): v for k, v in value.items()}
 
@@ -213,9 +222,18 @@ def parse_talker(f: _Fields) -> TalkerConfig:
         if dialect and dialect not in languages:
             raise f._fail("spk_is_dialect", f"dialects listed in codec_language_id (speaker {name!r})")
         speaker_dialects[name] = dialect or None
-    ids = {key: f.int(key, minimum=0) for key in (
-        "codec_bos_id", "codec_eos_token_id", "codec_pad_id", "codec_think_id", "codec_nothink_id",
-        "codec_think_bos_id", "codec_think_eos_id")}
+    ids = {
+        key: f.int(key, minimum=0)
+        for key in (
+            "codec_bos_id",
+            "codec_eos_token_id",
+            "codec_pad_id",
+            "codec_think_id",
+            "codec_nothink_id",
+            "codec_think_bos_id",
+            "codec_think_eos_id",
+        )
+    }
     for key, value in ids.items():
         if value >= vocab:
             raise f._fail(key, f"an id below vocab_size={vocab}")
@@ -250,7 +268,9 @@ def parse_codec(path: Path) -> CodecConfig:
     ratios = tuple(d.int_list("upsampling_ratios"))
     samples_per_frame = math.prod(rates) * math.prod(ratios)
     if top.int("decode_upsample_rate") != samples_per_frame:
-        raise top._fail("decode_upsample_rate", f"{samples_per_frame}, the product of the decoder's upsampling factors")
+        raise top._fail(
+            "decode_upsample_rate", f"{samples_per_frame}, the product of the decoder's upsampling factors"
+        )
     decoder_dim = d.int("decoder_dim")
     if decoder_dim % (2 ** len(rates)):
         raise d._fail("decoder_dim", f"a multiple of {2 ** len(rates)}")
@@ -286,7 +306,8 @@ def load_config(checkpoint_dir: Path) -> Qwen3TTSConfig:
     if model_type == "base":
         raise CheckpointError(
             f"{path}: tts_model_type = 'base' (voice cloning from reference audio) is not supported yet; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     top.equals("tts_model_type", *SUPPORTED_MODEL_TYPES)
     talker = parse_talker(top.child("talker_config"))
     codec = parse_codec(checkpoint_dir / "speech_tokenizer" / "config.json")
@@ -294,13 +315,22 @@ def load_config(checkpoint_dir: Path) -> Qwen3TTSConfig:
         raise CheckpointError(
             f"{path}: talker_config.code_predictor_config (vocab {talker.predictor_vocab_size}, "
             f"{talker.num_code_groups} code groups) does not match speech_tokenizer/config.json "
-            f"(codebook_size {codec.codebook_size}, num_quantizers {codec.num_quantizers})")
+            f"(codebook_size {codec.codebook_size}, num_quantizers {codec.num_quantizers})"
+        )
     if codec.codebook_size > talker.vocab_size:
         raise CheckpointError(f"{path}: talker_config.vocab_size is smaller than the codec codebook")
     text_vocab = talker.text_vocab_size
-    tokens = {key: top.int(key, minimum=0) for key in (
-        "im_start_token_id", "im_end_token_id", "assistant_token_id",
-        "tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")}
+    tokens = {
+        key: top.int(key, minimum=0)
+        for key in (
+            "im_start_token_id",
+            "im_end_token_id",
+            "assistant_token_id",
+            "tts_bos_token_id",
+            "tts_eos_token_id",
+            "tts_pad_token_id",
+        )
+    }
     for key, value in tokens.items():
         if value >= text_vocab:
             raise top._fail(key, f"an id below talker_config.text_vocab_size={text_vocab}")

@@ -51,7 +51,7 @@ class Rotary(nn.Module):
 
     def _inverse_frequencies(self, device) -> torch.Tensor:
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        return 1.0 / (self.theta ** exponent)
+        return 1.0 / (self.theta**exponent)
 
     def reset(self, device) -> None:
         """Recompute the (fp32) frequencies after the module was built on the meta device or cast."""
@@ -87,7 +87,9 @@ class Rotary(nn.Module):
 class KVStore(Protocol):
     """Where a layer's keys and values live between steps, when not in a `StaticKV`."""
 
-    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's keys/values [B, kv_heads, T, D]; return everything to attend to."""
 
 
@@ -99,7 +101,9 @@ def attention_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.
     return bias.unsqueeze(2).expand(batch, 1, group, length, span).reshape(batch, 1, group * length, span)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Grouped-query attention without repeating K/V.
 
     q: [B, H, T, D]; k, v: [B, KVH, L, D]; bias from `attention_bias`. The query heads that share
@@ -124,7 +128,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, cos, sin, kv: "StaticKV | KVStore", attend: Attend):
         batch, length, _ = x.shape
@@ -133,8 +137,19 @@ class Attention(nn.Module):
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         if isinstance(kv, StaticKV):
             key_cache, value_cache = kv.layer_rows(self.layer, batch)
-            q = rotate_into_cache(qkv, self.num_heads, self.num_kv_heads, q_norm, k_norm, eps, cos, sin,
-                                  key_cache, value_cache, kv.positions)
+            q = rotate_into_cache(
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                q_norm,
+                k_norm,
+                eps,
+                cos,
+                sin,
+                key_cache,
+                value_cache,
+                kv.positions,
+            )
             keys, values = key_cache[:, :, : kv.span], value_cache[:, :, : kv.span]
         else:
             q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, q_norm, k_norm, eps, cos, sin)
@@ -201,8 +216,13 @@ class DecoderStack(nn.Module):
         self.group = cfg.num_heads // cfg.num_kv_heads
         self.head_dim = cfg.head_dim
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: "StaticKV | KVStore",
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv: "StaticKV | KVStore",
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
         attend = self._attention(x, positions, kv, mask)
         residual = None

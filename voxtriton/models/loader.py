@@ -14,6 +14,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -84,7 +85,9 @@ class SafetensorsCheckpoint:
             try:
                 mapping = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as error:
-                raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({error})") from None
+                raise CheckpointError(
+                    f"{index}: not a safetensors index with a weight_map ({error})"
+                ) from None
             self.files = {name: directory / shard for name, shard in mapping.items()}
             self.description = str(index)
         elif single.is_file():
@@ -128,13 +131,18 @@ def load_weights(root: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
         shape = checkpoint.shape(name)
         if shape != target.shape:
             raise CheckpointError(
-                f"{checkpoint.file_of(name)}: tensor {name} has shape {list(shape)}, expected {list(target.shape)}")
+                f"{checkpoint.file_of(name)}: tensor {name} has shape {list(shape)}, expected {list(target.shape)}"
+            )
         with torch.no_grad():
             target.parameter[target.rows].copy_(checkpoint.tensor(name))
     unexpected = sorted(n for n in checkpoint.names - set(targets) if not n.startswith(UNUSED_PREFIXES))
     if unexpected:
-        log.warning("%s: ignoring %d tensor(s) this model does not use, e.g. %s",
-                    checkpoint.description, len(unexpected), unexpected[:3])
+        log.warning(
+            "%s: ignoring %d tensor(s) this model does not use, e.g. %s",
+            checkpoint.description,
+            len(unexpected),
+            unexpected[:3],
+        )
 
 
 def _materialize(build, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -148,8 +156,9 @@ def _materialize(build, device: torch.device, dtype: torch.dtype) -> nn.Module:
     return module.eval()
 
 
-def load_backbone(checkpoint_dir: Path, config: Qwen3TTSConfig | None = None, device="cpu",
-                  dtype=torch.float32) -> Qwen3TTSBackbone:
+def load_backbone(
+    checkpoint_dir: Path, config: Qwen3TTSConfig | None = None, device="cpu", dtype=torch.float32
+) -> Qwen3TTSBackbone:
     checkpoint_dir = Path(checkpoint_dir)
     config = config or load_config(checkpoint_dir)
     model = _materialize(lambda: Qwen3TTSBackbone(config), torch.device(device), dtype)
@@ -157,8 +166,9 @@ def load_backbone(checkpoint_dir: Path, config: Qwen3TTSConfig | None = None, de
     return model
 
 
-def load_codec(checkpoint_dir: Path, config: Qwen3TTSConfig | None = None, device="cpu",
-               dtype=torch.float32) -> CodecModel:
+def load_codec(
+    checkpoint_dir: Path, config: Qwen3TTSConfig | None = None, device="cpu", dtype=torch.float32
+) -> CodecModel:
     checkpoint_dir = Path(checkpoint_dir)
     config = config or load_config(checkpoint_dir)
     model = _materialize(lambda: CodecModel(config.codec), torch.device(device), dtype)

@@ -34,16 +34,48 @@ COMMON_FILES = ("generation_config.json", "preprocessor_config.json")
 SPEECH_TOKENIZER_FILES = ("config.json", "preprocessor_config.json", "configuration.json")
 
 TINY_OVERRIDES = {
-    "talker": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, text_hidden_size=32),
+    "talker": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        text_hidden_size=32,
+    ),
     "talker_mrope_section": [4, 2, 2],
-    "predictor": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, layer_types=["full_attention"] * 2),
-    "codec_decoder": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=4, head_dim=8, latent_dim=64, codebook_dim=32, decoder_dim=64),
-    "codec_encoder": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                          num_key_value_heads=2, head_dim=16, num_filters=8, codebook_dim=16, upsample_groups=32,
-                          vector_quantization_hidden_dimension=16),
+    "predictor": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["full_attention"] * 2,
+    ),
+    "codec_decoder": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        latent_dim=64,
+        codebook_dim=32,
+        decoder_dim=64,
+    ),
+    "codec_encoder": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_filters=8,
+        codebook_dim=16,
+        upsample_groups=32,
+        vector_quantization_hidden_dimension=16,
+    ),
 }
 
 
@@ -85,14 +117,23 @@ def audio_encoder_shapes(encoder: dict) -> dict[str, tuple[int, ...]]:
     index, dim = 1, filters
     for ratio in reversed(encoder["upsampling_ratios"]):
         for _ in range(encoder["num_residual_layers"]):
-            conv(f"encoder.encoder.layers.{index}.block.1.conv", dim // compress, dim, encoder["residual_kernel_size"])
+            conv(
+                f"encoder.encoder.layers.{index}.block.1.conv",
+                dim // compress,
+                dim,
+                encoder["residual_kernel_size"],
+            )
             conv(f"encoder.encoder.layers.{index}.block.3.conv", dim, dim // compress, 1)
             index += 1
         index += 1  # activation
         conv(f"encoder.encoder.layers.{index}.conv", dim * 2, dim, 2 * ratio)
         index, dim = index + 1, dim * 2
     conv(f"encoder.encoder.layers.{index + 1}.conv", hidden, dim, encoder["last_kernel_size"])
-    heads, kv_heads, head_dim = encoder["num_attention_heads"], encoder["num_key_value_heads"], encoder["head_dim"]
+    heads, kv_heads, head_dim = (
+        encoder["num_attention_heads"],
+        encoder["num_key_value_heads"],
+        encoder["head_dim"],
+    )
     for layer in range(encoder["num_hidden_layers"]):
         prefix = f"encoder.encoder_transformer.layers.{layer}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -157,7 +198,7 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: flo
         # Residual branches and the output layer are scaled down so the random waveform stays
         # mostly inside [-1, 1] instead of clipping.
         fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-        std = 0.25 if "embed" in leaf else fan_in ** -0.5
+        std = 0.25 if "embed" in leaf else fan_in**-0.5
         if ".conv2." in name:
             std *= 0.1
         if name == "decoder.decoder.6.conv.weight":
@@ -166,10 +207,18 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: flo
     return torch.randn(shape, generator=generator) * 0.02
 
 
-def _write_tensors(shapes: dict[str, tuple], directory: Path, dtype: torch.dtype, seed: int,
-                   layer_scale: float, shard_mb: int | None) -> None:
-    tensors = {name: random_tensor(name, shape, seed, layer_scale).to(dtype).contiguous()
-               for name, shape in sorted(shapes.items())}
+def _write_tensors(
+    shapes: dict[str, tuple],
+    directory: Path,
+    dtype: torch.dtype,
+    seed: int,
+    layer_scale: float,
+    shard_mb: int | None,
+) -> None:
+    tensors = {
+        name: random_tensor(name, shape, seed, layer_scale).to(dtype).contiguous()
+        for name, shape in sorted(shapes.items())
+    }
     if not shard_mb:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -189,11 +238,13 @@ def _write_tensors(shapes: dict[str, tuple], directory: Path, dtype: torch.dtype
         weight_index.update({name: filename for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_index}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_index}, indent=2)
+    )
 
 
-def make_checkpoint(preset: str, out_dir: Path, seed: int = 0, shard_mb: int | None = None,
-                    tokenizer: bool = True) -> Path:
+def make_checkpoint(
+    preset: str, out_dir: Path, seed: int = 0, shard_mb: int | None = None, tokenizer: bool = True
+) -> Path:
     """Write a random checkpoint; returns its directory. Existing files there are replaced."""
     out_dir = Path(out_dir)
     config, speech = preset_configs(preset)

@@ -46,7 +46,9 @@ class PredictorModel(DecoderStack):
         # Embeddings of codebooks 1..15 live in the talker's hidden size (they are summed into the
         # talker input); the predictor reads them through small_to_mtp_projection.
         self.codec_embedding = nn.ModuleList(
-            nn.Embedding(cfg.predictor_vocab_size, cfg.transformer.hidden_size) for _ in range(cfg.num_code_groups - 1))
+            nn.Embedding(cfg.predictor_vocab_size, cfg.transformer.hidden_size)
+            for _ in range(cfg.num_code_groups - 1)
+        )
 
 
 class CodePredictor(nn.Module):
@@ -57,9 +59,13 @@ class CodePredictor(nn.Module):
         self.num_residual = cfg.num_code_groups - 1
         self.model = PredictorModel(cfg)
         self.lm_head = nn.ModuleList(
-            nn.Linear(cfg.predictor.hidden_size, cfg.predictor_vocab_size, bias=False) for _ in range(self.num_residual))
+            nn.Linear(cfg.predictor.hidden_size, cfg.predictor_vocab_size, bias=False)
+            for _ in range(self.num_residual)
+        )
         if cfg.predictor.hidden_size != cfg.transformer.hidden_size:
-            self.small_to_mtp_projection = nn.Linear(cfg.transformer.hidden_size, cfg.predictor.hidden_size, bias=True)
+            self.small_to_mtp_projection = nn.Linear(
+                cfg.transformer.hidden_size, cfg.predictor.hidden_size, bias=True
+            )
         else:
             self.small_to_mtp_projection = nn.Identity()
 
@@ -71,8 +77,14 @@ class CodePredictor(nn.Module):
     def forward(self, embeds, positions, kv: StaticKV):
         return self.model(self.small_to_mtp_projection(embeds), positions, kv)
 
-    def predict_frame(self, talker_hidden: torch.Tensor, first_code_embed: torch.Tensor,
-                      keys: torch.Tensor, values: torch.Tensor, sample: Sampler) -> torch.Tensor:
+    def predict_frame(
+        self,
+        talker_hidden: torch.Tensor,
+        first_code_embed: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        sample: Sampler,
+    ) -> torch.Tensor:
         """Codebooks 1..15 for a batch: [B, 15] ids.
 
         talker_hidden, first_code_embed: [B, D]. keys/values: [layers, >=B, kv_heads, cache_length,
@@ -120,7 +132,9 @@ class Talker(nn.Module):
         parts += [table(codes[:, i + 1]) for i, table in enumerate(self.code_predictor.model.codec_embedding)]
         return torch.stack(parts, dim=1).sum(dim=1)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: StaticKV, span: int) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, cache: StaticKV, span: int
+    ) -> torch.Tensor:
         """Advance a batch: embeds [B, T, D] at positions [B, T]; returns final hidden [B, T, D]."""
         return self.model(embeds, positions, cache.bind(positions, span))
 

@@ -33,7 +33,11 @@ NO_CODEC = -1  # prompt position without a codec token
 
 
 def _gpt2_byte_order() -> list[int]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     return printable + [b for b in range(256) if b not in printable]
 
 
@@ -49,14 +53,29 @@ def qwen2_tokenizer(vocab_file: Path, merges_file: Path):
     from tokenizers.models import BPE
 
     vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
-    merges = [tuple(line.split(" ")) for line in merges_file.read_text(encoding="utf-8").splitlines()
-              if line and not line.startswith("#version")]
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=None, continuing_subword_prefix="",
-                              end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    merges = [
+        tuple(line.split(" "))
+        for line in merges_file.read_text(encoding="utf-8").splitlines()
+        if line and not line.startswith("#version")
+    ]
+    tokenizer = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -107,25 +126,41 @@ class PromptBuilder:
     def _role(self, role_ids: list[int]) -> list[int]:
         return [self.config.im_start_token_id, *role_ids, *self.newline]
 
-    def build(self, text: str, speaker: str | None = None, language: str | None = None,
-              instruct: str | None = None, interleaved: bool = False) -> Prompt:
+    def build(
+        self,
+        text: str,
+        speaker: str | None = None,
+        language: str | None = None,
+        instruct: str | None = None,
+        interleaved: bool = False,
+    ) -> Prompt:
         cfg, talker = self.config, self.config.talker
         text_ids = self.tokenizer.encode(text)
         if not text_ids:
             raise RequestError("text", "is empty")
         language = (language or "auto").lower()
         if language not in self.languages:
-            raise RequestError("language", f"unknown language {language!r}; supported: {', '.join(self.languages)}")
+            raise RequestError(
+                "language", f"unknown language {language!r}; supported: {', '.join(self.languages)}"
+            )
         speaker = (speaker or "").lower() or None
         if cfg.model_type == "custom_voice":
             if speaker is None:
-                raise RequestError("speaker", f"is required by this CustomVoice model; one of {', '.join(self.speakers)}")
+                raise RequestError(
+                    "speaker", f"is required by this CustomVoice model; one of {', '.join(self.speakers)}"
+                )
             if speaker not in talker.speakers:
-                raise RequestError("speaker", f"unknown speaker {speaker!r}; supported: {', '.join(self.speakers)}")
+                raise RequestError(
+                    "speaker", f"unknown speaker {speaker!r}; supported: {', '.join(self.speakers)}"
+                )
         elif speaker is not None:
-            raise RequestError("speaker", "this VoiceDesign model has no preset speakers; describe the voice in 'instruct'")
+            raise RequestError(
+                "speaker", "this VoiceDesign model has no preset speakers; describe the voice in 'instruct'"
+            )
         if instruct and not cfg.supports_instruct:
-            raise RequestError("instruct", f"not supported by this checkpoint (tts_model_size {cfg.model_size!r})")
+            raise RequestError(
+                "instruct", f"not supported by this checkpoint (tts_model_size {cfg.model_size!r})"
+            )
 
         language_id = None if language == "auto" else talker.languages[language]
         if speaker is not None and language in ("chinese", "auto") and talker.speaker_dialects[speaker]:
@@ -133,20 +168,30 @@ class PromptBuilder:
         if language_id is None:
             codec_prefix = [talker.codec_nothink_id, talker.codec_think_bos_id, talker.codec_think_eos_id]
         else:
-            codec_prefix = [talker.codec_think_id, talker.codec_think_bos_id, language_id, talker.codec_think_eos_id]
+            codec_prefix = [
+                talker.codec_think_id,
+                talker.codec_think_bos_id,
+                language_id,
+                talker.codec_think_eos_id,
+            ]
         if speaker is not None:
             codec_prefix.append(talker.speakers[speaker])
         codec_prefix.append(talker.codec_pad_id)
 
         prefix_text: list[int] = []
         if instruct:
-            prefix_text = self._role(self.user) + self.tokenizer.encode(instruct) + [cfg.im_end_token_id, *self.newline]
+            prefix_text = (
+                self._role(self.user) + self.tokenizer.encode(instruct) + [cfg.im_end_token_id, *self.newline]
+            )
         prefix_text += self._role([cfg.assistant_token_id])
         text_side = prefix_text + [cfg.tts_pad_token_id] * (len(codec_prefix) - 1) + [cfg.tts_bos_token_id]
         codec_side = [NO_CODEC] * len(prefix_text) + codec_prefix
         if interleaved:
-            return Prompt(text_side + text_ids[:1], codec_side + [talker.codec_bos_id],
-                          text_ids[1:] + [cfg.tts_eos_token_id])
+            return Prompt(
+                text_side + text_ids[:1],
+                codec_side + [talker.codec_bos_id],
+                text_ids[1:] + [cfg.tts_eos_token_id],
+            )
         text_side += text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
         codec_side += [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
         return Prompt(text_side, codec_side, [])

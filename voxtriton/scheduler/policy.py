@@ -79,15 +79,21 @@ class SchedulerConfig:
         except ValueError:  # not a number: nothing is cached, the error below names the setting
             sizes = ()
         if not sizes or min(sizes) < 1:
-            raise ValueError(f"chunk_schedule must be comma-separated frame counts >= 1, got {self.chunk_schedule!r}")
+            raise ValueError(
+                f"chunk_schedule must be comma-separated frame counts >= 1, got {self.chunk_schedule!r}"
+            )
         if self.max_batch < 1 or self.background_max_batch < 1 or self.slack_margin_s < 0:
             raise ValueError("max_batch >= 1, background_max_batch >= 1 and slack_margin_s >= 0 are required")
         if self.ttfa_target_s < 0:
             raise ValueError(f"scheduler_ttfa_target_s must be >= 0, got {self.ttfa_target_s}")
         if self.catch_up and any(later < earlier for earlier, later in zip(sizes, sizes[1:])):
-            raise ValueError(f"scheduler_catch_up needs a chunk_schedule that never shrinks, got {self.chunk_schedule!r}")
+            raise ValueError(
+                f"scheduler_catch_up needs a chunk_schedule that never shrinks, got {self.chunk_schedule!r}"
+            )
         if self.idle_urgent_takes_frames < 0:
-            raise ValueError(f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}")
+            raise ValueError(
+                f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}"
+            )
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -209,7 +215,9 @@ class ChunkScheduler:
 
     def open(self, stream_id: str, arrived_at: float | None = None) -> StreamTimeline:
         """Start a stream's timeline; `arrived_at` (default now) is when its request arrived."""
-        stream = self.streams[stream_id] = StreamTimeline(stream_id, self.clock() if arrived_at is None else arrived_at)
+        stream = self.streams[stream_id] = StreamTimeline(
+            stream_id, self.clock() if arrived_at is None else arrived_at
+        )
         return stream
 
     def close(self, stream_id: str) -> None:
@@ -268,7 +276,9 @@ class ChunkScheduler:
     def route(self, chunk: Chunk) -> str:
         lanes = self.config.lanes
         if len(lanes) == 1:
-            return lanes[0]  # serial's inline decode; one codec lane beside the backbone, first come first served
+            return lanes[
+                0
+            ]  # serial's inline decode; one codec lane beside the backbone, first come first served
         slack = self.slack(chunk)
         return URGENT if slack is None or slack < self.config.slack_margin_s else BACKGROUND
 
@@ -279,7 +289,9 @@ class ChunkScheduler:
         if self.config.policy != "voxserve":
             return
         waiting = self.queues[BACKGROUND]
-        late = [c for c in waiting if (s := self.slack(c, now)) is not None and s < self.config.slack_margin_s]
+        late = [
+            c for c in waiting if (s := self.slack(c, now)) is not None and s < self.config.slack_margin_s
+        ]
         for chunk in late:
             waiting.remove(chunk)
             chunk.lane, chunk.promoted = URGENT, True
@@ -328,7 +340,11 @@ class ChunkScheduler:
         same events, and whichever comes first would otherwise split them up)."""
         waiting = self.queues[BACKGROUND]
         budget = self.config.idle_urgent_takes_frames
-        if self.config.policy != "voxserve" or not budget or len(waiting) <= self.config.batch_limit(BACKGROUND):
+        if (
+            self.config.policy != "voxserve"
+            or not budget
+            or len(waiting) <= self.config.batch_limit(BACKGROUND)
+        ):
             return []
         waiting.sort(key=lambda c: c.due(self.config.ttfa_target_s))
         count = min(self.config.batch_limit(URGENT), budget // waiting[0].decode_frames)

@@ -23,7 +23,9 @@ class CodecService:
         self.model = load_codec(ensure_checkpoint(settings.checkpoint_dir), device=self.device, dtype=dtype)
         sm_count = 0
         if self.device.type == "cuda":
-            sm_count = lane_sms(settings.sm_count, torch.cuda.get_device_properties(self.device).multi_processor_count)
+            sm_count = lane_sms(
+                settings.sm_count, torch.cuda.get_device_properties(self.device).multi_processor_count
+            )
         self.partition = SMPartition(self.device, sm_count, settings.high_priority)
         graphs = self.device.type == "cuda" and settings.cuda_graphs
         # Process-wide, and this process runs only the codec. The captured shapes are autotuned in
@@ -36,7 +38,9 @@ class CodecService:
         self.state_size = self.model.state_size
         self.calls = 0
 
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor
+    ) -> torch.Tensor:
         """codes [B, T, Q] int, start [B] int64, slots [B] int64 -> audio [B, T*spf] fp32.
 
         Each stream's codec state is row `slots[i]` of `pool` (see state_pool): read, advanced and
@@ -45,18 +49,26 @@ class CodecService:
         self._maybe_fail()
         batch = codes.shape[0]
         if codes.dim() != 3 or codes.shape[2] != self.model.config.num_quantizers:
-            raise ValueError(f"codes must be [batch, frames, {self.model.config.num_quantizers}], got {list(codes.shape)}")
+            raise ValueError(
+                f"codes must be [batch, frames, {self.model.config.num_quantizers}], got {list(codes.shape)}"
+            )
         if start.shape != (batch,) or slots.shape != (batch,):
-            raise ValueError(f"start and slots must be [{batch}], got {list(start.shape)} and {list(slots.shape)}")
+            raise ValueError(
+                f"start and slots must be [{batch}], got {list(start.shape)} and {list(slots.shape)}"
+            )
         if pool.dim() != 2 or pool.shape[1] != self.state_size:
-            raise ValueError(f"state_pool holds states of {pool.shape[1:]} values, this codec needs {self.state_size}")
+            raise ValueError(
+                f"state_pool holds states of {pool.shape[1:]} values, this codec needs {self.state_size}"
+            )
         # An out-of-range code or slot would be a device-side assert, which ends this process (and
         # under MPS can take its neighbours down): refuse it here with a clear error instead.
         low, high = int(codes.min()), int(codes.max())
         if low < 0 or high >= self.model.config.codebook_size:
             raise ValueError(f"codes must be in [0, {self.model.config.codebook_size}), got [{low}, {high}]")
         if len(set(slots.tolist())) != batch or int(slots.min()) < 0 or int(slots.max()) >= pool.shape[0]:
-            raise ValueError(f"slots must be distinct rows of the state pool [0, {pool.shape[0]}), got {slots.tolist()}")
+            raise ValueError(
+                f"slots must be distinct rows of the state pool [0, {pool.shape[0]}), got {slots.tolist()}"
+            )
         slots = slots.to(pool.device)
         with self.partition:
             start = start.to(self.device)

@@ -44,13 +44,21 @@ def pcm16(audio: np.ndarray) -> bytes:
 def streaming_wav_header() -> bytes:
     """A WAV header for a stream of unknown length (sizes set to the maximum, as streaming servers do)."""
     unknown = 0xFFFFFFFF
-    return (b"RIFF" + struct.pack("<I", unknown) + b"WAVE"
-            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, SAMPLE_RATE * 2, 2, 16)
-            + b"data" + struct.pack("<I", unknown))
+    return (
+        b"RIFF"
+        + struct.pack("<I", unknown)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, SAMPLE_RATE * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", unknown)
+    )
 
 
 class SpeechError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
@@ -73,15 +81,21 @@ def parse_speech_request(body: dict) -> dict:
         raise SpeechError(400, "model: must be a string", "model")
     response_format = body.get("response_format", "wav")
     if response_format not in ("wav", "pcm"):
-        raise SpeechError(400, f"response_format: {response_format!r} is not supported (use wav or pcm)",
-                          "response_format")
+        raise SpeechError(
+            400, f"response_format: {response_format!r} is not supported (use wav or pcm)", "response_format"
+        )
     speed = body.get("speed", 1.0)
     if not isinstance(speed, (int, float)) or speed != 1.0:
         raise SpeechError(400, "speed: only 1.0 is supported (the model has no speed control)", "speed")
     options: dict = {"format": response_format}
-    for source, target, kind in (("voice", "speaker", str), ("instructions", "instruct", str), ("language", "language", str),
-                                 ("seed", "seed", int), ("max_frames", "max_frames", int),
-                                 ("ignore_eos", "ignore_eos", bool)):
+    for source, target, kind in (
+        ("voice", "speaker", str),
+        ("instructions", "instruct", str),
+        ("language", "language", str),
+        ("seed", "seed", int),
+        ("max_frames", "max_frames", int),
+        ("ignore_eos", "ignore_eos", bool),
+    ):
         value = body.get(source)
         if value is None:
             continue
@@ -141,7 +155,7 @@ def error_from_server(message: str) -> SpeechError:
     field_name = message.split(":", 1)[0]
     if field_name in INPUT_TYPES and ":" in message:
         name = FIELD_NAMES.get(field_name, field_name)
-        return SpeechError(400, name + message[len(field_name):], name)
+        return SpeechError(400, name + message[len(field_name) :], name)
     return SpeechError(502, f"voxtriton server error: {message}", kind="server_error")
 
 
@@ -170,7 +184,10 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "backends": [{"url": b.url, "in_flight": b.in_flight} for b in router.backends]}
+        return {
+            "status": "ok",
+            "backends": [{"url": b.url, "in_flight": b.in_flight} for b in router.backends],
+        }
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
@@ -185,7 +202,9 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
 
         async def produce():
             try:
-                chunks.put_nowait(await router.synthesize(text, on_chunk=lambda c: chunks.put_nowait(c.audio), **options))
+                chunks.put_nowait(
+                    await router.synthesize(text, on_chunk=lambda c: chunks.put_nowait(c.audio), **options)
+                )
             except Exception as error:  # connection-level failure to the backend
                 chunks.put_nowait(error)
 
@@ -216,8 +235,13 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", action="append", default=[], metavar="HOST:PORT",
-                        help="voxtriton Triton gRPC address (repeat for several servers; default 127.0.0.1:8001)")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="voxtriton Triton gRPC address (repeat for several servers; default 127.0.0.1:8001)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--checkpoint", help="checkpoint directory, to list its voices in the playground")
@@ -230,6 +254,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     checkpoint = args.checkpoint or str(ensure_checkpoint(""))
     app = create_app(args.backend or ["127.0.0.1:8001"], checkpoint)
-    print(f"voxtriton gateway: http://{args.host}:{args.port}/ (playground), POST /v1/audio/speech", flush=True)
+    print(
+        f"voxtriton gateway: http://{args.host}:{args.port}/ (playground), POST /v1/audio/speech", flush=True
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -50,12 +50,15 @@ def find_tritonserver(explicit: str | None = None) -> TritonInstall:
         return TritonInstall(NGC_SERVER, None)
     try:
         import importlib.util
+
         spec = importlib.util.find_spec("pytriton")
     except (ImportError, ValueError):
         spec = None
     if spec is None or spec.origin is None:
-        raise SystemExit("tritonserver not found: pass --tritonserver PATH, run in the NGC tritonserver "
-                         "container, or `pip install --no-deps nvidia-pytriton==0.7.0` (see README)")
+        raise SystemExit(
+            "tritonserver not found: pass --tritonserver PATH, run in the NGC tritonserver "
+            "container, or `pip install --no-deps nvidia-pytriton==0.7.0` (see README)"
+        )
     return _bundle_install(Path(spec.origin).parent / "tritonserver")
 
 
@@ -74,8 +77,11 @@ def _python_backend_dir(bundle: Path) -> Path:
     target = cache_dir() / "triton-backends" / version
     python_dir = target / "python"
     python_dir.mkdir(parents=True, exist_ok=True)
-    for source in (bundle / "backends" / "python" / "libtriton_python.so",
-                   bundle / "backends" / "python" / "triton_python_backend_utils.py", stub):
+    for source in (
+        bundle / "backends" / "python" / "libtriton_python.so",
+        bundle / "backends" / "python" / "triton_python_backend_utils.py",
+        stub,
+    ):
         destination = python_dir / source.name
         if not destination.exists() or destination.stat().st_size != source.stat().st_size:
             shutil.copy2(source, destination)
@@ -84,7 +90,9 @@ def _python_backend_dir(bundle: Path) -> Path:
 
 def set_parameter(config_text: str, key: str, value: str) -> str:
     """Replace (or append) `parameters { key: KEY value: { string_value: ... } }` in a config.pbtxt."""
-    pattern = re.compile(r'(parameters\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*")[^"]*(")')
+    pattern = re.compile(
+        r'(parameters\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*")[^"]*(")'
+    )
     line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
     if pattern.search(config_text):
         return pattern.sub(lambda m: m.group(1) + value + m.group(2), config_text)
@@ -116,8 +124,10 @@ def pinned_device(gpu: int) -> str:
         return str(gpu)
     allowed = visible_devices(inherited)
     if not 0 <= gpu < len(allowed):
-        raise SystemExit(f"voxtriton: GPU {gpu} is not among the {len(allowed)} that "
-                         f"CUDA_VISIBLE_DEVICES={inherited!r} allows")
+        raise SystemExit(
+            f"voxtriton: GPU {gpu} is not among the {len(allowed)} that "
+            f"CUDA_VISIBLE_DEVICES={inherited!r} allows"
+        )
     return allowed[gpu]
 
 
@@ -143,26 +153,41 @@ class MPSDaemon:
     """The CUDA MPS control daemon, with private pipe and log directories, for one server run."""
 
     def __init__(self, root: Path, pinned: dict[str, str] | None = None):
-        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log")}
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(root / "mps-pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log"),
+        }
         self.pinned = pinned or {}  # CUDA_VISIBLE_DEVICES of a server pinned to one GPU
         self.started = False
 
     def start(self) -> None:
         if shutil.which("nvidia-cuda-mps-control") is None:
-            print("voxtriton: nvidia-cuda-mps-control not found; codec lanes will time-slice with the backbone")
+            print(
+                "voxtriton: nvidia-cuda-mps-control not found; codec lanes will time-slice with the backbone"
+            )
             return
         for path in self.env.values():
             Path(path).mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env, **self.pinned},
-                                capture_output=True)
+        result = subprocess.run(
+            ["nvidia-cuda-mps-control", "-d"],
+            env={**os.environ, **self.env, **self.pinned},
+            capture_output=True,
+        )
         self.started = result.returncode == 0
         if not self.started:
-            print(f"voxtriton: could not start CUDA MPS ({result.stderr.decode().strip()}); lanes will time-slice")
+            print(
+                f"voxtriton: could not start CUDA MPS ({result.stderr.decode().strip()}); lanes will time-slice"
+            )
 
     def stop(self) -> None:
         if self.started:
-            subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ, **self.env},
-                           capture_output=True, timeout=30)
+            subprocess.run(
+                ["nvidia-cuda-mps-control"],
+                input=b"quit\n",
+                env={**os.environ, **self.env},
+                capture_output=True,
+                timeout=30,
+            )
             self.started = False
 
 
@@ -172,11 +197,23 @@ CODEC_MODELS = {"codec_urgent": URGENT, "codec_background": BACKGROUND}  # model
 class TritonServer:
     """tritonserver over a rendered model repository; a context manager that leaves nothing behind."""
 
-    def __init__(self, *, checkpoint: str | None = None, policy: str | None = None, host: str = "127.0.0.1",
-                 grpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
-                 repository: Path = REPOSITORY, tritonserver: str | None = None,
-                 parameters: dict[str, dict[str, str]] | None = None, log_file: Path | None = None,
-                 use_mps: bool | None = None, extra_args: list[str] | None = None, gpu: int | None = None):
+    def __init__(
+        self,
+        *,
+        checkpoint: str | None = None,
+        policy: str | None = None,
+        host: str = "127.0.0.1",
+        grpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        repository: Path = REPOSITORY,
+        tritonserver: str | None = None,
+        parameters: dict[str, dict[str, str]] | None = None,
+        log_file: Path | None = None,
+        use_mps: bool | None = None,
+        extra_args: list[str] | None = None,
+        gpu: int | None = None,
+    ):
         """gpu: pin the server (and its MPS daemon) to this one GPU, e.g. one server per GPU; counted
         among the GPUs CUDA_VISIBLE_DEVICES allows when it is set."""
         if policy != "disaggregated":  # there the codec lanes get a GPU of their own, no partition
@@ -200,12 +237,16 @@ class TritonServer:
                 for model in CODEC_MODELS:
                     overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
             else:
-                print("voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device")
+                print(
+                    "voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device"
+                )
         for model, values in (parameters or {}).items():
             overrides.setdefault(model, {}).update(values)
         self.repository = render_repository(repository, self.workdir / "models", overrides)
         self.log_file = log_file or self.workdir / "tritonserver.log"
-        self.mps = MPSDaemon(self.workdir, self.pinned) if (gpus > 0 if use_mps is None else use_mps) else None
+        self.mps = (
+            MPSDaemon(self.workdir, self.pinned) if (gpus > 0 if use_mps is None else use_mps) else None
+        )
         self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
 
@@ -230,17 +271,36 @@ class TritonServer:
             # MPS server sees from 0: passed on unchanged, CUDA_VISIBLE_DEVICES=1 would name a second
             # GPU that the server does not have, and the models would find no GPU (on a two-GPU H200
             # host they fell back to the CPU).
-            return env | {"CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(len(visible_devices(visible))))}
+            return env | {
+                "CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in range(len(visible_devices(visible))))
+            }
         return env | self.pinned
 
     def command(self) -> list[str]:
-        command = [str(self.install.server), "--model-repository", str(self.repository),
-                   "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
-                   "--http-address", self.host, "--http-port", str(self.http_port),
-                   "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
-                   "--exit-timeout-secs", "10",
-                   # explicit mode lets the tts model reload a codec lane whose process died
-                   "--model-control-mode", "explicit", "--load-model", "*"]
+        command = [
+            str(self.install.server),
+            "--model-repository",
+            str(self.repository),
+            "--grpc-address",
+            self.host,
+            "--grpc-port",
+            str(self.grpc_port),
+            "--http-address",
+            self.host,
+            "--http-port",
+            str(self.http_port),
+            "--metrics-address",
+            self.host,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--exit-timeout-secs",
+            "10",
+            # explicit mode lets the tts model reload a codec lane whose process died
+            "--model-control-mode",
+            "explicit",
+            "--load-model",
+            "*",
+        ]
         if self.install.backend_dir is not None:
             command += ["--backend-directory", str(self.install.backend_dir)]
         return command + self.extra_args
@@ -262,8 +322,14 @@ class TritonServer:
         log = open(self.log_file, "ab")
         # A new session, so stop() can end the server and every stub process it started; and killed
         # with us if we die without stopping it (its stubs follow their parent).
-        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -331,19 +397,31 @@ class TritonServer:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", help="checkpoint directory in the official layout (default: the embedded "
-                        "tiny RANDOM-weight checkpoint, which produces noise)")
+    parser.add_argument(
+        "--checkpoint",
+        help="checkpoint directory in the official layout (default: the embedded "
+        "tiny RANDOM-weight checkpoint, which produces noise)",
+    )
     parser.add_argument("--policy", choices=("voxserve", "concurrent", "serial", "disaggregated"))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--tritonserver", help="path to the tritonserver binary")
-    parser.add_argument("--gpu", type=int, help="pin the server and its MPS daemon to this GPU (one server per "
-                        "GPU, each on its own ports, behind `voxtriton gateway --backend ...`)")
+    parser.add_argument(
+        "--gpu",
+        type=int,
+        help="pin the server and its MPS daemon to this GPU (one server per "
+        "GPU, each on its own ports, behind `voxtriton gateway --backend ...`)",
+    )
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
-    parser.add_argument("--param", action="append", default=[], metavar="MODEL:KEY=VALUE",
-                        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="MODEL:KEY=VALUE",
+        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)",
+    )
 
 
 def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
@@ -354,8 +432,10 @@ def align_background_partition(parameters: dict[str, dict[str, str]]) -> dict[st
     lane = parameters.get("codec_background", {}).get("sm_count")
     tts = parameters.get("tts", {}).get("background_sms")
     if lane is not None and tts is not None and lane != tts:
-        raise SystemExit(f"codec_background:sm_count={lane} and tts:background_sms={tts} must agree "
-                         "(the background lane's SMs); set one of them")
+        raise SystemExit(
+            f"codec_background:sm_count={lane} and tts:background_sms={tts} must agree "
+            "(the background lane's SMs); set one of them"
+        )
     if lane is None and tts is None:
         return parameters
     size = lane if lane is not None else tts
@@ -371,8 +451,11 @@ def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dic
     for tts and a codec model's `graph_frame_sizes` / `graph_batch_sizes` is not, capture the shapes
     the setting implies."""
     tts = parameters.get("tts", {})
-    keys = {"scheduler_chunk_schedule": "graph_frame_sizes", "scheduler_max_batch": "graph_batch_sizes",
-            "scheduler_background_max_batch": "graph_batch_sizes"}
+    keys = {
+        "scheduler_chunk_schedule": "graph_frame_sizes",
+        "scheduler_max_batch": "graph_batch_sizes",
+        "scheduler_background_max_batch": "graph_batch_sizes",
+    }
     given = {setting.removeprefix("scheduler_"): tts[setting] for setting in keys if setting in tts}
     if not given:
         return parameters
@@ -407,11 +490,22 @@ def parse_params(items: list[str]) -> dict[str, dict[str, str]]:
 
 def serve(args: argparse.Namespace) -> int:
     if not args.checkpoint:
-        print("voxtriton: no --checkpoint given: serving the embedded tiny RANDOM-WEIGHT checkpoint. "
-              "It produces noise, not speech. Serve real weights with --checkpoint DIR.")
-    server = TritonServer(checkpoint=args.checkpoint, policy=args.policy, host=args.host, grpc_port=args.grpc_port,
-                          http_port=args.http_port, metrics_port=args.metrics_port, repository=args.model_repository,
-                          tritonserver=args.tritonserver, parameters=parse_params(args.param), gpu=args.gpu)
+        print(
+            "voxtriton: no --checkpoint given: serving the embedded tiny RANDOM-WEIGHT checkpoint. "
+            "It produces noise, not speech. Serve real weights with --checkpoint DIR."
+        )
+    server = TritonServer(
+        checkpoint=args.checkpoint,
+        policy=args.policy,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        repository=args.model_repository,
+        tritonserver=args.tritonserver,
+        parameters=parse_params(args.param),
+        gpu=args.gpu,
+    )
     stopping = False
 
     def on_signal(signum, frame):
@@ -422,14 +516,19 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         server.start(timeout=600)
-        print(f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
-              f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
-              f"  try: voxtriton-client speak \"Hello from voxtriton\" -o hello.wav --server {server.grpc_url}\n"
-              f"  log: {server.log_file}", flush=True)
+        print(
+            f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
+            f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
+            f'  try: voxtriton-client speak "Hello from voxtriton" -o hello.wav --server {server.grpc_url}\n'
+            f"  log: {server.log_file}",
+            flush=True,
+        )
         while not stopping and server.process.poll() is None:
             time.sleep(0.5)
         if not stopping:
-            print(f"voxtriton: tritonserver exited with code {server.process.returncode}; log:\n{server.log_tail()}")
+            print(
+                f"voxtriton: tritonserver exited with code {server.process.returncode}; log:\n{server.log_tail()}"
+            )
             return 1
         return 0
     finally:

@@ -5,7 +5,6 @@ Triton already checks declared datatypes and shapes against config.pbtxt; this c
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ..engine.request import GenerationParams, Request
@@ -15,8 +14,15 @@ from ..models.text import PromptBuilder
 from .settings import TTSSettings
 
 STRING_INPUTS = ("text", "speaker", "language", "instruct")
-SCALAR_INPUTS = {"seed": np.int64, "max_frames": np.int32, "ignore_eos": np.bool_, "temperature": np.float32,
-                 "top_p": np.float32, "top_k": np.int32, "repetition_penalty": np.float32}
+SCALAR_INPUTS = {
+    "seed": np.int64,
+    "max_frames": np.int32,
+    "ignore_eos": np.bool_,
+    "temperature": np.float32,
+    "top_p": np.float32,
+    "top_k": np.int32,
+    "repetition_penalty": np.float32,
+}
 
 
 def _single(name: str, array: np.ndarray):
@@ -49,7 +55,9 @@ class RequestParser:
         self.config, self.prompts, self.settings = config, prompts, settings
         self.default_speaker = settings.default_speaker or (prompts.speakers[0] if prompts.speakers else "")
         if self.default_speaker and self.default_speaker.lower() not in config.talker.speakers:
-            raise ValueError(f"default_speaker {settings.default_speaker!r} is not a speaker of this checkpoint")
+            raise ValueError(
+                f"default_speaker {settings.default_speaker!r} is not a speaker of this checkpoint"
+            )
 
     def parse(self, request_id: str, inputs: dict[str, np.ndarray]) -> Request:
         if "text" not in inputs:
@@ -60,17 +68,34 @@ class RequestParser:
         if not text.strip():
             raise RequestError("text", "is empty")
         scalars = {name: _single(name, inputs[name]).item() for name in SCALAR_INPUTS if name in inputs}
-        speaker = strings.get("speaker") or (self.default_speaker if self.config.model_type == "custom_voice" else None)
-        prompt = self.prompts.build(text, speaker, strings.get("language") or None, strings.get("instruct") or None,
-                                    interleaved=self.settings.text_layout == "interleaved")
-        if len(prompt.trailing_text_ids) > self.settings.max_text_tokens or len(prompt.text_ids) > self.settings.max_text_tokens:
+        speaker = strings.get("speaker") or (
+            self.default_speaker if self.config.model_type == "custom_voice" else None
+        )
+        prompt = self.prompts.build(
+            text,
+            speaker,
+            strings.get("language") or None,
+            strings.get("instruct") or None,
+            interleaved=self.settings.text_layout == "interleaved",
+        )
+        if (
+            len(prompt.trailing_text_ids) > self.settings.max_text_tokens
+            or len(prompt.text_ids) > self.settings.max_text_tokens
+        ):
             raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
         frames_limit = min(self.settings.max_frames, self.settings.max_positions - len(prompt.text_ids))
         if frames_limit < 1:
             raise RequestError("text", "too long for the server's KV cache (max_positions)")
         # GenerationParams.create checks every sampling value and max_frames against frames_limit.
         params = GenerationParams.create(
-            self.config.generation, frames_limit, temperature=scalars.get("temperature"), top_k=scalars.get("top_k"),
-            top_p=scalars.get("top_p"), repetition_penalty=scalars.get("repetition_penalty"), seed=scalars.get("seed"),
-            max_frames=scalars.get("max_frames"), ignore_eos=bool(scalars.get("ignore_eos", False)))
+            self.config.generation,
+            frames_limit,
+            temperature=scalars.get("temperature"),
+            top_k=scalars.get("top_k"),
+            top_p=scalars.get("top_p"),
+            repetition_penalty=scalars.get("repetition_penalty"),
+            seed=scalars.get("seed"),
+            max_frames=scalars.get("max_frames"),
+            ignore_eos=bool(scalars.get("ignore_eos", False)),
+        )
         return Request(request_id, prompt, params)

@@ -31,11 +31,15 @@ def resolve_device(name: str) -> torch.device:
                 # A CUDA build on a GPU host that cannot use it is misconfigured (CUDA_VISIBLE_DEVICES,
                 # an MPS server that does not see the device): refuse rather than serve a GPU's load at
                 # CPU speed (a 1.7B model on the CPU answered nothing within minutes on the H200 host).
-                raise ValueError(f"config.pbtxt parameter 'device' is auto and this host has a GPU ({GPU_DEVICE_NODE}), "
-                                 "but CUDA is not available to this process: check CUDA_VISIBLE_DEVICES, the CUDA MPS "
-                                 "daemon and that the driver supports this torch's CUDA, or set device=cpu for every "
-                                 "model (voxtriton serve --param '*:device=cpu') to run on the CPU anyway")
-            log.warning("this host has a GPU but torch %s is a CPU-only build: running on the CPU", torch.__version__)
+                raise ValueError(
+                    f"config.pbtxt parameter 'device' is auto and this host has a GPU ({GPU_DEVICE_NODE}), "
+                    "but CUDA is not available to this process: check CUDA_VISIBLE_DEVICES, the CUDA MPS "
+                    "daemon and that the driver supports this torch's CUDA, or set device=cpu for every "
+                    "model (voxtriton serve --param '*:device=cpu') to run on the CPU anyway"
+                )
+            log.warning(
+                "this host has a GPU but torch %s is a CPU-only build: running on the CPU", torch.__version__
+            )
         return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -64,8 +68,11 @@ def ensure_checkpoint(configured: str) -> Path:
         if not (target / "speech_tokenizer" / "model.safetensors").is_file():
             from ..models.random_checkpoint import make_checkpoint
 
-            log.warning("no checkpoint configured: making the default tiny RANDOM-WEIGHT checkpoint at %s. "
-                        "It produces noise, not speech; serve real weights with checkpoint_dir / --checkpoint.", target)
+            log.warning(
+                "no checkpoint configured: making the default tiny RANDOM-WEIGHT checkpoint at %s. "
+                "It produces noise, not speech; serve real weights with checkpoint_dir / --checkpoint.",
+                target,
+            )
             staging = Path(tempfile.mkdtemp(dir=target.parent))
             make_checkpoint("tiny", staging, seed=0)
             shutil.rmtree(target, ignore_errors=True)

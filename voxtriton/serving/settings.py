@@ -14,7 +14,6 @@ from pathlib import Path
 
 from ..scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
 
-
 # Parameters the Python backend itself reads.
 TRITON_PARAMETERS = {"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"}
 
@@ -22,8 +21,11 @@ TRITON_PARAMETERS = {"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"}
 def _parameters(model_config: dict | str) -> dict[str, str]:
     if isinstance(model_config, str):
         model_config = json.loads(model_config)
-    return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()
-            if key not in TRITON_PARAMETERS}
+    return {
+        key: value["string_value"]
+        for key, value in model_config.get("parameters", {}).items()
+        if key not in TRITON_PARAMETERS
+    }
 
 
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")  # a boolean parameter's values
@@ -37,7 +39,9 @@ def _coerce(kind, text: str, name: str):
             return text.lower() in TRUE_WORDS
         return kind(text)
     except ValueError:
-        raise ValueError(f"config.pbtxt parameter {name!r}: cannot read {text!r} as {kind.__name__}") from None
+        raise ValueError(
+            f"config.pbtxt parameter {name!r}: cannot read {text!r} as {kind.__name__}"
+        ) from None
 
 
 def _check_known(params: dict[str, str], known: set[str]) -> None:
@@ -52,7 +56,7 @@ def _from_parameters(cls, params: dict[str, str], prefix: str = ""):
     for name, text in params.items():
         if not name.startswith(prefix):
             continue
-        key = name[len(prefix):]
+        key = name[len(prefix) :]
         if key not in fields:
             continue
         kind = {"int": int, "float": float, "bool": bool, "str": str}.get(str(fields[key].type), str)
@@ -120,7 +124,9 @@ class TTSSettings:
     # out. Generating and queued streams are checked before draining ones, so those holding a
     # KV-cache row or waiting for one are found first. 1 turns the pacing off.
     cancellation_lock_share: float = 0.1
-    chunk_trace_path: str = ""  # append one JSON line per chunk sent and per frame step ("" = off); for diagnosis
+    chunk_trace_path: str = (
+        ""  # append one JSON line per chunk sent and per frame step ("" = off); for diagnosis
+    )
     cuda_graphs: bool = True
     # Launch each frame step before handling the previous one's frames, so the GPU does not wait
     # for the host's bookkeeping and admissions (not with the serial policy). See engine/engine.py.
@@ -134,35 +140,55 @@ class TTSSettings:
 
     def graph_buckets(self) -> dict[str, list[int]]:
         """The shapes `ModelRunner.capture_graphs` captures."""
-        return {"batch_sizes": int_list(self.graph_batch_sizes), "spans": int_list(self.graph_spans),
-                "prefill_batch_sizes": int_list(self.prefill_graph_batch_sizes),
-                "prefill_lengths": int_list(self.prefill_graph_lengths)}
+        return {
+            "batch_sizes": int_list(self.graph_batch_sizes),
+            "spans": int_list(self.graph_spans),
+            "prefill_batch_sizes": int_list(self.prefill_graph_batch_sizes),
+            "prefill_lengths": int_list(self.prefill_graph_lengths),
+        }
 
     def __post_init__(self):
         if self.max_draining < 0:
-            raise ValueError(f"config.pbtxt parameter 'max_draining' must be 0 or more, got {self.max_draining}")
+            raise ValueError(
+                f"config.pbtxt parameter 'max_draining' must be 0 or more, got {self.max_draining}"
+            )
         if self.cancellation_check_s <= 0:
-            raise ValueError(f"config.pbtxt parameter 'cancellation_check_s' must be positive, got {self.cancellation_check_s}")
+            raise ValueError(
+                f"config.pbtxt parameter 'cancellation_check_s' must be positive, got {self.cancellation_check_s}"
+            )
         if not 0 < self.cancellation_lock_share <= 1:
-            raise ValueError(f"config.pbtxt parameter 'cancellation_lock_share' must be above 0 and at most 1, "
-                             f"got {self.cancellation_lock_share}")
+            raise ValueError(
+                f"config.pbtxt parameter 'cancellation_lock_share' must be above 0 and at most 1, "
+                f"got {self.cancellation_lock_share}"
+            )
         if self.backbone_partition not in ("exclusive", "shared"):
-            raise ValueError(f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
-                             f"got {self.backbone_partition!r}")
+            raise ValueError(
+                f"config.pbtxt parameter 'backbone_partition' must be exclusive or shared, "
+                f"got {self.backbone_partition!r}"
+            )
         check_lane_sms("background_sms", self.background_sms)
         if not 0.001 <= self.switch_interval_ms <= 1000:  # below 1 us Python rounds it to 0
-            raise ValueError(f"config.pbtxt parameter 'switch_interval_ms' must be between 0.001 and 1000, "
-                             f"got {self.switch_interval_ms}")
+            raise ValueError(
+                f"config.pbtxt parameter 'switch_interval_ms' must be between 0.001 and 1000, "
+                f"got {self.switch_interval_ms}"
+            )
         if self.lane_workers < 1:
-            raise ValueError(f"config.pbtxt parameter 'lane_workers' must be at least 1, got {self.lane_workers}")
+            raise ValueError(
+                f"config.pbtxt parameter 'lane_workers' must be at least 1, got {self.lane_workers}"
+            )
         if self.text_layout not in ("full", "interleaved"):
-            raise ValueError(f"config.pbtxt parameter 'text_layout' must be full or interleaved, got {self.text_layout!r}")
+            raise ValueError(
+                f"config.pbtxt parameter 'text_layout' must be full or interleaved, got {self.text_layout!r}"
+            )
 
     @staticmethod
     def from_model_config(model_config: dict | str) -> tuple["TTSSettings", SchedulerConfig]:
         params = _parameters(model_config)
-        _check_known(params, {f.name for f in dataclasses.fields(TTSSettings)}
-                     | {"scheduler_" + f.name for f in dataclasses.fields(SchedulerConfig)})
+        _check_known(
+            params,
+            {f.name for f in dataclasses.fields(TTSSettings)}
+            | {"scheduler_" + f.name for f in dataclasses.fields(SchedulerConfig)},
+        )
         return _from_parameters(TTSSettings, params), _from_parameters(SchedulerConfig, params, "scheduler_")
 
 
@@ -190,13 +216,17 @@ class CodecSettings:
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)
         if self.lane not in (URGENT, BACKGROUND):
-            raise ValueError(f"config.pbtxt parameter 'lane' must be {URGENT!r} or {BACKGROUND!r}, got {self.lane!r}")
+            raise ValueError(
+                f"config.pbtxt parameter 'lane' must be {URGENT!r} or {BACKGROUND!r}, got {self.lane!r}"
+            )
 
     def graph_shapes(self) -> tuple[list[int], list[int]]:
         """(batch sizes, frame sizes) to capture."""
         implied = codec_graph_shapes(lane=self.lane)
-        return (int_list(self.graph_batch_sizes) or implied["graph_batch_sizes"],
-                int_list(self.graph_frame_sizes) or implied["graph_frame_sizes"])
+        return (
+            int_list(self.graph_batch_sizes) or implied["graph_batch_sizes"],
+            int_list(self.graph_frame_sizes) or implied["graph_frame_sizes"],
+        )
 
     @staticmethod
     def from_model_config(model_config: dict | str) -> "CodecSettings":
@@ -213,8 +243,10 @@ def check_lane_sms(name: str, value: str) -> None:
     except ValueError:
         fraction = -1.0
     if not (is_count(value) or 0 < fraction < 1):
-        raise ValueError(f"config.pbtxt parameter {name!r} must be an SM count or a fraction of the GPU's SMs "
-                         f"between 0 and 1 (such as 0.75), got {value!r}")
+        raise ValueError(
+            f"config.pbtxt parameter {name!r} must be an SM count or a fraction of the GPU's SMs "
+            f"between 0 and 1 (such as 0.75), got {value!r}"
+        )
 
 
 def is_count(value: str) -> bool:
@@ -239,8 +271,12 @@ def codec_graph_shapes(scheduler: SchedulerConfig | None = None, lane: str = URG
     no CUDA graph runs eagerly, several times slower.)"""
     scheduler = scheduler or SchedulerConfig()
     limit = scheduler.batch_limit(lane)
-    return {"graph_frame_sizes": sorted(set(scheduler.sizes)),
-            "graph_batch_sizes": sorted({1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit})}
+    return {
+        "graph_frame_sizes": sorted(set(scheduler.sizes)),
+        "graph_batch_sizes": sorted(
+            {1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit}
+        ),
+    }
 
 
 def int_list(text: str) -> list[int]:

@@ -44,7 +44,9 @@ class CodecStatePool:
     publish_for: the tritonserver pid whose codec processes may attach it (None: in-process use only).
     """
 
-    def __init__(self, rows: int, state_size: int, device: torch.device | str, publish_for: int | None = None):
+    def __init__(
+        self, rows: int, state_size: int, device: torch.device | str, publish_for: int | None = None
+    ):
         device = torch.device(device)
         self.rows, self.state_size = rows, state_size
         self._path: Path | None = None
@@ -52,11 +54,20 @@ class CodecStatePool:
         if device.type == "cuda":
             self.tensor = torch.zeros(rows, state_size, device=device)
             # What torch.multiprocessing sends for a CUDA tensor, as plain data.
-            (index, memory, size_bytes, offset_bytes, counter, counter_offset, event,
-             event_sync) = self.tensor._typed_storage()._share_cuda_()
-            description = {"kind": "cuda", "device": index, "memory": memory.hex(), "size_bytes": size_bytes,
-                           "offset_bytes": offset_bytes, "counter": counter.hex(), "counter_offset": counter_offset,
-                           "event": event.hex() if event else None, "event_sync": bool(event_sync)}
+            (index, memory, size_bytes, offset_bytes, counter, counter_offset, event, event_sync) = (
+                self.tensor._typed_storage()._share_cuda_()
+            )
+            description = {
+                "kind": "cuda",
+                "device": index,
+                "memory": memory.hex(),
+                "size_bytes": size_bytes,
+                "offset_bytes": offset_bytes,
+                "counter": counter.hex(),
+                "counter_offset": counter_offset,
+                "event": event.hex() if event else None,
+                "event_sync": bool(event_sync),
+            }
         else:
             descriptor, name = tempfile.mkstemp(prefix="voxtriton-codec-state-", dir=_FILE_DIR)
             os.close(descriptor)
@@ -91,7 +102,9 @@ class CodecStatePool:
 
 
 def _map_file(path: str, rows: int, state_size: int) -> torch.Tensor:
-    return torch.from_file(path, shared=True, size=rows * state_size, dtype=torch.float32).view(rows, state_size)
+    return torch.from_file(path, shared=True, size=rows * state_size, dtype=torch.float32).view(
+        rows, state_size
+    )
 
 
 def attach(handle: bytes, server_pid: int) -> torch.Tensor:
@@ -114,9 +127,24 @@ def _open(handle: bytes) -> torch.Tensor:
     rows, state_size = description["rows"], description["state_size"]
     if description["kind"] == "file":
         return _map_file(description["path"], rows, state_size)
-    bytes_or_none = lambda text: bytes.fromhex(text) if text else None
+
+    def bytes_or_none(text):
+        return bytes.fromhex(text) if text else None
+
     return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size((rows, state_size)), (state_size, 1), 0, torch.storage.TypedStorage, torch.float32,
-        description["device"], bytes.fromhex(description["memory"]), description["size_bytes"],
-        description["offset_bytes"], False, bytes.fromhex(description["counter"]), description["counter_offset"],
-        bytes_or_none(description["event"]), description["event_sync"])
+        torch.Tensor,
+        torch.Size((rows, state_size)),
+        (state_size, 1),
+        0,
+        torch.storage.TypedStorage,
+        torch.float32,
+        description["device"],
+        bytes.fromhex(description["memory"]),
+        description["size_bytes"],
+        description["offset_bytes"],
+        False,
+        bytes.fromhex(description["counter"]),
+        description["counter_offset"],
+        bytes_or_none(description["event"]),
+        description["event_sync"],
+    )

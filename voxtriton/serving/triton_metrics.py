@@ -34,69 +34,134 @@ class TritonMetrics:
             self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
             return self.families[-1]
 
-        counter, gauge, histogram = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
-        ttfa = _family("voxtriton_ttfa_seconds", "Server-side time to first audio: request received to first chunk sent", histogram)
+        counter, gauge, histogram = (
+            pb_utils.MetricFamily.COUNTER,
+            pb_utils.MetricFamily.GAUGE,
+            pb_utils.MetricFamily.HISTOGRAM,
+        )
+        ttfa = _family(
+            "voxtriton_ttfa_seconds",
+            "Server-side time to first audio: request received to first chunk sent",
+            histogram,
+        )
         self.ttfa = ttfa.Metric(labels={}, buckets=LATENCY_BUCKETS)
         chunks = _family("voxtriton_chunks_total", "Audio chunks sent, by codec lane", counter)
         self.chunks = {lane: chunks.Metric(labels={"lane": lane}) for lane in LANES}
-        self.promoted = _family("voxtriton_chunks_promoted_total", "Chunks queued for the background lane that ran "
-                                "out of slack there and were decoded on the urgent lane (voxserve)", counter).Metric(labels={})
-        codec = _family("voxtriton_codec_seconds", "Codec decode call latency (one batch of chunks), by lane, observed once per chunk", histogram)
+        self.promoted = _family(
+            "voxtriton_chunks_promoted_total",
+            "Chunks queued for the background lane that ran "
+            "out of slack there and were decoded on the urgent lane (voxserve)",
+            counter,
+        ).Metric(labels={})
+        codec = _family(
+            "voxtriton_codec_seconds",
+            "Codec decode call latency (one batch of chunks), by lane, observed once per chunk",
+            histogram,
+        )
         self.codec = {lane: codec.Metric(labels={"lane": lane}, buckets=LATENCY_BUCKETS) for lane in LANES}
         calls = _family("voxtriton_codec_calls_total", "Codec decode calls, by lane", counter)
         self.codec_calls = {lane: calls.Metric(labels={"lane": lane}) for lane in LANES}
-        busy = _family("voxtriton_codec_busy_seconds_total", "Time a lane spent in decode calls (its utilisation, "
-                       "as a rate)", counter)
+        busy = _family(
+            "voxtriton_codec_busy_seconds_total",
+            "Time a lane spent in decode calls (its utilisation, as a rate)",
+            counter,
+        )
         self.codec_busy = {lane: busy.Metric(labels={"lane": lane}) for lane in LANES}
-        frames = _family("voxtriton_codec_frames_total", "Frames decoded, by lane (a short last chunk counts "
-                         "its padding: the work done)", counter)
+        frames = _family(
+            "voxtriton_codec_frames_total",
+            "Frames decoded, by lane (a short last chunk counts its padding: the work done)",
+            counter,
+        )
         self.codec_frames = {lane: frames.Metric(labels={"lane": lane}) for lane in LANES}
-        self.first_codec = _family("voxtriton_first_chunk_codec_seconds", "Codec call latency of calls holding a first chunk",
-                                   histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
-        self.step = _family("voxtriton_frame_step_seconds", "Engine loop pass in which every running request advances "
-                            "one frame (the frame period while busy)", histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
-        parts = _family("voxtriton_frame_step_part_seconds_total", "Frame steps' wall time by part: admit (admitting "
-                        "prompts: uploads, prefill launch), decode (launching the frame step and waiting for the frames "
-                        "returned), other (locks, bookkeeping)", counter)
+        self.first_codec = _family(
+            "voxtriton_first_chunk_codec_seconds",
+            "Codec call latency of calls holding a first chunk",
+            histogram,
+        ).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.step = _family(
+            "voxtriton_frame_step_seconds",
+            "Engine loop pass in which every running request advances "
+            "one frame (the frame period while busy)",
+            histogram,
+        ).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        parts = _family(
+            "voxtriton_frame_step_part_seconds_total",
+            "Frame steps' wall time by part: admit (admitting "
+            "prompts: uploads, prefill launch), decode (launching the frame step and waiting for the frames "
+            "returned), other (locks, bookkeeping)",
+            counter,
+        )
         self.step_parts = {part: parts.Metric(labels={"part": part}) for part in ("admit", "decode", "other")}
-        self.step_host_cpu = _family("voxtriton_frame_step_host_cpu_seconds_total",
-                                     "CPU time the engine thread used in its frame steps outside the decode (admitting, "
-                                     "the service's per-frame work): the admit and other parts' wall time beyond it was "
-                                     "spent waiting (for the GIL, the service lock, or a CPU). This thread's only: a GPU "
-                                     "wait that spins counts, PyTorch's CPU threads do not", counter).Metric(labels={})
-        self.admitted = _family("voxtriton_admitted_requests_total", "Requests admitted into the frame steps "
-                                "(prompts prefilled): with the admit part above, the engine thread's time per admission",
-                                counter).Metric(labels={})
-        self.prefill_device = _family("voxtriton_prefill_device_seconds_total",
-                                      "GPU time the steps' stream spent on admissions before their decodes: waiting "
-                                      "for prefills and writing the admitted rows (CUDA events; not reported on CPU)",
-                                      counter).Metric(labels={})
-        self.step_device = _family("voxtriton_frame_step_device_seconds",
-                                   "The frame step's decode as timed on the GPU (CUDA events; not reported on CPU)",
-                                   histogram).Metric(labels={}, buckets=LATENCY_BUCKETS)
-        self.step_batch = _family("voxtriton_frame_step_batch", "Requests in a backbone frame step", histogram).Metric(
-            labels={}, buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+        self.step_host_cpu = _family(
+            "voxtriton_frame_step_host_cpu_seconds_total",
+            "CPU time the engine thread used in its frame steps outside the decode (admitting, "
+            "the service's per-frame work): the admit and other parts' wall time beyond it was "
+            "spent waiting (for the GIL, the service lock, or a CPU). This thread's only: a GPU "
+            "wait that spins counts, PyTorch's CPU threads do not",
+            counter,
+        ).Metric(labels={})
+        self.admitted = _family(
+            "voxtriton_admitted_requests_total",
+            "Requests admitted into the frame steps "
+            "(prompts prefilled): with the admit part above, the engine thread's time per admission",
+            counter,
+        ).Metric(labels={})
+        self.prefill_device = _family(
+            "voxtriton_prefill_device_seconds_total",
+            "GPU time the steps' stream spent on admissions before their decodes: waiting "
+            "for prefills and writing the admitted rows (CUDA events; not reported on CPU)",
+            counter,
+        ).Metric(labels={})
+        self.step_device = _family(
+            "voxtriton_frame_step_device_seconds",
+            "The frame step's decode as timed on the GPU (CUDA events; not reported on CPU)",
+            histogram,
+        ).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.step_batch = _family(
+            "voxtriton_frame_step_batch", "Requests in a backbone frame step", histogram
+        ).Metric(labels={}, buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
         depth = _family("voxtriton_lane_queue_depth", "Chunks waiting for a codec lane", gauge)
         self.depth = {lane: depth.Metric(labels={"lane": lane}) for lane in LANES}
-        self.active = _family("voxtriton_active_streams", "Streams admitted and not yet finished", gauge).Metric(labels={})
-        self.rows = _family("voxtriton_kv_rows_in_use", "Requests holding a KV-cache row (generating)", gauge).Metric(labels={})
-        self.waiting = _family("voxtriton_waiting_requests", "Requests waiting for a free KV-cache row (max_streams reached)",
-                               gauge).Metric(labels={})
-        self.draining = _family("voxtriton_draining_streams", "Streams that have generated all their frames and "
-                                "still owe audio: each holds a codec state row, no KV-cache row (max_draining "
-                                "adds rows for them)", gauge).Metric(labels={})
-        self.cancellation_checked = _family("voxtriton_cancellation_checks_total",
-                                            "Streams the cancellation watcher checked (a round trip to the server "
-                                            "process each)", counter).Metric(labels={})
-        self.cancellation_held = _family("voxtriton_cancellation_lock_seconds_total",
-                                         "Time the cancellation watcher held the service lock for its checks (getting "
-                                         "the GIL back after each included): the engine thread and the codec lanes wait "
-                                         "for it meanwhile", counter).Metric(labels={})
-        self.rejected_total = _family("voxtriton_rejected_requests_total", "Requests refused by admission control (server busy)",
-                                      counter).Metric(labels={})
-        self.misses = _family("voxtriton_deadline_misses_total",
-                              "Chunks sent after their stream's playback deadline (a listener would have stalled)",
-                              counter).Metric(labels={})
+        self.active = _family(
+            "voxtriton_active_streams", "Streams admitted and not yet finished", gauge
+        ).Metric(labels={})
+        self.rows = _family(
+            "voxtriton_kv_rows_in_use", "Requests holding a KV-cache row (generating)", gauge
+        ).Metric(labels={})
+        self.waiting = _family(
+            "voxtriton_waiting_requests",
+            "Requests waiting for a free KV-cache row (max_streams reached)",
+            gauge,
+        ).Metric(labels={})
+        self.draining = _family(
+            "voxtriton_draining_streams",
+            "Streams that have generated all their frames and "
+            "still owe audio: each holds a codec state row, no KV-cache row (max_draining "
+            "adds rows for them)",
+            gauge,
+        ).Metric(labels={})
+        self.cancellation_checked = _family(
+            "voxtriton_cancellation_checks_total",
+            "Streams the cancellation watcher checked (a round trip to the server process each)",
+            counter,
+        ).Metric(labels={})
+        self.cancellation_held = _family(
+            "voxtriton_cancellation_lock_seconds_total",
+            "Time the cancellation watcher held the service lock for its checks (getting "
+            "the GIL back after each included): the engine thread and the codec lanes wait "
+            "for it meanwhile",
+            counter,
+        ).Metric(labels={})
+        self.rejected_total = _family(
+            "voxtriton_rejected_requests_total",
+            "Requests refused by admission control (server busy)",
+            counter,
+        ).Metric(labels={})
+        self.misses = _family(
+            "voxtriton_deadline_misses_total",
+            "Chunks sent after their stream's playback deadline (a listener would have stalled)",
+            counter,
+        ).Metric(labels={})
         self._misses_seen = 0
         # (metric, "observe" | "increment", value) in order; gauges keep only their latest value.
         # Bounded so a stalled writer cannot grow memory without limit (the oldest updates go first).
@@ -104,8 +169,9 @@ class TritonMetrics:
         self._gauge_values: dict = {}
         self._gauges_set: dict = {}
         self._stop = threading.Event()
-        self._writer = threading.Thread(target=self._write_loop, args=(flush_interval_s,), name="voxtriton-metrics",
-                                        daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, args=(flush_interval_s,), name="voxtriton-metrics", daemon=True
+        )
         self._writer.start()
 
     def chunk_sent(self, lane, frames, decode_s, first, since_submit_s, promoted=False):
@@ -136,7 +202,9 @@ class TritonMetrics:
             queue.append((self.prefill_device, "increment", timing.prefill_device_s))
         queue.append((self.step_parts["admit"], "increment", timing.admit_s))
         queue.append((self.step_parts["decode"], "increment", timing.decode_s))
-        queue.append((self.step_parts["other"], "increment", max(0.0, seconds - timing.admit_s - timing.decode_s)))
+        queue.append(
+            (self.step_parts["other"], "increment", max(0.0, seconds - timing.admit_s - timing.decode_s))
+        )
         queue.append((self.step_host_cpu, "increment", max(0.0, host_cpu_s)))
 
     def rejected(self):

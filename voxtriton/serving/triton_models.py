@@ -51,8 +51,15 @@ def _exit_with_server() -> None:
     """Die with tritonserver. A stub of Triton 2.51 can outlive a killed server (blocked with the GIL
     held, so no Python thread of ours could notice), so a tiny shell process watches both pids."""
     server, stub = os.getppid(), os.getpid()
-    subprocess.Popen(["sh", "-c", f"while kill -0 {server} && kill -0 {stub}; do sleep 1; done 2>/dev/null; "
-                                  f"kill -9 {stub} 2>/dev/null"], start_new_session=True)
+    subprocess.Popen(
+        [
+            "sh",
+            "-c",
+            f"while kill -0 {server} && kill -0 {stub}; do sleep 1; done 2>/dev/null; "
+            f"kill -9 {stub} 2>/dev/null",
+        ],
+        start_new_session=True,
+    )
 
 
 def _configure_logging() -> None:
@@ -116,10 +123,16 @@ class BLSCodecLane:
     def decode(self, codes, start, slots):
         restarts_before = self.restarts
         request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=["audio"],
-            inputs=[to_triton("codes", codes), to_triton("start", start), to_triton("slots", slots),
-                    to_triton("state_pool", self.pool_handle)],
-            preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0))
+            model_name=self.model_name,
+            requested_output_names=["audio"],
+            inputs=[
+                to_triton("codes", codes),
+                to_triton("start", start),
+                to_triton("slots", slots),
+                to_triton("state_pool", self.pool_handle),
+            ],
+            preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
+        )
         response = request.exec()
         if response.has_error():
             message = response.error().message()
@@ -145,8 +158,12 @@ class BLSCodecLane:
                 pb_utils.load_model(self.model_name)
                 log.info("%s: reloaded", self.model_name)
             except Exception as error:
-                log.error("%s: reload failed (%s); start tritonserver with --model-control-mode=explicit "
-                          "--load-model=* so voxtriton can restart a failed codec lane", self.model_name, error)
+                log.error(
+                    "%s: reload failed (%s); start tritonserver with --model-control-mode=explicit "
+                    "--load-model=* so voxtriton can restart a failed codec lane",
+                    self.model_name,
+                    error,
+                )
 
 
 class TTSTritonModel:
@@ -160,51 +177,94 @@ class TTSTritonModel:
         dtype = resolve_dtype(settings.dtype, device)
         checkpoint = ensure_checkpoint(settings.checkpoint_dir)
         config = load_config(checkpoint)
-        log.info("tts: checkpoint %s (%s, %s), device %s %s, policy %s, GIL switch interval %g ms", checkpoint,
-                 config.model_type, config.model_size, device, dtype, scheduler_config.policy, settings.switch_interval_ms)
+        log.info(
+            "tts: checkpoint %s (%s, %s), device %s %s, policy %s, GIL switch interval %g ms",
+            checkpoint,
+            config.model_type,
+            config.model_size,
+            device,
+            dtype,
+            scheduler_config.policy,
+            settings.switch_interval_ms,
+        )
         if device.type == "cuda" and not mps_active():
-            log.warning("CUDA MPS is not active: the codec lanes and the backbone will time-slice the GPU "
-                        "instead of running side by side (start it with `voxtriton serve`)")
+            log.warning(
+                "CUDA MPS is not active: the codec lanes and the backbone will time-slice the GPU "
+                "instead of running side by side (start it with `voxtriton serve`)"
+            )
         backbone_sms, shared = 0, False
         if device.type == "cuda" and scheduler_config.policy == "voxserve":
             total = torch.cuda.get_device_properties(device).multi_processor_count
             background_sms = lane_sms(settings.background_sms, total)
             if not 0 < background_sms < total:
-                raise ValueError(f"config.pbtxt parameter 'background_sms' must be between 1 and {total - 1} "
-                                 f"(this GPU has {total} SMs), got {settings.background_sms}"
-                                 + (f" ({background_sms} SMs)" if settings.background_sms != str(background_sms) else ""))
+                raise ValueError(
+                    f"config.pbtxt parameter 'background_sms' must be between 1 and {total - 1} "
+                    f"(this GPU has {total} SMs), got {settings.background_sms}"
+                    + (f" ({background_sms} SMs)" if settings.background_sms != str(background_sms) else "")
+                )
             shared = settings.backbone_partition == "shared"
             backbone_sms = 0 if shared else total - background_sms
         self.partition = SMPartition(device, backbone_sms, high_priority=shared)
         backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
         tokenizer = TextTokenizer(checkpoint)
         self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings)
-        runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens,
-                             prefill_stream=self.partition.new_stream() if settings.prefill_overlap else None)
+        runner = ModelRunner(
+            backbone,
+            settings.max_streams,
+            settings.max_positions,
+            settings.max_text_tokens,
+            prefill_stream=self.partition.new_stream() if settings.prefill_overlap else None,
+        )
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets())
-            log.info("tts: captured %d frame-step, %d prefill, %d admission and %d row-move CUDA graphs",
-                     len(runner.graphs), len(runner.prefill_graphs), len(runner.admission_graphs),
-                     len(runner.move_graphs))
+            log.info(
+                "tts: captured %d frame-step, %d prefill, %d admission and %d row-move CUDA graphs",
+                len(runner.graphs),
+                len(runner.prefill_graphs),
+                len(runner.admission_graphs),
+                len(runner.move_graphs),
+            )
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
         # serial's codec takes turns with the backbone: no frame step may be queued while it decodes.
-        engine = Engine(runner, settings.max_streams, overlap=settings.engine_overlap and scheduler_config.policy != "serial")
+        engine = Engine(
+            runner,
+            settings.max_streams,
+            overlap=settings.engine_overlap and scheduler_config.policy != "serial",
+        )
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
-        slots = codec_slots(engine, settings.max_queued, scheduler_config, settings.lane_workers, settings.max_draining)
+        slots = codec_slots(
+            engine, settings.max_queued, scheduler_config, settings.lane_workers, settings.max_draining
+        )
         self.state_pool = CodecStatePool(slots, state_size, device, publish_for=os.getppid())
-        log.info("tts: codec state pool of %d streams (%.0f MB)", self.state_pool.rows,
-                 self.state_pool.rows * state_size * 4 / 1e6)
-        lanes = {URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
-                 BACKGROUND: BLSCodecLane(settings.codec_background_model, self.state_pool)}
+        log.info(
+            "tts: codec state pool of %d streams (%.0f MB)",
+            self.state_pool.rows,
+            self.state_pool.rows * state_size * 4 / 1e6,
+        )
+        lanes = {
+            URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
+            BACKGROUND: BLSCodecLane(settings.codec_background_model, self.state_pool),
+        }
         self.metrics = TritonMetrics()
-        self.chunk_trace = open(settings.chunk_trace_path, "a", buffering=1 << 20) if settings.chunk_trace_path else None
-        self.service = TTSService(engine, scheduler_config, lanes, settings.max_queued,
-                                  settings.cancellation_check_s, metrics=self.metrics, device=device,
-                                  engine_context=self.partition, chunk_trace=self.chunk_trace,
-                                  lane_workers=settings.lane_workers, max_draining=settings.max_draining,
-                                  cancellation_lock_share=settings.cancellation_lock_share)
+        self.chunk_trace = (
+            open(settings.chunk_trace_path, "a", buffering=1 << 20) if settings.chunk_trace_path else None
+        )
+        self.service = TTSService(
+            engine,
+            scheduler_config,
+            lanes,
+            settings.max_queued,
+            settings.cancellation_check_s,
+            metrics=self.metrics,
+            device=device,
+            engine_context=self.partition,
+            chunk_trace=self.chunk_trace,
+            lane_workers=settings.lane_workers,
+            max_draining=settings.max_draining,
+            cancellation_lock_share=settings.cancellation_lock_share,
+        )
         self.ids = itertools.count()
 
     def execute(self, requests):
@@ -218,13 +278,17 @@ class TTSTritonModel:
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
                 parsed = self.parser.parse(request_id, inputs)
-                self.service.submit(parsed, TritonSink(request, sender, set(request.requested_output_names())))
+                self.service.submit(
+                    parsed, TritonSink(request, sender, set(request.requested_output_names()))
+                )
             except (RequestError, ServerBusy) as error:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
             except Exception as error:  # never leave a stream without its final response
                 log.exception("tts: request %s failed before generation", request_id)
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {error}")),
-                            flags=FINAL)
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {error}")),
+                    flags=FINAL,
+                )
         return None
 
     def finalize(self):
@@ -243,14 +307,22 @@ class CodecTritonModel:
         _exit_with_server()
         self.name = json.loads(args["model_config"])["name"]
         self.service = CodecService(CodecSettings.from_model_config(args["model_config"]), self.name)
-        log.info("%s: device %s, %s SMs, state size %d", self.name, self.service.device,
-                 self.service.partition.sm_count or "all", self.service.state_size)
+        log.info(
+            "%s: device %s, %s SMs, state size %d",
+            self.name,
+            self.service.device,
+            self.service.partition.sm_count or "all",
+            self.service.state_size,
+        )
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
-                get = lambda name: from_triton(pb_utils.get_input_tensor_by_name(request, name))
+
+                def get(name):
+                    return from_triton(pb_utils.get_input_tensor_by_name(request, name))
+
                 pool = attach(get("state_pool").cpu().numpy().tobytes(), server_pid=os.getppid())
                 audio = self.service.decode(get("codes"), get("start"), get("slots"), pool)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton("audio", audio)]))

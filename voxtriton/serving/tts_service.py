@@ -69,7 +69,9 @@ class Stream:
     request: Request
     sink: ResponseSink
     submitted_at: float
-    codec_slot: int | None  # row of the codec state pool, held until the stream ends and no chunk is in flight
+    codec_slot: (
+        int | None
+    )  # row of the codec state pool, held until the stream ends and no chunk is in flight
     frames: list[np.ndarray] = field(default_factory=list)
     ended: bool = False
     decoding: bool = False  # a chunk of this stream is in a codec lane
@@ -77,28 +79,51 @@ class Stream:
 
 
 class ServiceMetrics(Protocol):
-    def chunk_sent(self, lane: str, frames: int, decode_s: float, first: bool, since_submit_s: float,
-                   promoted: bool = False) -> None:
+    def chunk_sent(
+        self,
+        lane: str,
+        frames: int,
+        decode_s: float,
+        first: bool,
+        since_submit_s: float,
+        promoted: bool = False,
+    ) -> None:
         """A chunk's audio was sent; `promoted`: it waited for the background lane until its slack ran
         out and was decoded on the urgent lane instead."""
+
     def codec_call(self, lane: str, frames: int, seconds: float) -> None:
         """One decode call on `lane`, of `frames` frames in all (padding included)."""
+
     def rejected(self) -> None: ...
     def cancellation_checks(self, streams: int, seconds: float) -> None:
         """The cancellation watcher checked `streams` streams in one hold of the service lock,
         held `seconds`: the engine and the lanes wait that long for it."""
+
     def frame_step(self, seconds: float, batch: int, timing: StepTiming, host_cpu_s: float) -> None:
         """One pass of the engine loop that generated a frame for `batch` streams: `seconds` is the
         pass's whole wall time (the frame period while busy), `timing` splits out admission and decode,
         `host_cpu_s` is the engine thread's CPU time in the pass outside the decode."""
-    def gauges(self, active: int, rows: int, waiting: int, draining: int, queues: dict[str, int],
-               deadline_misses: int) -> None:
+
+    def gauges(
+        self,
+        active: int,
+        rows: int,
+        waiting: int,
+        draining: int,
+        queues: dict[str, int],
+        deadline_misses: int,
+    ) -> None:
         """Streams held, rows generating, requests waiting for a free row, streams draining
         (generated, audio still owed), chunks waiting per lane."""
 
 
-def codec_slots(engine: Engine, max_queued: int, scheduler_config: SchedulerConfig, lane_workers: int = 1,
-                max_draining: int = 0) -> int:
+def codec_slots(
+    engine: Engine,
+    max_queued: int,
+    scheduler_config: SchedulerConfig,
+    lane_workers: int = 1,
+    max_draining: int = 0,
+) -> int:
     """Rows the codec state pool needs: one per stream the service holds (generating, waiting for a
     row, or draining: generated, its audio still owed), plus the rows of streams that ended while a
     lane was decoding their chunk (up to one batch per worker of each lane the policy uses; serial's
@@ -115,11 +140,22 @@ def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
 
 
 class TTSService:
-    def __init__(self, engine: Engine, scheduler_config: SchedulerConfig, lanes: dict[str, CodecLane],
-                 max_queued: int, cancellation_check_s: float = 0.2,
-                 metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 device: torch.device | str = "cpu", engine_context=None, chunk_trace: TextIO | None = None,
-                 lane_workers: int = 1, max_draining: int = 0, cancellation_lock_share: float = 1.0):
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler_config: SchedulerConfig,
+        lanes: dict[str, CodecLane],
+        max_queued: int,
+        cancellation_check_s: float = 0.2,
+        metrics: ServiceMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        device: torch.device | str = "cpu",
+        engine_context=None,
+        chunk_trace: TextIO | None = None,
+        lane_workers: int = 1,
+        max_draining: int = 0,
+        cancellation_lock_share: float = 1.0,
+    ):
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
         given, gets one JSON line per chunk sent and per frame step (see `_write_trace`).
         `lane_workers`: codec calls each lane keeps in flight; the server passes
@@ -138,7 +174,9 @@ class TTSService:
         self.max_queued = max_queued
         self.cancellation_check_s = cancellation_check_s
         if not 0 < cancellation_lock_share <= 1:
-            raise ValueError(f"cancellation_lock_share must be above 0 and at most 1, got {cancellation_lock_share}")
+            raise ValueError(
+                f"cancellation_lock_share must be above 0 and at most 1, got {cancellation_lock_share}"
+            )
         self.cancellation_lock_share = cancellation_lock_share
         self.metrics = metrics
         self.clock = clock
@@ -156,11 +194,18 @@ class TTSService:
         self.lane_free_at: dict[str, float] = {}  # when each lane's latest call ended (see `_call_span`)
         self.running = True
         self._stopping = threading.Event()  # wakes the cancellation watcher at shutdown
-        self.threads = [threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
-                        threading.Thread(target=self._watch_cancellations, name="voxtriton-cancellations", daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
+            threading.Thread(target=self._watch_cancellations, name="voxtriton-cancellations", daemon=True),
+        ]
         if scheduler_config.policy != "serial":  # serial decodes on the engine thread
-            self.threads += [threading.Thread(target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}-{worker}",
-                                              daemon=True) for lane in scheduler_config.lanes for worker in range(lane_workers)]
+            self.threads += [
+                threading.Thread(
+                    target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}-{worker}", daemon=True
+                )
+                for lane in scheduler_config.lanes
+                for worker in range(lane_workers)
+            ]
         for thread in self.threads:
             thread.start()
 
@@ -185,15 +230,19 @@ class TTSService:
             generating_or_queued = len(self.streams) - self.draining
             busy = None
             if generating_or_queued >= self.engine.max_running + self.max_queued:
-                busy = (f"{generating_or_queued} streams generating or queued (max_streams {self.engine.max_running} "
-                        f"+ max_queued {self.max_queued}; {waiting} of them not started yet)")
+                busy = (
+                    f"{generating_or_queued} streams generating or queued (max_streams {self.engine.max_running} "
+                    f"+ max_queued {self.max_queued}; {waiting} of them not started yet)"
+                )
             elif not self.free_slots:
                 # Each open stream holds one row; the rest belong to ended streams a lane still decodes.
                 in_flight = self.codec_pool_rows - len(self.free_slots) - len(self.streams)
-                busy = (f"codec state pool full: all {self.codec_pool_rows} rows held ({generating_or_queued} "
-                        f"streams generating or queued, {self.draining} draining (generated, audio still owed), "
-                        f"{in_flight} by ended streams whose chunk a lane is still decoding); raise max_draining "
-                        f"(now {self.max_draining}) for more")
+                busy = (
+                    f"codec state pool full: all {self.codec_pool_rows} rows held ({generating_or_queued} "
+                    f"streams generating or queued, {self.draining} draining (generated, audio still owed), "
+                    f"{in_flight} by ended streams whose chunk a lane is still decoding); raise max_draining "
+                    f"(now {self.max_draining}) for more"
+                )
             if busy:
                 if self.metrics:
                     self.metrics.rejected()
@@ -238,7 +287,10 @@ class TTSService:
             while self.running and not self.incoming and not self.engine.has_work:
                 self.lock.wait(0.5)  # woken by submit; the timeout only refreshes the gauges
                 self._publish_gauges()
-                started, cpu_started = time.perf_counter(), time.thread_time()  # idle time is not part of a frame step
+                started, cpu_started = (
+                    time.perf_counter(),
+                    time.thread_time(),
+                )  # idle time is not part of a frame step
             if not self.running:
                 return
             for stream in self.incoming:
@@ -263,8 +315,16 @@ class TTSService:
             self.metrics.frame_step(period, len(outputs), timing, host_cpu)
         if self.chunk_trace and (outputs or timing.batch):  # with overlap, a first launch returns nothing
             with self.lock:
-                self._write_trace({"kind": "step", "end": self.clock(), "period": period, "frames": len(outputs),
-                                   "host_cpu_s": host_cpu, **dataclasses.asdict(timing)})
+                self._write_trace(
+                    {
+                        "kind": "step",
+                        "end": self.clock(),
+                        "period": period,
+                        "frames": len(outputs),
+                        "host_cpu_s": host_cpu,
+                        **dataclasses.asdict(timing),
+                    }
+                )
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
@@ -300,7 +360,9 @@ class TTSService:
                 with self.lock:
                     held_from = time.perf_counter()
                     checked, ended = 0, False
-                    while position < len(streams) and (not checked or time.perf_counter() - held_from < MAX_HOLD_S):
+                    while position < len(streams) and (
+                        not checked or time.perf_counter() - held_from < MAX_HOLD_S
+                    ):
                         stream = streams[position]
                         position += 1
                         if not stream.ended:  # (ended since the sweep began)
@@ -320,14 +382,19 @@ class TTSService:
         try:
             gone = stream.sink.cancelled()
         except Exception:  # the request is unreachable: treat the client as gone
-            log.warning("stream %s: cancellation check failed: %s", stream.request.request_id,
-                        traceback.format_exc(limit=1))
+            log.warning(
+                "stream %s: cancellation check failed: %s",
+                stream.request.request_id,
+                traceback.format_exc(limit=1),
+            )
             gone = True
         if gone:
             try:
                 self._end(stream, "request cancelled")
             except Exception:  # keep watching the other streams
-                log.error("stream %s: ending it failed: %s", stream.request.request_id, traceback.format_exc())
+                log.error(
+                    "stream %s: ending it failed: %s", stream.request.request_id, traceback.format_exc()
+                )
         return gone
 
     def _fail_all_running(self, message: str) -> None:
@@ -373,8 +440,14 @@ class TTSService:
         if self.metrics:
             # After a step's admissions, the engine's waiting requests are those no row was free for
             # (the service's `incoming`, submitted during the step, join the batch at the next one).
-            self.metrics.gauges(len(self.streams), len(self.engine.running), len(self.engine.waiting), self.draining,
-                                self.scheduler.queue_depths(), self.scheduler.deadline_misses)
+            self.metrics.gauges(
+                len(self.streams),
+                len(self.engine.running),
+                len(self.engine.waiting),
+                self.draining,
+                self.scheduler.queue_depths(),
+                self.scheduler.deadline_misses,
+            )
 
     # -- codec lanes -----------------------------------------------------------------------------
 
@@ -397,11 +470,24 @@ class TTSService:
         cut into a chunk (when they were generated, or when the stream's previous chunk was done,
         whichever was later), its codec call started and ended, and when it was due (playback
         deadline, or for a first chunk the TTFA target)."""
-        self._write_trace({
-            "kind": "chunk", "stream": chunk.stream.stream_id, "index": chunk.index, "lane": chunk.lane,
-            "promoted": chunk.promoted, "taken": chunk.taken, "frames": chunk.frames, "batch": batch, "arrived": chunk.stream.opened_at,
-            "cut": chunk.ready_at, "start": started, "end": decoded,
-            "due": chunk.due(self.scheduler.config.ttfa_target_s), "sent": sent})
+        self._write_trace(
+            {
+                "kind": "chunk",
+                "stream": chunk.stream.stream_id,
+                "index": chunk.index,
+                "lane": chunk.lane,
+                "promoted": chunk.promoted,
+                "taken": chunk.taken,
+                "frames": chunk.frames,
+                "batch": batch,
+                "arrived": chunk.stream.opened_at,
+                "cut": chunk.ready_at,
+                "start": started,
+                "end": decoded,
+                "due": chunk.due(self.scheduler.config.ttfa_target_s),
+                "sent": sent,
+            }
+        )
 
     def _write_trace(self, record: dict) -> None:
         """One line of the trace: a chunk sent, or a frame step (its period, its frames, and its
@@ -436,13 +522,20 @@ class TTSService:
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
             # Only chunks of streams still open: the scheduler's timeline must be the chunk's own.
-            live = [(c, self.streams.get(c.stream.stream_id)) for c in batch
-                    if self.scheduler.streams.get(c.stream.stream_id) is c.stream]
+            live = [
+                (c, self.streams.get(c.stream.stream_id))
+                for c in batch
+                if self.scheduler.streams.get(c.stream.stream_id) is c.stream
+            ]
             live = [(c, s) for c, s in live if s is not None and not s.ended]
             if not live:
                 return
-            codes = np.stack([padded_codes(s.frames[c.first_frame: c.first_frame + c.frames], c.decode_frames)
-                              for c, s in live])
+            codes = np.stack(
+                [
+                    padded_codes(s.frames[c.first_frame : c.first_frame + c.frames], c.decode_frames)
+                    for c, s in live
+                ]
+            )
             for _, stream in live:
                 stream.decoding = True
         issued = self.clock()
@@ -450,7 +543,8 @@ class TTSService:
             audio = self.lanes[URGENT if lane == INLINE else lane].decode(
                 torch.from_numpy(codes.astype(np.int32)),
                 torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
-                torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64))
+                torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64),
+            )
         except Exception as error:
             log.error("codec lane %s failed: %s", lane, error)
             with self.lock:
@@ -482,8 +576,12 @@ class TTSService:
         for row, chunk, stream in deliveries:
             info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
             try:
-                stream.sink.send(audio[row, : chunk.frames * samples_per_frame], codes[row, : chunk.frames], info,
-                                 chunk.last)
+                stream.sink.send(
+                    audio[row, : chunk.frames * samples_per_frame],
+                    codes[row, : chunk.frames],
+                    info,
+                    chunk.last,
+                )
                 sent.append((chunk, stream, self.clock()))
             except Exception as error:  # client gone: stop generating for it
                 log.info("stream %s: send failed (%s); cancelling", stream.request.request_id, error)
@@ -494,8 +592,14 @@ class TTSService:
                     self._end(stream, None)  # a no-op for a stream ended while its chunk was sent
                     continue
                 if self.metrics:
-                    self.metrics.chunk_sent(chunk.lane, chunk.frames, elapsed, chunk.index == 0,
-                                            sent_at - stream.submitted_at, chunk.promoted)
+                    self.metrics.chunk_sent(
+                        chunk.lane,
+                        chunk.frames,
+                        elapsed,
+                        chunk.index == 0,
+                        sent_at - stream.submitted_at,
+                        chunk.promoted,
+                    )
                 if self.chunk_trace:
                     self._trace(chunk, len(live), started, ended, sent_at)
                 self.scheduler.chunk_done(chunk, elapsed, sent_at)
