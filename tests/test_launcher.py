@@ -13,14 +13,9 @@ import pytest
 from server_helpers import processes_mentioning
 from voxtriton_client import TTSClient
 
-from voxtriton.serving.launcher import (
-    REPOSITORY,
-    TritonServer,
-    free_port,
-    gpu_count,
-    render_repository,
-    set_parameter,
-)
+from voxtriton.launch.gpus import gpu_count
+from voxtriton.launch.repository import REPOSITORY, render_repository, set_parameter
+from voxtriton.launch.server import TritonServer, free_port
 
 
 def test_set_parameter_replaces_or_appends():
