@@ -8,11 +8,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import wave
 from pathlib import Path
 
 import pytest
+from server_helpers import read_until_ready
 
 from voxtriton.launch.server import free_port
 
@@ -90,12 +90,7 @@ def test_the_wheel_serves_outside_the_checkout(tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 240
-        lines = []
-        for line in server.stdout:
-            lines.append(line)
-            if "  log: " in line or time.monotonic() > deadline:  # the last line of the ready message
-                break
+        lines = read_until_ready(server)
         assert any("voxtriton: ready" in line for line in lines), "".join(lines)
         speak = [bin_dir / "voxtriton-client", "speak", "Hi", "--max-frames", "8", "-o", "out.wav"]
         run(speak + ["--server", f"127.0.0.1:{grpc}"], cwd=workdir, env=env, timeout=120)

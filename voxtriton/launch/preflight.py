@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import socket
 from pathlib import Path
+from typing import NoReturn
 
 from ..models.config import CheckpointError, load_config
 from ..serving.settings import CodecSettings, TTSSettings
@@ -24,7 +25,7 @@ PARSERS = {"tts": TTSSettings.from_model_config} | dict.fromkeys(
 )
 
 
-def fail(problem: str):
+def fail(problem: str) -> NoReturn:
     raise SystemExit(f"voxtriton: {problem}")
 
 
