@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +48,18 @@ def live_processes() -> dict[int, Process]:
 def processes_mentioning(marker: str) -> list[int]:
     """The live processes whose command line holds `marker`."""
     return [pid for pid, process in live_processes().items() if marker in "\0".join(process.arguments)]
+
+
+def read_until_ready(launcher: subprocess.Popen, timeout: float = 240.0) -> list[str]:
+    """The lines a `voxtriton serve` process printed up to the end of its ready message, or until it
+    exited or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    lines = []
+    for line in launcher.stdout:
+        lines.append(line)
+        if "  log: " in line or time.monotonic() > deadline:  # the last line of the ready message
+            break
+    return lines
 
 
 def wait_for_metric(server: TritonServer, name: str, predicate, timeout: float = 20.0) -> float:

@@ -10,17 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from server_helpers import processes_mentioning
+from server_helpers import processes_mentioning, read_until_ready
 from voxtriton_client import TTSClient
 
-from voxtriton.serving.launcher import (
-    REPOSITORY,
-    TritonServer,
-    free_port,
-    gpu_count,
-    render_repository,
-    set_parameter,
-)
+from voxtriton.launch.gpus import gpu_count
+from voxtriton.launch.repository import REPOSITORY, render_repository, set_parameter
+from voxtriton.launch.server import TritonServer, free_port
 
 
 def test_set_parameter_replaces_or_appends():
@@ -133,12 +128,7 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 240
-        lines = []
-        for line in launcher.stdout:
-            lines.append(line)
-            if "  log: " in line or time.monotonic() > deadline:  # the last line of the ready message
-                break
+        lines = read_until_ready(launcher)
         assert any("voxtriton: ready" in line for line in lines), "".join(lines)
         assert f"gRPC 127.0.0.1:{grpc}" in "".join(lines)
         workdir = next(line.split("log: ")[1].strip() for line in lines if "log: " in line)

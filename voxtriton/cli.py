@@ -23,7 +23,7 @@ def make_checkpoint_command(args: argparse.Namespace) -> int:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from .serving.launcher import serve
+    from .launch.serve import serve
 
     return serve(args)
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make.set_defaults(run=make_checkpoint_command)
 
-    from .serving.launcher import add_serve_arguments
+    from .launch.serve import add_serve_arguments
 
     serve = commands.add_parser("serve", help="start tritonserver with the voxtriton model repository")
     add_serve_arguments(serve)

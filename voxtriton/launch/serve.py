@@ -1,0 +1,127 @@
+"""`voxtriton serve`: its arguments, the checks before the start, and the server run until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from . import preflight
+from .repository import REPOSITORY
+from .server import StartFailed, TritonServer
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint",
+        help="checkpoint directory in the official layout (default: the embedded "
+        "tiny RANDOM-weight checkpoint, which produces noise)",
+    )
+    parser.add_argument("--policy", choices=("voxserve", "concurrent", "serial", "disaggregated"))
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--tritonserver", help="path to the tritonserver binary")
+    parser.add_argument(
+        "--gpu",
+        type=int,
+        help="pin the server and its MPS daemon to this GPU (one server per "
+        "GPU, each on its own ports, behind `voxtriton gateway --backend ...`)",
+    )
+    parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="MODEL:KEY=VALUE",
+        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)",
+    )
+
+
+def parse_params(items: list[str]) -> dict[str, dict[str, str]]:
+    parameters: dict[str, dict[str, str]] = {}
+    for item in items:
+        model, sep, assignment = item.partition(":")
+        key, eq, value = assignment.partition("=")
+        if not model or not sep or not eq or not key:
+            raise SystemExit(f"voxtriton: --param {item!r}: expected MODEL:KEY=VALUE")
+        parameters.setdefault(model, {})[key] = value
+    return parameters
+
+
+def prepare(args: argparse.Namespace) -> TritonServer:
+    """The server `args` describe, its repository rendered; any problem found ends the command first."""
+    parameters = parse_params(args.param)
+    preflight.check_models(args.model_repository, parameters)
+    if args.checkpoint:
+        preflight.check_checkpoint(args.checkpoint)
+    ports = {
+        "--grpc-port": args.grpc_port,
+        "--http-port": args.http_port,
+        "--metrics-port": args.metrics_port,
+    }
+    preflight.check_ports(args.host, ports)
+    server = TritonServer(
+        checkpoint=args.checkpoint,
+        policy=args.policy,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        repository=args.model_repository,
+        tritonserver=args.tritonserver,
+        parameters=parameters,
+        gpu=args.gpu,
+    )
+    try:
+        preflight.check_settings(server.repository)
+    except SystemExit:
+        server.cleanup()
+        raise
+    return server
+
+
+def serve(args: argparse.Namespace) -> int:
+    server = prepare(args)
+    if not args.checkpoint:
+        print(
+            "voxtriton: no --checkpoint given: serving the embedded tiny RANDOM-WEIGHT checkpoint. "
+            "It produces noise, not speech. Serve real weights with --checkpoint DIR."
+        )
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        try:
+            server.start(timeout=600)
+        except StartFailed as error:
+            print(f"voxtriton: {error.reason}; its log says:", file=sys.stderr)
+            print("\n".join(f"  {line}" for line in server.log_errors()), file=sys.stderr)
+            return 1
+        print(
+            f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
+            f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
+            f'  try: voxtriton-client speak "Hello from voxtriton" -o hello.wav --server {server.grpc_url}\n'
+            f"  log: {server.log_file}",
+            flush=True,
+        )
+        while not stopping and server.process.poll() is None:
+            time.sleep(0.5)
+        if not stopping:
+            print(
+                f"voxtriton: tritonserver exited with code {server.process.returncode}; "
+                f"log:\n{server.log_tail()}"
+            )
+            return 1
+        return 0
+    finally:
+        server.stop()
+        server.cleanup()

@@ -1,0 +1,242 @@
+"""`TritonServer`: start tritonserver over a rendered repository, wait until it is ready, stop it
+with every process it started; a context manager used by `voxtriton serve`, tests and benchmarks."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from .gpus import MPSDaemon, gpu_count, pinned_device
+from .repository import REPOSITORY, model_overrides, render_repository
+from .tritonserver import find_tritonserver
+
+# A glog error line: "E1204 15:50:13.689261 16080 model_lifecycle.cc:642] message".
+LOG_ERROR = re.compile(r"^E\d{4} [\d:.]+ +\d+ [^\]]+\] +(.*)$")
+
+
+class StartFailed(RuntimeError):
+    """tritonserver exited, or was not ready in time: `reason` in one line; str() adds the log's tail."""
+
+    def __init__(self, reason: str, log_tail: str):
+        super().__init__(f"{reason}; log:\n{log_tail}")
+        self.reason = reason
+
+
+class StartTimedOut(StartFailed, TimeoutError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL this process when the thread that launched it exits (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class TritonServer:
+    """tritonserver over a rendered model repository; a context manager that leaves nothing behind."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: str | None = None,
+        policy: str | None = None,
+        host: str = "127.0.0.1",
+        grpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
+        repository: Path = REPOSITORY,
+        tritonserver: str | None = None,
+        parameters: dict[str, dict[str, str]] | None = None,
+        log_file: Path | None = None,
+        use_mps: bool | None = None,
+        extra_args: list[str] | None = None,
+        gpu: int | None = None,
+    ):
+        """gpu: pin the server (and its MPS daemon) to this one GPU, e.g. one server per GPU; counted
+        among the GPUs CUDA_VISIBLE_DEVICES allows when it is set."""
+        self.install = find_tritonserver(tritonserver)
+        self.pinned = {"CUDA_VISIBLE_DEVICES": pinned_device(gpu)} if gpu is not None else {}
+        gpus = 1 if gpu is not None else gpu_count()
+        overrides = model_overrides(checkpoint, policy, gpus, parameters or {})
+        self.host = host
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix="voxtriton-"))
+        self.repository = render_repository(repository, self.workdir / "models", overrides)
+        self.log_file = log_file or self.workdir / "tritonserver.log"
+        self.mps = (
+            MPSDaemon(self.workdir, self.pinned) if (gpus > 0 if use_mps is None else use_mps) else None
+        )
+        self.extra_args = extra_args or []
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.grpc_port}"
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # The Python stub derives its sys.path from the first python3 on PATH: make it ours.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        # The stub links libpython dynamically: give it this interpreter's (pyenv and venv builds
+        # keep theirs outside the system library path, and extension modules need the matching one).
+        libdir = sysconfig.get_config_var("LIBDIR")
+        library_path = self.install.library_path + ([libdir] if libdir else [])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(library_path + [env.get("LD_LIBRARY_PATH", "")])
+        env |= self.pinned
+        if self.mps is not None:
+            env |= self.mps.client_environment(env.get("CUDA_VISIBLE_DEVICES"))
+        return env
+
+    def command(self) -> list[str]:
+        command = [
+            str(self.install.server),
+            "--model-repository",
+            str(self.repository),
+            "--grpc-address",
+            self.host,
+            "--grpc-port",
+            str(self.grpc_port),
+            "--http-address",
+            self.host,
+            "--http-port",
+            str(self.http_port),
+            "--metrics-address",
+            self.host,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--exit-timeout-secs",
+            "10",
+            # explicit mode lets the tts model reload a codec lane whose process died
+            "--model-control-mode",
+            "explicit",
+            "--load-model",
+            "*",
+        ]
+        if self.install.backend_dir is not None:
+            command += ["--backend-directory", str(self.install.backend_dir)]
+        return command + self.extra_args
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def launch(self) -> None:
+        """Start MPS and tritonserver without waiting (several servers can then come up together).
+        Call from a thread that outlives the server: the server is killed when that thread exits."""
+        if self.process is not None:
+            # A second server on these ports would fail to bind them only after loading its models,
+            # wait_ready would meanwhile see this one answer, and stop() would end only the second.
+            raise RuntimeError(f"tritonserver already started on gRPC port {self.grpc_port}; stop() it first")
+        if self.mps is not None:
+            self.mps.start()
+        log = open(self.log_file, "ab")
+        # A new session, so stop() can end the server and every stub process it started; and killed
+        # with us if we die without stopping it (its stubs follow their parent).
+        self.process = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.http_port}/v2/health/ready"
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                self.stop()
+                raise StartFailed(f"tritonserver exited with code {code}", self.log_tail())
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise StartTimedOut(f"tritonserver not ready after {timeout:.0f} s", self.log_tail())
+
+    def metrics(self) -> dict[str, float]:
+        """voxtriton's samples from the Prometheus endpoint, and Triton's own per-model inference
+        counters (`nv_inference_*`): {'name{labels}': value}."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            match = re.match(r"^((?:voxtriton|nv_inference)_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+            if match:
+                samples[match.group(1)] = float(match.group(2))
+        return samples
+
+    def log_lines(self) -> list[str]:
+        try:
+            return self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return ["(no log)"]
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_lines()[-lines:])
+
+    def log_errors(self, limit: int = 8, width: int = 240) -> list[str]:
+        """The log's errors, each message's first line: what says why a start failed (else its last lines)."""
+        errors = []
+        for line in self.log_lines():
+            match = LOG_ERROR.match(line)
+            message = match.group(1).strip('" ').split("\\n")[0] if match else line
+            if (match or line.startswith("error:")) and message not in errors:
+                errors.append(message)
+        shown = errors[:limit] if errors else self.log_lines()[-limit:]
+        return [line if len(line) <= width else line[: width - 3] + "..." for line in shown]
+
+    def stop(self, grace: float = 20.0) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # stragglers: stubs of a server that hung
+            except ProcessLookupError:
+                pass
+            process.wait()
+        if self.mps is not None:
+            self.mps.stop()
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.cleanup()
