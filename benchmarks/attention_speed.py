@@ -22,16 +22,13 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_speed import graphed, timed  # noqa: E402
-
-from voxtriton.kernels.attention import decode_attention, decode_attention_reference, launch_shape  # noqa: E402
+from voxtriton.bench.timing import graphed, timed
+from voxtriton.kernels.attention import decode_attention, decode_attention_reference, launch_shape
 
 CALLS_PER_SAMPLE = 20  # one call can take a few microseconds: too short to time alone
 HEADS, KV_HEADS, DIM = 16, 8, 128  # both Qwen3-TTS presets, talker and code predictor alike

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from serving_bench import kernel_fallbacks  # noqa: E402
+from voxtriton.bench.fleet import kernel_fallbacks
 
 # Lines of a real server log (session 22, call 2: CC in the environment named no compiler).
 FALLBACK = (
