@@ -7,11 +7,11 @@ Per chunk index: how long after the stream's first chunk was sent the chunk was 
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
 after they were due) by index and lane. All chunks and late ones by route: the lane they were
 routed to, or for urgent-lane chunks queued for the background lane first, how they moved
-(promoted as their deadline neared, or taken by an idle urgent lane). The frame period over the course of the run, measured from
-streams whose fifth chunk waited for its frames, per time window, and, where the trace has the
-engine's step lines, each window's frame steps split into their parts. Per window and lane, the
-codec calls (chunks sent with the same lane, start and end are one call) and the share of the
-window they covered. Per lane, the gaps between consecutive calls, split by whether a chunk of the
+(promoted as their deadline neared, or taken by an idle urgent lane). The frame period over the
+course of the run, measured from streams whose fifth chunk waited for its frames, per time window,
+and, where the trace has the engine's step lines, each window's frame steps split into their parts.
+Per window and lane, the codec calls (chunks sent with the same lane, start and end are one call)
+and the share of the window they covered. Per lane, the gaps between consecutive calls, split by whether a chunk of the
 next call was already waiting when the previous call ended: time in such gaps is the lane's own
 host work (sending the audio, taking the next batch, the service lock), not a lack of chunks.
 

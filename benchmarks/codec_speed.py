@@ -6,8 +6,8 @@
 Small shapes are what the urgent lane decodes (first chunks: 2 frames), large ones the background
 lane's batches. To compare two versions of the code in one run, point PYTHONPATH at a checkout of
 the other, e.g. `git archive <commit> voxtriton | tar -x -C /tmp/base` and `PYTHONPATH=/tmp/base`
-(the output's "code" names the module path that ran). The script sets cuDNN autotuning itself; only
-commit a29e65c forced it on in CodecRunner. The checkpoint is random-weight
+(the output's "code" names the module path that ran). The script sets cuDNN autotuning itself
+(`--cudnn-benchmark`, as the codec processes run by default). The checkpoint is random-weight
 (`voxtriton make-checkpoint`): timings are real, the audio is noise.
 """
 

@@ -43,12 +43,12 @@ def main() -> None:
             flops = backbone_flops_per_frame(config, row["batch"], span)
             rate = flops * row["batch"] / (row["frame_step_ms"] / 1e3) / 1e12
             print(
-                f"| frame step | batch {row['batch']}, span {span} | {flops / 1e9:.2f} | {row['frame_step_ms']:.2f} | {rate:.0f} |"
+                f"| frame step | batch {row['batch']}, span {span} | {flops / 1e9:.2f} | "
+                f"{row['frame_step_ms']:.2f} | {rate:.0f} |"
             )
     else:
-        print(
-            f"| frame step | span {args.span} | {backbone_flops_per_frame(config, 1, args.span) / 1e9:.2f} | - | - |"
-        )
+        flops = backbone_flops_per_frame(config, 1, args.span)
+        print(f"| frame step | span {args.span} | {flops / 1e9:.2f} | - | - |")
     shapes = json.loads(args.codec_speed.read_text())["ms"] if args.codec_speed else {"1x25": None}
     for shape, ms in shapes.items():
         batch, frames = call_shape(shape)

@@ -14,8 +14,8 @@ per request), and the rate at which the backbone and the codec, run one after th
 A policy's goodput above the first needs a faster backbone, not better lanes; the second is what a
 perfect overlap of the two would have to beat. With --baseline-goodput each is also a ratio to it.
 
-    python benchmarks/gpu_budget.py --model-speed MODEL_SPEED.json --codec-speed CODEC_SPEED.json RUN_DIR [...]
-        [--baseline-goodput REQ_PER_S]
+    python benchmarks/gpu_budget.py --model-speed MODEL_SPEED.json --codec-speed CODEC_SPEED.json \
+        RUN_DIR [...] [--baseline-goodput REQ_PER_S]
 
 RUN_DIR: serving_bench outputs (results.json); only probes of the model_speed preset are used.
 """
@@ -70,8 +70,9 @@ def main() -> None:
         b = budget(probe, model_speed, codec[best_shape])
         print(
             f"| {probe['model']} | {probe['policy']} | {probe['run']} | {probe['rate']:.0f} | "
-            f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | {b['demand_audio_s_per_s']:.0f} | "
-            f"{probe['frame_step_batch']:.0f} | {b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
+            f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | "
+            f"{b['demand_audio_s_per_s']:.0f} | {probe['frame_step_batch']:.0f} | "
+            f"{b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
             f"{b['gpu_s_per_s']:.2f} | {b['rate_filling_gpu']:.0f} |"
         )
     audio_per_request = sum(p["audio_s"] for p in usable) / sum(p["completed"] for p in usable)

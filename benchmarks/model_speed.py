@@ -59,7 +59,8 @@ def row_positions(batch: int, context: int, spread: bool, device) -> torch.Tenso
 def fill_rows(
     runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int, spread: bool
 ) -> int:
-    """Prefill `batch` requests and advance them to `context` positions (see `row_positions`); returns the span."""
+    """Prefill `batch` requests and advance them to `context` positions (see `row_positions`);
+    returns the span."""
     params = GenerationParams.create(config.generation, 100_000, seed=0, max_frames=50_000, ignore_eos=True)
     requests = [
         Request(f"r{i}", prompts.build("Benchmarking the talker step.", prompts.speakers[0]), params)

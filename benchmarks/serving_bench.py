@@ -417,7 +417,7 @@ def main() -> None:
         type=int,
         default=768,
         help="codec state rows added for streams generated but still owed audio (about 5 MB "
-        "each with Qwen3-TTS's codec); voxserve held about 315 or more at 116 req/s (1.7B, H200)",
+        "each with Qwen3-TTS's codec); near a policy's goodput hundreds of streams drain at once",
     )
     parser.add_argument("--speaker")
     parser.add_argument("--seed", type=int, default=0)

@@ -89,9 +89,8 @@ KERNEL_FALLBACK = re.compile(re.escape(FALLBACK_WARNING.split(" (")[0]) % (r"\w+
 
 def kernel_fallbacks(server_log: str) -> list[str]:
     """The server log's lines saying a Triton kernel failed its check on a GPU (voxtriton.kernels).
-    A device image exports CC, the C compiler Triton builds its launchers with; a call script that
-    reused the name for its own argument made every kernel fall back, and the frame step took 58 ms
-    instead of 20 (sessions 21 and 22, goodput_h200.md)."""
+    Triton builds its launchers with $CC, so a CC that names no compiler makes every kernel fall back
+    and the server would measure the slower PyTorch formulas."""
     return [line.strip() for line in server_log.splitlines() if KERNEL_FALLBACK.search(line)]
 
 
@@ -99,8 +98,7 @@ class GaugeSampler:
     """Reads the servers' gauges every `interval_s` while a probe runs, on a thread of its own (off
     the client's event loop): the streams generating (holding a KV-cache row), the requests
     waiting for a row and the streams draining (generated, audio still owed). A probe's means hide
-    its steady state: in session 11 the batch averaged 263 over a probe at 82 req/s while its
-    busiest 5 s windows held 464-477 streams (`max_streams` 512).
+    its steady state: a probe's busiest seconds can hold nearly twice its mean batch.
     A read parses the metrics page in Python, about a millisecond that the client's event loop may
     wait for the GIL; `client_loop_lag_*` would show it. With several servers the figures are sums
     over them, not per server."""
