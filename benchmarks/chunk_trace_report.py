@@ -11,9 +11,10 @@ routed to, or for urgent-lane chunks queued for the background lane first, how t
 course of the run, measured from streams whose fifth chunk waited for its frames, per time window,
 and, where the trace has the engine's step lines, each window's frame steps split into their parts.
 Per window and lane, the codec calls (chunks sent with the same lane, start and end are one call)
-and the share of the window they covered. Per lane, the gaps between consecutive calls, split by whether a chunk of the
-next call was already waiting when the previous call ended: time in such gaps is the lane's own
-host work (sending the audio, taking the next batch, the service lock), not a lack of chunks.
+and the share of the window they covered. Per lane, the gaps between consecutive calls, split by
+whether a chunk of the next call was already waiting when the previous call ended: time in such
+gaps is the lane's own host work (sending the audio, taking the next batch, the service lock), not
+a lack of chunks.
 
     python benchmarks/chunk_trace_report.py TRACE.jsonl[.gz] [--window 4]
 """
