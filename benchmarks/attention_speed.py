@@ -22,16 +22,13 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_speed import graphed, timed  # noqa: E402
-
-from voxtriton.kernels.attention import decode_attention, decode_attention_reference, launch_shape  # noqa: E402
+from voxtriton.bench.timing import graphed, timed
+from voxtriton.kernels.attention import decode_attention, decode_attention_reference, launch_shape
 
 CALLS_PER_SAMPLE = 20  # one call can take a few microseconds: too short to time alone
 HEADS, KV_HEADS, DIM = 16, 8, 128  # both Qwen3-TTS presets, talker and code predictor alike
@@ -47,7 +44,8 @@ CASES = {
 
 
 def case_inputs(rows: int, span: int, where: str, device: torch.device, dtype: torch.dtype):
-    """q [rows, H, 1, D], keys and values as views of a larger cache (as StaticKV hands them out), positions."""
+    """q [rows, H, 1, D], keys and values as views of a larger cache (as StaticKV hands them out),
+    positions."""
     generator = torch.Generator(device).manual_seed(0)
     q = torch.randn(rows, HEADS, 1, DIM, device=device, generator=generator).to(dtype)
     cache = torch.randn(2, rows, KV_HEADS, span + 64, DIM, device=device, generator=generator).to(dtype)
@@ -142,11 +140,13 @@ def main() -> None:
             flush=True,
         )
     print(
-        "\n| case | KV MB | shipped (keys, warps, stages) | us | GB/s | best | us | GB/s |\n|---|---|---|---|---|---|---|---|"
+        "\n| case | KV MB | shipped (keys, warps, stages) | us | GB/s | best | us | GB/s |"
+        "\n|---|---|---|---|---|---|---|---|"
     )
     for r in results:
         print(
-            f"| {r['case']} | {r['kv_mb']:.1f} | {tuple(r['shipped'])} | {r['shipped_us']:.1f} | {r['shipped_gb_s']:.0f} "
+            f"| {r['case']} | {r['kv_mb']:.1f} | {tuple(r['shipped'])} | {r['shipped_us']:.1f} | "
+            f"{r['shipped_gb_s']:.0f} "
             f"| {tuple(r['best'])} | {r['best_us']:.1f} | {r['best_gb_s']:.0f} |"
         )
     meta = {

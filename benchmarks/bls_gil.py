@@ -108,8 +108,10 @@ class TritonPythonModel:
             rates = [counter_rate(lambda: time.sleep(seconds)), counter_rate(bls), counter_rate(spin),
                      counter_rate(check_cancellation),
                      round_trip_seconds(update, False), round_trip_seconds(update, True),
-                     round_trip_seconds(request.is_cancelled, False), round_trip_seconds(request.is_cancelled, True)]
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("RATES", np.array(rates, np.float32))]))
+                     round_trip_seconds(request.is_cancelled, False),
+                     round_trip_seconds(request.is_cancelled, True)]
+            rates = pb_utils.Tensor("RATES", np.array(rates, np.float32))
+            responses.append(pb_utils.InferenceResponse([rates]))
         return responses
 """
 

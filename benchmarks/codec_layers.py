@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from voxtriton.bench.timing import call_shape, mean_ms
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_codec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import call_shape, mean_ms  # noqa: E402
 
 
 def record_layers(codec, batch: int, frames: int) -> list[dict]:

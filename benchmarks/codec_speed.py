@@ -6,8 +6,8 @@
 Small shapes are what the urgent lane decodes (first chunks: 2 frames), large ones the background
 lane's batches. To compare two versions of the code in one run, point PYTHONPATH at a checkout of
 the other, e.g. `git archive <commit> voxtriton | tar -x -C /tmp/base` and `PYTHONPATH=/tmp/base`
-(the output's "code" names the module path that ran). The script sets cuDNN autotuning itself; only
-commit a29e65c forced it on in CodecRunner. The checkpoint is random-weight
+(the output's "code" names the module path that ran). The script sets cuDNN autotuning itself
+(`--cudnn-benchmark`, as the codec processes run by default). The checkpoint is random-weight
 (`voxtriton make-checkpoint`): timings are real, the audio is noise.
 """
 
@@ -22,33 +22,12 @@ from pathlib import Path
 import torch
 
 import voxtriton
+from voxtriton.bench.timing import call_shape, mean_ms
 from voxtriton.engine.codec_runner import CodecRunner
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_codec
 
 SHAPES = "8x2,32x2,16x4,64x8,32x16,128x25,256x25"
-
-
-def call_shape(shape: str) -> tuple[int, int]:
-    """(chunks, frames per chunk) of a codec call shape written BATCHxFRAMES, as SHAPES and this
-    script's JSON name them."""
-    batch, frames = (int(part) for part in shape.split("x"))
-    return batch, frames
-
-
-def mean_ms(call, repeat: int) -> float:
-    """Mean milliseconds of call() over `repeat` calls (CUDA events), after three warm-up calls (with
-    cuDNN autotuning, the first times the algorithms)."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeat):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / repeat
 
 
 def main() -> None:

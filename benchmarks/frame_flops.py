@@ -15,43 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-import torch
-from torch.utils.flop_counter import FlopCounterMode
-
-from voxtriton.engine.model_runner import ModelRunner
-from voxtriton.models.codec import CodecModel
+from voxtriton.bench.flops import backbone_flops_per_frame, codec_flops_per_frame
+from voxtriton.bench.timing import call_shape
 from voxtriton.models.config import load_config
-from voxtriton.models.talker import Qwen3TTSBackbone
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import call_shape  # noqa: E402
-
-
-def counted(work) -> int:
-    with FlopCounterMode(display=False) as counter:
-        work()
-    return counter.get_total_flops()
-
-
-def backbone_flops_per_frame(config, batch: int, span: int) -> float:
-    """One frame step of `batch` rows whose attention reads `span` positions, per row."""
-    with torch.device("meta"):
-        backbone = Qwen3TTSBackbone(config).to(torch.bfloat16)
-    runner = ModelRunner(backbone, batch, span, 1)
-    return counted(lambda: runner.decode(batch, span)) / batch
-
-
-def codec_flops_per_frame(config, batch: int, frames: int) -> float:
-    """One codec call of `batch` chunks of `frames` frames, per frame."""
-    with torch.device("meta"):
-        codec = CodecModel(config.codec).to(torch.bfloat16)
-    codes = torch.zeros((batch, frames, config.codec.num_quantizers), dtype=torch.long, device="meta")
-    start = torch.zeros(batch, dtype=torch.long, device="meta")
-    state = codec.new_state(batch, device="meta", dtype=torch.bfloat16)
-    return counted(lambda: codec.decode(codes, start, state)) / (batch * frames)
 
 
 def main() -> None:
@@ -75,12 +43,12 @@ def main() -> None:
             flops = backbone_flops_per_frame(config, row["batch"], span)
             rate = flops * row["batch"] / (row["frame_step_ms"] / 1e3) / 1e12
             print(
-                f"| frame step | batch {row['batch']}, span {span} | {flops / 1e9:.2f} | {row['frame_step_ms']:.2f} | {rate:.0f} |"
+                f"| frame step | batch {row['batch']}, span {span} | {flops / 1e9:.2f} | "
+                f"{row['frame_step_ms']:.2f} | {rate:.0f} |"
             )
     else:
-        print(
-            f"| frame step | span {args.span} | {backbone_flops_per_frame(config, 1, args.span) / 1e9:.2f} | - | - |"
-        )
+        flops = backbone_flops_per_frame(config, 1, args.span)
+        print(f"| frame step | span {args.span} | {flops / 1e9:.2f} | - | - |")
     shapes = json.loads(args.codec_speed.read_text())["ms"] if args.codec_speed else {"1x25": None}
     for shape, ms in shapes.items():
         batch, frames = call_shape(shape)

@@ -14,8 +14,8 @@ per request), and the rate at which the backbone and the codec, run one after th
 A policy's goodput above the first needs a faster backbone, not better lanes; the second is what a
 perfect overlap of the two would have to beat. With --baseline-goodput each is also a ratio to it.
 
-    python benchmarks/gpu_budget.py --model-speed MODEL_SPEED.json --codec-speed CODEC_SPEED.json RUN_DIR [...]
-        [--baseline-goodput REQ_PER_S]
+    python benchmarks/gpu_budget.py --model-speed MODEL_SPEED.json --codec-speed CODEC_SPEED.json \
+        RUN_DIR [...] [--baseline-goodput REQ_PER_S]
 
 RUN_DIR: serving_bench outputs (results.json); only probes of the model_speed preset are used.
 """
@@ -27,70 +27,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec_speed import call_shape  # noqa: E402
-from merge_goodput import probes  # noqa: E402
-
-from voxtriton.scheduler.policy import SchedulerConfig  # noqa: E402
-
-FRAME_SECONDS = SchedulerConfig().frame_seconds
-
-
-def interpolate(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear y(x) through sorted points, extended along the end segments."""
-    points = sorted(points)
-    if len(points) == 1:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1 or (x1, y1) == points[-1]:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    raise AssertionError("unreachable")
-
-
-def backbone_ms_per_audio_s(model_speed: dict, batch: float) -> float:
-    """GPU ms of frame steps per second of audio, each step producing one frame per row."""
-    step_ms = interpolate([(row["batch"], row["frame_step_ms"]) for row in model_speed["rows"]], batch)
-    return step_ms / batch / FRAME_SECONDS
-
-
-def codec_ms_per_audio_s(codec_speed: dict) -> dict[str, float]:
-    """GPU ms per second of audio decoded, per call shape (BATCHxFRAMES)."""
-    result = {}
-    for shape, ms in codec_speed["ms"].items():
-        batch, frames = call_shape(shape)
-        result[shape] = ms / (batch * frames * FRAME_SECONDS)
-    return result
-
-
-def budget(probe: dict, model_speed: dict, codec_per_audio_s: float) -> dict:
-    audio_per_request = probe["audio_s"] / probe["completed"]
-    demand = probe["rate"] * audio_per_request  # seconds of audio per second
-    backbone = backbone_ms_per_audio_s(model_speed, probe["frame_step_batch"])
-    gpu_s_per_s = demand * (backbone + codec_per_audio_s) / 1e3
-    return {
-        "audio_s_per_request": audio_per_request,
-        "demand_audio_s_per_s": demand,
-        "backbone_ms_per_audio_s": backbone,
-        "codec_ms_per_audio_s": codec_per_audio_s,
-        "gpu_s_per_s": gpu_s_per_s,
-        "rate_filling_gpu": probe["rate"] / gpu_s_per_s,
-    }
-
-
-def ceilings(model_speed: dict, codec_per_audio_s: float, audio_per_request: float) -> list[dict]:
-    """Per measured batch: the request rates the backbone alone, and backbone then codec, sustain."""
-    rows = []
-    for row in sorted(model_speed["rows"], key=lambda r: r["batch"]):
-        backbone = backbone_ms_per_audio_s(model_speed, row["batch"])
-        rows.append(
-            {
-                "batch": row["batch"],
-                "frame_step_ms": row["frame_step_ms"],
-                "backbone_alone": 1e3 / (backbone * audio_per_request),
-                "backbone_then_codec": 1e3 / ((backbone + codec_per_audio_s) * audio_per_request),
-            }
-        )
-    return rows
+from voxtriton.bench.goodput import probes
+from voxtriton.bench.gpu_budget import budget, ceilings, codec_ms_per_audio_s
 
 
 def main() -> None:
@@ -132,8 +70,9 @@ def main() -> None:
         b = budget(probe, model_speed, codec[best_shape])
         print(
             f"| {probe['model']} | {probe['policy']} | {probe['run']} | {probe['rate']:.0f} | "
-            f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | {b['demand_audio_s_per_s']:.0f} | "
-            f"{probe['frame_step_batch']:.0f} | {b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
+            f"{'yes' if probe['passed'] else 'no'} | {b['audio_s_per_request']:.2f} | "
+            f"{b['demand_audio_s_per_s']:.0f} | {probe['frame_step_batch']:.0f} | "
+            f"{b['backbone_ms_per_audio_s']:.3f} | {b['codec_ms_per_audio_s']:.3f} | "
             f"{b['gpu_s_per_s']:.2f} | {b['rate_filling_gpu']:.0f} |"
         )
     audio_per_request = sum(p["audio_s"] for p in usable) / sum(p["completed"] for p in usable)

@@ -1,21 +1,21 @@
-"""How fast this machine is, in a few seconds, before a long measurement on it.
+"""How fast this GPU host is, in a few seconds, before a long measurement on it.
 
-    python benchmarks/gpu_check.py [--json OUT] [--min-tflops 450] [--min-gbps 2500] [--max-graph-kernel-us 8]
-        [--max-python-ms 400]
+    python benchmarks/gpu_check.py [--json OUT] [--min-tflops 450] [--min-gbps 2500] \
+        [--max-graph-kernel-us 8] [--max-python-ms 400]
 
-A goodput run is only as good as the machine it ran on and the kernels it ran: in sessions 21
-and 22 a call script's variable named CC (the C compiler Triton builds its kernels with) turned
-every Triton kernel off, and the server's frame step took 57-60 ms where it takes about 20; and
-the engine thread's host time per step differed 1.4-5x between H200 hosts (goodput_h200.md).
-This prints whether each of voxtriton's Triton kernels passes its check on this GPU
-(`voxtriton.kernels.check_kernels`, as the server runs it), a bf16 matrix product's TFLOP/s, a
+A goodput run is only as good as the host it ran on and the kernels it ran: a variable named CC
+in the environment that is not a C compiler (Triton builds its kernel launchers with $CC) turns
+every Triton kernel off (their slower PyTorch formulas run instead), and the engine thread's host
+time per step differs between hosts of one GPU type (goodput_h200.md). This prints whether each
+of voxtriton's Triton kernels passes its check on this GPU (`voxtriton.kernels.check_kernels`, as
+the server runs it), a bf16 matrix product's TFLOP/s, a
 device-to-device copy's GB/s (read plus write), the GPU time of one tiny kernel replayed in a
 CUDA graph (the code predictor's steps are made of such kernels), a fixed pure-Python loop's time
 (the engine thread is Python), the host's processor, the CPUs this process may use and its
 cgroup's CPU quota, and what nvidia-smi says of clocks, power and the processes on the GPU (this
 one's pid is in the output). It exits 1, naming each figure outside its bound, when a kernel
-fails its check or the machine is slower than a bound, so a device call's script can stop before
-spending its time on goodput runs.
+fails its check or the host is slower than a bound, so a script can stop before spending its time
+on goodput runs.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def python_loop_ms(iterations: int = 2_000_000) -> float:
 
 def host() -> dict:
     """The processor model, the CPUs this process may run on, the cgroup's CPU quota ("max" for
-    none) and the load average: the engine thread's time per step varied 1.4-5x between machines
-    of one kind (sessions 20-22), and nothing recorded then says how the hosts differed."""
+    none) and the load average, to tell hosts of one GPU type apart: the engine thread's time per
+    step differs between them."""
 
     def first_line(path: str, prefix: str = "") -> str | None:
         try:

@@ -13,74 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_bench import meets_target  # noqa: E402
-
-
-def probes(run: Path) -> list[dict]:
-    """Every open-loop probe of one run, labelled by model, policy and run."""
-    result = json.loads((run / "results.json").read_text())
-    command = result["meta"]["command"]
-    checkpoint = result["meta"]["checkpoint"]
-    model = (re.search(r"ck-([\w.]+)", checkpoint) or re.search(r"([^/]+)/?$", checkpoint)).group(1)
-    rows = []
-    for entry in result["policies"]:
-        trials = (entry.get("goodput") or {}).get("trials", []) + entry.get("rates", [])
-        for trial in trials:
-            rows.append(
-                {
-                    "model": model,
-                    "policy": entry["policy"],
-                    "run": run.name,
-                    "rate": trial["rate"],
-                    "passed": meets_target(trial),
-                    "stalled": trial["stalled_requests"],
-                    "requests": trial["requests"],
-                    "ttfa_p90_ms": trial["ttfa_p90_ms"],
-                    "stall_total_s": round(trial["stall_total_s"], 3),
-                    "listeners_peak": trial["listeners_peak"],
-                    "frame_step_ms": trial["server"]["frame_step_ms_mean"],
-                    # For gpu_budget.py; runs of older harness versions may lack them.
-                    "completed": trial.get("completed"),
-                    "audio_s": trial.get("audio_s"),
-                    "frame_step_batch": trial["server"].get("frame_step_batch_mean"),
-                    "command": command,
-                }
-            )
-    return rows
-
-
-SAME_RATE = 0.005  # relative difference under which two probes count as one rate
-
-
-def same_rate(a: float, b: float) -> bool:
-    return abs(a - b) <= SAME_RATE * max(a, b)
-
-
-def goodput(rows: list[dict]) -> dict:
-    """The highest rate passed in any probe ("goodput", with "passes" = passed / probes at that rate),
-    the highest passed in most of its probes ("goodput_most"), and the lowest failed."""
-
-    def tally(rate):
-        probes = [r for r in rows if same_rate(r["rate"], rate)]
-        return sum(r["passed"] for r in probes), len(probes)
-
-    passed = [r["rate"] for r in rows if r["passed"]]
-    failed = [r["rate"] for r in rows if not r["passed"]]
-    best = max(passed, default=None)
-    mostly = [rate for rate in passed if 2 * tally(rate)[0] > tally(rate)[1]]
-    listeners = max((r["listeners_peak"] for r in rows if r["passed"] and r["rate"] == best), default=None)
-    return {
-        "goodput": best,
-        "passes": "{} of {}".format(*tally(best)) if best is not None else None,
-        "goodput_most": max(mostly, default=None),
-        "lowest_failed": min(failed, default=None),
-        "listeners_peak": listeners,
-    }
+from voxtriton.bench.goodput import goodput, probes
 
 
 def main() -> None:
@@ -111,8 +47,9 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['model']} | {r['policy']} | {r['run']} | {_rate(r['rate'])} | {'yes' if r['passed'] else 'no'} | "
-        f"{r['stalled']} / {r['requests']} | {r['ttfa_p90_ms']} | {r['frame_step_ms']} |"
+        f"| {r['model']} | {r['policy']} | {r['run']} | {_rate(r['rate'])} | "
+        f"{'yes' if r['passed'] else 'no'} | {r['stalled']} / {r['requests']} | {r['ttfa_p90_ms']} | "
+        f"{r['frame_step_ms']} |"
         for r in sorted(rows, key=lambda r: (r["model"], r["policy"], r["rate"], r["run"]))
     ]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")

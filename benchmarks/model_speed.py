@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from voxtriton.bench.timing import graphed, timed
 from voxtriton.engine.codec_runner import CodecRunner
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
@@ -29,38 +29,6 @@ from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.random_checkpoint import make_checkpoint
 from voxtriton.models.text import PromptBuilder, TextTokenizer
-
-
-def timed(fn, device: torch.device, repeat: int) -> float:
-    """Median seconds of fn() over `repeat` runs, after two warm-up runs."""
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(2):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def graphed(fn, device: torch.device):
-    """fn captured as a CUDA graph (replayed by the returned callable); fn itself on CPU."""
-    if device.type != "cuda":
-        return fn
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def top_kernels(fn, device: torch.device, count: int) -> str:
@@ -91,7 +59,8 @@ def row_positions(batch: int, context: int, spread: bool, device) -> torch.Tenso
 def fill_rows(
     runner: ModelRunner, config, prompts: PromptBuilder, batch: int, context: int, spread: bool
 ) -> int:
-    """Prefill `batch` requests and advance them to `context` positions (see `row_positions`); returns the span."""
+    """Prefill `batch` requests and advance them to `context` positions (see `row_positions`);
+    returns the span."""
     params = GenerationParams.create(config.generation, 100_000, seed=0, max_frames=50_000, ignore_eos=True)
     requests = [
         Request(f"r{i}", prompts.build("Benchmarking the talker step.", prompts.speakers[0]), params)

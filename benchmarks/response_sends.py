@@ -99,7 +99,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            chunks, batches, samples = (int(v) for v in pb_utils.get_input_tensor_by_name(request, "SHAPE").as_numpy())
+            shape = pb_utils.get_input_tensor_by_name(request, "SHAPE").as_numpy()
+            chunks, batches, samples = (int(v) for v in shape)
             self.senders.append(request.get_response_sender())
         if len(self.senders) == chunks:  # every stream of the batch is open: measure, off Triton's thread
             threading.Thread(target=self.measure, args=(self.senders, batches, samples)).start()
@@ -126,7 +127,8 @@ class TritonPythonModel:
         pool.shutdown()
         # The first stream's last response: per case, in the order of CASES, ms per batch and the
         # spinner's speed as a share of its speed alone.
-        senders[0].send(pb_utils.InferenceResponse([pb_utils.Tensor("AUDIO", np.array(times, np.float32))]), flags=FINAL)
+        times = pb_utils.Tensor("AUDIO", np.array(times, np.float32))
+        senders[0].send(pb_utils.InferenceResponse([times]), flags=FINAL)
         for sender in senders[1:]:
             sender.send(flags=FINAL)
 """
@@ -180,7 +182,8 @@ def main() -> None:
                         times = result.as_numpy("AUDIO")
             client.stop_stream()
     print(
-        f"one batch of {args.chunks} chunk sends to {args.chunks} streams ({args.frames} frames of audio each), "
+        f"one batch of {args.chunks} chunk sends to {args.chunks} streams "
+        f"({args.frames} frames of audio each), "
         f"or of {args.chunks} cancellation checks, mean of {args.batches} batches, ms:"
     )
     for (interval, beside, mode), ms, share in zip(cases, times[0::2], times[1::2]):

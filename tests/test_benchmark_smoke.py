@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from server_helpers import live_processes
 
+from voxtriton.bench.workload import one_request
+from voxtriton.serving.gateway import Router
+
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,8 +130,8 @@ def test_sigterm_while_servers_stop_is_held_back_until_they_have_stopped():
     """Two SIGTERMs (as `timeout` sends, to the process and its group) inside `deferred()` (where
     serving_bench stops its servers) end the run once, after the block, with status 143."""
     script = (
-        f"import os, signal, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-        "from serving_bench import TERMINATION\n"
+        "import os, signal\n"
+        "from voxtriton.bench.fleet import TERMINATION\n"
         "TERMINATION.install()\n"
         "with TERMINATION.deferred():\n"
         "    os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -144,8 +147,6 @@ def test_sigterm_while_servers_stop_is_held_back_until_they_have_stopped():
 def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_probe():
     """A stand-in endpoint accepts connections and stays silent: the request ends as failed, with
     the reason, after the timeout."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from serving_bench import Router, one_request
 
     async def scenario():
         connections = []

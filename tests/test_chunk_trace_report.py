@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from chunk_trace_report import read_trace, report  # noqa: E402
+from voxtriton.bench.chunk_trace import read_trace, report
 
 
 def stream(name, arrived, period, late_index=None):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from voxtriton.bench.call_counter import GRAPHED, CallCounter
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
@@ -16,9 +14,6 @@ from voxtriton.models.config import load_config
 from voxtriton.models.layers import Rotary
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from admission_cost import GRAPHED, CallCounter  # noqa: E402
 
 TEXTS = [
     "The first request speaks.",

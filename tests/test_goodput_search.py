@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from serving_bench import RequestResult, search_goodput, timeline  # noqa: E402
+from voxtriton.bench.goodput import search_goodput
+from voxtriton.bench.summary import RequestResult, timeline
 
 
 def probe_log(capacity):

@@ -3,7 +3,6 @@ frame_flops' operation counts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -12,16 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from voxtriton.bench import flops as frame_flops
+from voxtriton.bench import gpu_budget
 from voxtriton.models.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-spec = importlib.util.spec_from_file_location("gpu_budget", ROOT / "benchmarks" / "gpu_budget.py")
-gpu_budget = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_budget)
-spec = importlib.util.spec_from_file_location("frame_flops", ROOT / "benchmarks" / "frame_flops.py")
-frame_flops = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(frame_flops)
 
 # Frame steps of 10 ms at batch 100 and 16 ms at batch 200; codec calls of 5 ms for 10 chunks of 25
 # frames (20 s of audio: 0.25 ms per audio second) and 1 ms for one chunk of 2 frames (6.25).

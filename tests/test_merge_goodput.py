@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from voxtriton.bench import goodput as merge_goodput
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("merge_goodput", ROOT / "benchmarks" / "merge_goodput.py")
-merge_goodput = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(merge_goodput)
 
 
 def probe(rate, passed, listeners=100):

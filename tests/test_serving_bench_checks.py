@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from serving_bench import kernel_fallbacks  # noqa: E402
+from voxtriton.bench.fleet import kernel_fallbacks
 
-# Lines of a real server log (session 22, call 2: CC in the environment named no compiler).
+# Lines of a real server log whose environment had a CC that named no compiler.
 FALLBACK = (
     "2026-12-03 14:05:08,646 voxtriton WARNING voxtriton.kernels: Triton kernel decode_attention unavailable "
     "on cuda:0 (FileNotFoundError: [Errno 2] No such file or directory: '--param "

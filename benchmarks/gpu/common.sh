@@ -1,12 +1,22 @@
-# Sourced by the device-run scripts: paths, the interpreter, and `run` (echo, run, log to $OUT/log.txt).
+# Sourced by the GPU run scripts: the repository root, the interpreter, the output folder, `run`
+# (echo a command, run it, log it to $OUT/log.txt) and `checkpoint PRESET`.
+#   PY: the Python that has torch and voxtriton (python3); OUT: where runs write
+#   (/tmp/voxtriton-gpu-runs); CKPTS: where random checkpoints are made (/tmp).
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-PY=python3
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/voxtriton-gpu-runs}
+CKPTS=${CKPTS:-/tmp}
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LOG=$OUT/log.txt
 cd "$ROOT"
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | grep -v "Warning\|warn(" | tee -a "$LOG"; }
-# checkpoint PRESET: make the random checkpoint /tmp/ck-PRESET once, also when two runs ask at once.
+# checkpoint PRESET: make the random-weight checkpoint $CKPTS/ck-PRESET once, also when two runs ask at once.
 checkpoint() {
-  mkdir -p /tmp/locks
-  ( flock 9; [ -f /tmp/ck-$1/speech_tokenizer/model.safetensors ] || run $PY -m voxtriton.cli make-checkpoint --preset $1 /tmp/ck-$1 ) 9>/tmp/locks/$1
+  mkdir -p "$CKPTS/locks"
+  (
+    flock 9
+    [ -f "$CKPTS/ck-$1/speech_tokenizer/model.safetensors" ] ||
+      run $PY -m voxtriton.cli make-checkpoint --preset "$1" "$CKPTS/ck-$1"
+  ) 9> "$CKPTS/locks/$1"
 }

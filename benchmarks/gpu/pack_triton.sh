@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Trim the nvidia-pytriton 0.7.0 wheel to what one Python version's server needs (the tritonserver
-# binary, its libraries, the Python backend and one stub) so it fits the device machine's carry
-# limit: 55 MB wheel -> about 25 MB. Usage: pack_triton.sh 3.12 OUT.tar.xz
+# Optional, for a GPU host without network: trim the nvidia-pytriton 0.7.0 wheel to what one Python
+# version's server needs (the tritonserver binary, its libraries, the Python backend and one stub),
+# 55 MB -> about 25 MB, for setup_env.sh's TRITON_BUNDLE. Run where pip can download:
+#   bash benchmarks/gpu/pack_triton.sh 3.12 triton-3.12.tar.xz
 set -euo pipefail
 VERSION=$1 OUT=$2
 WORK=$(mktemp -d)

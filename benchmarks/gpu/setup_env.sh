@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
-# Prepare a device machine, which has no network and is given back bare after the session: install
-# the carried wheels (.whl/ for the peer benchmark, .whl-serving/ for the Triton runs: numpy 1.26,
-# tritonclient, python-rapidjson) into the image's own Python (the one that holds torch), put this
-# checkout on its path with a .pth file (Triton's Python stub ignores PYTHONPATH), and unpack the
-# trimmed Triton bundle when carried (.carry/triton*.tar.xz, made by pack_triton.sh). Idempotent.
+# Optional: prepare a GPU host that has torch but no network, from wheels and a Triton bundle copied
+# onto it (any way you like):
+#   WHEELS="DIR ..." TRITON_BUNDLE=FILE.tar.xz bash benchmarks/gpu/setup_env.sh
+# - installs every wheel in each DIR into $PY's environment, without dependencies or an index (the
+#   Triton runs need numpy 1.26, tritonclient and python-rapidjson; single_stream.py's peer needs
+#   faster-qwen3-tts and its dependencies);
+# - puts this checkout and client/ on that Python's path with a .pth file, as an editable install
+#   would (Triton's Python backend stub ignores PYTHONPATH);
+# - unpacks TRITON_BUNDLE (made by pack_triton.sh) into TRITON_DIR (/tmp/tri) and prints the
+#   TRITONSERVER to export for run_serving.sh.
+# Idempotent.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PY=python3
-for wheels in "$ROOT/.whl" "$ROOT/.whl-serving"; do
+PY=${PY:-python3}
+for wheels in ${WHEELS:-}; do
   if compgen -G "$wheels/*.whl" > /dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$wheels"/*.whl
+  else
+    echo "no wheels in $wheels" >&2
   fi
 done
 SITE=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 printf '%s\n%s\n' "$ROOT" "$ROOT/client" > "$SITE/voxtriton-checkout.pth"
-if compgen -G "$ROOT/.carry/triton*.tar.xz" > /dev/null && [ ! -x /tmp/tri/pytriton/tritonserver/bin/tritonserver ]; then
-  mkdir -p /tmp/tri && tar xJf "$ROOT"/.carry/triton*.tar.xz -C /tmp/tri
+if [ -n "${TRITON_BUNDLE:-}" ]; then
+  TRITON_DIR=${TRITON_DIR:-/tmp/tri}
+  if [ ! -x "$TRITON_DIR/pytriton/tritonserver/bin/tritonserver" ]; then
+    mkdir -p "$TRITON_DIR" && tar xJf "$TRITON_BUNDLE" -C "$TRITON_DIR"
+  fi
+  echo "export TRITONSERVER=$TRITON_DIR/pytriton/tritonserver/bin/tritonserver"
 fi
-$PY - <<'PY'
+$PY - << 'PY'
 import importlib.metadata as metadata, sys, torch
-versions = {name: metadata.version(name) for name in ("numpy", "transformers", "tritonclient")
-            if any(True for _ in metadata.distributions(name=name))}
+names = ("numpy", "transformers", "tritonclient")
+versions = {n: metadata.version(n) for n in names if any(True for _ in metadata.distributions(name=n))}
 print("python", sys.version.split()[0], sys.executable, "torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", versions)
 PY

@@ -1,0 +1,118 @@
+"""A probe seen from its listeners: each request's TTFA, stall and late chunks, and their summary."""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass
+
+from voxtriton.serving.tts_service import LANE_CODES
+
+TTFA_TARGET_S = 0.2
+TIMELINE_WINDOW_S = 2.0  # each probe's timeline: requests, stalls and p90 TTFA per 2 s of arrivals
+LANES = tuple(sorted(LANE_CODES, key=LANE_CODES.get))  # chunk_info's lane codes, in order
+
+
+@dataclass
+class RequestResult:
+    sent_at: float
+    ttfa_s: float | None
+    stall_s: float
+    audio_s: float
+    rtf: float | None
+    error: str | None
+    late: tuple[
+        tuple[int, str], ...
+    ] = ()  # (chunk index, codec lane) of each chunk that arrived after the buffer ran dry
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def peak_listeners(results: list[RequestResult]) -> int:
+    """Most listeners playing at once: each plays from its first audio to the end of its audio
+    (stalls included), on the client's clock."""
+    events = []
+    for r in results:
+        if r.error is None and r.ttfa_s is not None:
+            start = r.sent_at + r.ttfa_s
+            events += [(start, 1), (start + r.audio_s + r.stall_s, -1)]
+    playing = peak = 0
+    for _, change in sorted(events):  # at equal times an end (-1) sorts before a start
+        playing += change
+        peak = max(peak, playing)
+    return peak
+
+
+def timeline(results: list[RequestResult], window_s: float = TIMELINE_WINDOW_S) -> list[dict]:
+    """Per window of send time, from the probe's first request: the requests sent in it, how many of
+    them stalled or failed, and their p90 TTFA. A request counts in the window it was sent in, even
+    if it stalled seconds later, so this dates a collapse by the arrivals it hit, and shows how many
+    arrived just before (the aggregates of a collapsed probe can look like a passing one's)."""
+    if not results:
+        return []
+    origin = min(r.sent_at for r in results)
+    windows = collections.defaultdict(list)
+    for r in results:
+        windows[int((r.sent_at - origin) // window_s)].append(r)
+    rows = []
+    for index in range(max(windows) + 1):
+        sent = windows.get(index, [])
+        ok = [r for r in sent if r.error is None]
+        ttfa = [r.ttfa_s for r in ok if r.ttfa_s is not None]
+        rows.append(
+            {
+                "start_s": index * window_s,
+                "requests": len(sent),
+                "failed": len(sent) - len(ok),
+                "stalled": sum(r.stall_s > 0 for r in ok),
+                "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
+            }
+        )
+    return rows
+
+
+def summarize(results: list[RequestResult], lag: list[float]) -> dict:
+    ok = [r for r in results if r.error is None]
+    ttfa = [r.ttfa_s for r in ok if r.ttfa_s is not None]
+    rtf = [r.rtf for r in ok if r.rtf is not None]
+    stalled = [r for r in ok if r.stall_s > 0]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "ttfa_p50_ms": _ms(percentile(ttfa, 50)),
+        "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
+        "ttfa_p99_ms": _ms(percentile(ttfa, 99)),
+        "stalled_requests": len(stalled),
+        "stalled_fraction": len(stalled) / len(ok) if ok else None,
+        "stall_total_s": sum(r.stall_s for r in ok),
+        # Where stalls start: late chunks by their position in the stream (0 is the first) and by lane.
+        "late_chunks_by_index": dict(sorted(collections.Counter(i for r in ok for i, _ in r.late).items())),
+        "late_chunks_by_lane": dict(collections.Counter(lane for r in ok for _, lane in r.late)),
+        "rtf_median": statistics.median(rtf) if rtf else None,
+        "audio_s": sum(r.audio_s for r in ok),
+        "listeners_peak": peak_listeners(results),
+        "client_loop_lag_p99_ms": _ms(percentile(lag, 99)),
+        "client_loop_lag_max_ms": _ms(max(lag) if lag else None),
+        "timeline": timeline(results),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def meets_target(summary: dict) -> bool:
+    return (
+        summary["failed"] == 0
+        and summary["stalled_requests"] == 0
+        and summary["ttfa_p90_ms"] is not None
+        and summary["ttfa_p90_ms"] <= TTFA_TARGET_S * 1e3
+    )

@@ -1,0 +1,160 @@
+"""The load: utterances of random length sent as streaming requests, in open or closed loop."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+
+from voxtriton_client import simulate_playback
+
+from voxtriton.bench.summary import LANES, RequestResult
+from voxtriton.serving.gateway import Router
+
+TEXTS = [
+    "Good morning, and welcome to the show.",
+    "The weather today will be mostly sunny with a light breeze.",
+    "Please hold while I connect you to the next available agent.",
+    "Your order has shipped and should arrive soon.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "Turn left at the next intersection, then continue straight for two kilometres.",
+    "The meeting has been moved to Thursday afternoon at three o'clock.",
+    "Streaming speech should start fast and never stall, even under heavy load.",
+]
+FRAME_RATE = 12.5
+# A stream with no final response by then counts as failed (with that error), so a server that stops
+# answering ends a probe instead of hanging it (a 20 s utterance takes about 12 s near the goodput).
+REQUEST_TIMEOUT_S = 180.0
+
+
+class Progress:
+    """A bar redrawn in place on a terminal; into a log file (no terminal), one line per tenth."""
+
+    def __init__(self, label: str, total: float):
+        self.label, self.total, self.started = label, total, time.monotonic()
+        self.redraw, self.tenths_shown = sys.stderr.isatty(), -1
+
+    def update(self, done: float, note: str = "") -> None:
+        width = 30
+        fraction = min(1.0, done / self.total) if self.total else 1.0
+        filled = int(width * fraction)
+        bar = f"{self.label} [{'#' * filled}{'.' * (width - filled)}]"
+        if self.redraw:
+            sys.stderr.write(f"\r{bar} {note:<40}")
+        elif int(fraction * 10) > self.tenths_shown:
+            self.tenths_shown = int(fraction * 10)
+            sys.stderr.write(f"{bar} {note}\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.redraw:
+            sys.stderr.write("\n")
+
+
+async def one_request(
+    client: Router, rng: random.Random, seconds_range, speaker: str | None, timeout: float = REQUEST_TIMEOUT_S
+) -> RequestResult:
+    seconds = rng.uniform(*seconds_range)
+    frames = max(1, round(seconds * FRAME_RATE))
+    sent = time.perf_counter()
+    try:
+        synthesis = await asyncio.wait_for(
+            client.synthesize(
+                rng.choice(TEXTS),
+                speaker=speaker,
+                seed=rng.randrange(2**31),
+                max_frames=frames,
+                ignore_eos=True,
+                info=True,
+            ),
+            timeout,
+        )
+    except asyncio.TimeoutError:
+        return RequestResult(sent, None, 0.0, 0.0, None, f"no final response within {timeout:g} s")
+    except Exception as error:  # connection-level failures count as failed requests
+        return RequestResult(sent, None, 0.0, 0.0, None, repr(error))
+    report = simulate_playback(0.0, [(c.arrived_s, c.seconds) for c in synthesis.chunks])
+    last = synthesis.chunks[-1].arrived_s if synthesis.chunks else None
+    error = synthesis.error or (None if synthesis.completed else "stream ended without its final response")
+    late = tuple((i, LANES[int(synthesis.chunks[i].info[3])]) for i in report.late_chunks)
+    return RequestResult(
+        sent,
+        report.ttfa_s,
+        report.stall_s,
+        report.audio_s,
+        last / report.audio_s if last and report.audio_s else None,
+        error,
+        late,
+    )
+
+
+async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 0.01) -> None:
+    """How late the event loop wakes up: if this grows, the client, not the server, is the bottleneck."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(interval)
+        samples.append(time.perf_counter() - start - interval)
+
+
+async def open_loop(
+    urls: list[str],
+    rate: float,
+    duration: float,
+    burstiness: float,
+    seconds_range,
+    seed: int,
+    speaker: str | None,
+    progress: Progress | None = None,
+) -> tuple[list[RequestResult], list[float]]:
+    rng = random.Random(seed)
+    shape = 1.0 / burstiness**2
+    lag: list[float] = []
+    stop = asyncio.Event()
+    client = Router(urls)  # least-loaded over the servers, as the gateway routes
+    try:
+        lag_task = asyncio.create_task(loop_lag(lag, stop))
+        tasks = []
+        start = time.perf_counter()
+        next_at = 0.0
+        while next_at < duration:
+            delay = start + next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(
+                asyncio.create_task(one_request(client, random.Random(rng.random()), seconds_range, speaker))
+            )
+            if progress:
+                progress.update(next_at, f"{len(tasks)} sent")
+            next_at += rng.gammavariate(shape, 1.0 / (rate * shape))
+        results = await asyncio.gather(*tasks)
+        stop.set()
+        await lag_task
+    finally:
+        await client.close()
+    return list(results), lag
+
+
+async def closed_loop(
+    urls: list[str], streams: int, duration: float, seconds_range, seed: int, speaker: str | None
+) -> tuple[list[RequestResult], list[float]]:
+    rng = random.Random(seed)
+    lag: list[float] = []
+    stop = asyncio.Event()
+    results: list[RequestResult] = []
+    client = Router(urls)
+    try:
+        lag_task = asyncio.create_task(loop_lag(lag, stop))
+        end = time.perf_counter() + duration
+
+        async def worker(index: int):
+            local = random.Random(rng.random() + index)
+            while time.perf_counter() < end:
+                results.append(await one_request(client, local, seconds_range, speaker))
+
+        await asyncio.gather(*(worker(i) for i in range(streams)))
+        stop.set()
+        await lag_task
+    finally:
+        await client.close()
+    return results, lag
