@@ -109,7 +109,8 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
     past a key block), over strided views of a larger cache, as StaticKV hands them out."""
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
         pytest.skip(
-            "Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); the GPU runs this case"
+            "Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); "
+            "the GPU runs this case"
         )
     span, last_positions, launch = ATTENTION_CASES[case]
     generator = torch.Generator().manual_seed(new_tokens)
@@ -338,8 +339,7 @@ def test_silu_and_mul_matches_the_reference(dtype, shape):
 def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     """The startup checks: every kernel we ship agrees with its formula here, and a kernel that fails
     to build or disagrees falls back alone, with a warning naming it and why."""
-    from voxtriton.kernels import run_checks
-    from voxtriton.kernels.checks import KERNEL_CHECKS
+    from voxtriton.kernels.registry import KERNEL_CHECKS, run_checks
 
     # Triton's interpreter computes bf16 tl.dot wrongly (see above); the GPU runs the attention check.
     shipped = {
