@@ -22,10 +22,8 @@ if triton is not None:
 # A program's query block: (query heads per KV head) x (new tokens) rows, padded to this fixed size,
 # which is also the smallest block tl.dot accepts. Decode steps have 2 or 4 rows.
 MAX_QUERY_ROWS = 16
-# Launch shapes: (keys per block, warps, pipeline stages). Each pipeline stage holds a key and a
-# value block in shared memory (32 KB at 64 keys of 128 bf16 dims), which caps how many programs share
-# an SM. The code predictor's 16-entry cache fits one 16-key block, read in one pass with far less
-# shared memory; benchmarks/attention_speed.py times these shapes against others.
+# Launch shapes (keys per block, warps, pipeline stages): the code predictor's 16-entry cache fits one
+# small block, in far less shared memory. benchmarks/attention_speed.py times them against others.
 LONG_SPAN_LAUNCH = (64, 4, 3)
 SHORT_SPAN_LAUNCH = (16, 2, 2)
 

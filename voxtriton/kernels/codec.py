@@ -214,9 +214,8 @@ if triton is not None:
         )
         if HAS_BIAS:
             value += tl.load(bias_ptr + channel).to(tl.float32)
-        # On a GPU, the hardware's approximate sine (one MUFU instruction): the accurate one's range
-        # reduction makes this pass compute-bound. Its error (~1e-6 absolute) is far below the bf16
-        # activations' rounding. Triton's interpreter lacks it.
+        # The GPU's approximate sine keeps this pass memory-bound (the accurate one's range reduction
+        # does not); its ~1e-6 error is far below bf16 rounding. Triton's interpreter lacks it.
         if HARDWARE_SINE:
             wave = libdevice.fast_sinf(value * alpha)
         else:

@@ -148,11 +148,8 @@ def check_rotary(device: torch.device) -> list[Comparison]:
 
 
 if triton is not None:
-    # The new-token count and the positions' row stride (equal to it) are not specialised (equal to
-    # 1, divisible by 16): decode steps and prefills of every prompt length share one compiled kernel,
-    # so no prompt length meets a compile (seconds, stalling every stream) while serving. The q/k/v
-    # and cos/sin row strides scale with it too but stay specialised, for vector loads: for head
-    # sizes of 16 and more they are multiples of 16 whatever the length.
+    # Unspecialised new-token count and positions' row stride: prefills of every length share the decode
+    # step's compiled kernel, so no compile stalls serving. Other strides stay specialised (vector loads).
     @triton.jit(do_not_specialize=["positions_row_stride", "length"])
     def _rotate_into_cache_kernel(
         qkv,

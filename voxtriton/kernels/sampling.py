@@ -154,11 +154,8 @@ if triton is not None:
         x = ((x ^ (x >> 16)) * MIX) & MASK31
         return x ^ (x >> 16)
 
-    # The kernel runs on keys cut from wider tensors (the frame step's) and on per-row scalars that are
-    # views at any row offset or gathered copies (admissions; eagerly for prompts longer than the
-    # prefill graphs). Specialising those pointers on alignment (and the keys' stride) would compile a
-    # variant per kind of launch, some only at the first such admission while serving, stalling every
-    # stream for each compile; one-element loads gain nothing from it.
+    # Keys and per-row scalars arrive at any offset or stride (admissions sample rows anywhere): not
+    # specialising on them keeps one compiled variant, so no compile stalls every stream while serving.
     @triton.jit(
         do_not_specialize=["keys_stride"],
         do_not_specialize_on_alignment=["keys", "temperature", "top_k", "top_p"],
