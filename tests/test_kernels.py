@@ -358,6 +358,30 @@ def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     )
 
 
+@pytest.mark.parametrize("first", ["voxtriton.kernels", "voxtriton.engine.model_runner"])
+def test_every_kernel_registers_its_check_and_the_kernels_import_no_engine(first):
+    """Whichever module a fresh process imports first, every kernel's startup check is registered;
+    the kernels package imports nothing from the engine (the engine imports the kernels, not back)."""
+    script = (
+        f"import json, sys, {first}\n"
+        "from voxtriton.kernels.registry import KERNEL_CHECKS\n"
+        "engine = [m for m in sys.modules if m.startswith('voxtriton.engine')]\n"
+        "print(json.dumps([sorted(KERNEL_CHECKS), engine]))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    checks, engine_modules = json.loads(completed.stdout)
+    assert checks == [
+        "add_rms_norm",
+        "channel_bias",
+        "decode_attention",
+        "rotary",
+        "sampling",
+        "silu_and_mul",
+        "snake",
+    ]
+    assert (engine_modules == []) is (first == "voxtriton.kernels")
+
+
 def compiled_variants(kernel, launch) -> set:
     """The compiled variants of `kernel` that the launches `launch()` makes select. Triton compiles one
     per distinct specialisation of the arguments (dtypes; pointers aligned to 16 bytes or not; ints
