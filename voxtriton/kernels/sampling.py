@@ -84,13 +84,7 @@ def filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return scores.masked_fill(scores < kept, float("-inf"))
 
 
-def sample_reference(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    keys: torch.Tensor,
-) -> torch.Tensor:
+def sample_reference(logits, temperature, top_k, top_p, keys):
     """`sample_triton` in PyTorch (same arguments and result)."""
     logits = logits.float()
     greedy = temperature <= 0
