@@ -68,7 +68,7 @@ def fill_rows(
     ]
     runner.prefill(requests, 0)
     length = len(requests[0].prompt.text_ids)
-    runner.position[:batch] = row_positions(batch, context, spread, runner.device)
+    runner.state.position[:batch] = row_positions(batch, context, spread, runner.device)
     return max(context, length)
 
 
@@ -121,9 +121,9 @@ def main() -> None:
     rows = []
     for batch in batches:
         span = fill_rows(runner, config, prompts, batch, args.context, args.spread)
-        positions = runner.position[:batch].clone()
-        hidden = runner.past_hidden[:batch]
-        first = talker.model.codec_embedding(runner.last_code[:batch])
+        positions = runner.state.position[:batch].clone()
+        hidden = runner.state.past_hidden[:batch]
+        first = talker.model.codec_embedding(runner.state.last_code[:batch])
         keys, values = runner.predictor_keys, runner.predictor_values
 
         def predictor():
@@ -135,10 +135,10 @@ def main() -> None:
         def talker_step():
             with torch.inference_mode():
                 embeds = hidden[:, None]
-                talker(embeds, runner.position[:batch, None], runner.cache, span)
+                talker(embeds, runner.state.position[:batch, None], runner.cache, span)
 
         def frame_step():
-            runner.position[:batch] = positions
+            runner.state.position[:batch] = positions
             runner.decode(batch, span)
 
         codes = torch.randint(

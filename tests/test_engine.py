@@ -215,7 +215,7 @@ def test_step_timing_counts_admission_apart_from_the_decode(setup):
 def test_admissions_and_moves_make_few_pytorch_calls_on_the_graph_path(setup):
     """Each PyTorch call on the engine thread can hand the GIL to another thread of the tts process
     for up to the switch interval, so admitting and moving rows must stay a few calls where the GPU
-    replays graphs (counted here with each graphed method as one call; 245 and 34 before packing)."""
+    replays graphs (counted here with each graphed method as one call)."""
     engine = new_engine(setup)
     engine.runner.set_buckets([1, 2, 4, 8], [512], prefill_batch_sizes=[1, 2, 4], prefill_lengths=[32, 64])
     for requests in ([make_request(setup, 0)], [make_request(setup, i) for i in (1, 2, 3)]):

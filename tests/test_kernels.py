@@ -73,9 +73,8 @@ def test_snake_matches_the_reference(dtype, with_bias, history_length, tail):
 def test_channel_bias_matches_the_reference(dtype, with_residual):
     generator = torch.Generator().manual_seed(5 + with_residual)
     batch, channels, length = 3, 4, 1100
-    x = random(batch, channels, length + 9, dtype=dtype, generator=generator)[
-        ..., 4 : 4 + length
-    ]  # trimmed view
+    # A trimmed view, as a convolution's output is.
+    x = random(batch, channels, length + 9, dtype=dtype, generator=generator)[..., 4 : 4 + length]
     bias = random(channels, dtype=dtype, generator=generator)
     residual = random(batch, channels, length, dtype=dtype, generator=generator) if with_residual else None
     out = kernels.add_channel_bias_triton(
@@ -89,9 +88,8 @@ def test_channel_bias_matches_the_reference(dtype, with_residual):
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 
 
-# A talker-like span and the code predictor's 16-entry cache, at the shipped launch shapes
-# (`launch_shape`: 64- and 16-key blocks) and at others benchmarks/attention_speed.py times (the
-# interpreter ignores warps and stages).
+# A talker-like span and the code predictor's 16-entry cache, at the shipped launch shapes and at
+# others benchmarks/attention_speed.py times (the interpreter ignores warps and stages).
 ATTENTION_CASES = {
     "long span, shipped launch": (150, [70, 0, 149], None),
     "long span, 32-key blocks": (150, [70, 0, 149], (32, 4, 2)),
@@ -109,7 +107,8 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
     past a key block), over strided views of a larger cache, as StaticKV hands them out."""
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
         pytest.skip(
-            "Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); the GPU runs this case"
+            "Triton's interpreter (3.6 and 3.9) computes bf16 tl.dot wrongly (errors of 1e10); "
+            "the GPU runs this case"
         )
     span, last_positions, launch = ATTENTION_CASES[case]
     generator = torch.Generator().manual_seed(new_tokens)
@@ -170,9 +169,8 @@ def test_attention_speed_times_each_launch_shape_against_the_shipped_one(tmp_pat
     assert set(row["all"]) == {"16x2x2", "64x4x1"}  # the shipped shape and the swept one
     assert all(isinstance(us, float) and us > 0 for us in row["all"].values())
     itemsize = 4 if DEVICE.type == "cpu" else 2  # fp32 in the interpreter, bf16 on a GPU
-    assert row["kv_mb"] == pytest.approx(
-        2 * 16 * 8 * 128 * 2 * itemsize / 1e6
-    )  # 2 rows, 16 entries, keys and values
+    # 2 rows, 16 entries, keys and values.
+    assert row["kv_mb"] == pytest.approx(2 * 16 * 8 * 128 * 2 * itemsize / 1e6)
 
 
 # Triton's interpreter runs a row's sort in NumPy, seconds per row at 4096 tokens: the real
@@ -196,9 +194,8 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     vocab, settings = SAMPLING_CASES[case]
     generator = torch.Generator().manual_seed(vocab)
     batch = len(settings)
-    logits = (
-        random(batch, vocab, scale=4, generator=generator).to(torch.bfloat16).float()
-    )  # bf16 values: many ties
+    # bf16 values: many ties.
+    logits = random(batch, vocab, scale=4, generator=generator).to(torch.bfloat16).float()
     logits[::3, vocab // 2 :] = float("-inf")  # as codebook 0's suppressed control tokens are
     temperature, top_k, top_p = (torch.tensor(column) for column in zip(*settings))
     params = RowParams(temperature.float(), top_k.long(), top_p.float(), torch.arange(batch))
@@ -338,8 +335,7 @@ def test_silu_and_mul_matches_the_reference(dtype, shape):
 def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     """The startup checks: every kernel we ship agrees with its formula here, and a kernel that fails
     to build or disagrees falls back alone, with a warning naming it and why."""
-    from voxtriton.kernels import run_checks
-    from voxtriton.kernels.checks import KERNEL_CHECKS
+    from voxtriton.kernels.registry import KERNEL_CHECKS, run_checks
 
     # Triton's interpreter computes bf16 tl.dot wrongly (see above); the GPU runs the attention check.
     shipped = {
@@ -360,6 +356,30 @@ def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     assert (
         "Triton kernel disagrees unavailable" in caplog.text and "disagrees with its reference" in caplog.text
     )
+
+
+@pytest.mark.parametrize("first", ["voxtriton.kernels", "voxtriton.engine.model_runner"])
+def test_every_kernel_registers_its_check_and_the_kernels_import_no_engine(first):
+    """Whichever module a fresh process imports first, every kernel's startup check is registered;
+    the kernels package imports nothing from the engine (the engine imports the kernels, not back)."""
+    script = (
+        f"import json, sys, {first}\n"
+        "from voxtriton.kernels.registry import KERNEL_CHECKS\n"
+        "engine = [m for m in sys.modules if m.startswith('voxtriton.engine')]\n"
+        "print(json.dumps([sorted(KERNEL_CHECKS), engine]))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    checks, engine_modules = json.loads(completed.stdout)
+    assert checks == [
+        "add_rms_norm",
+        "channel_bias",
+        "decode_attention",
+        "rotary",
+        "sampling",
+        "silu_and_mul",
+        "snake",
+    ]
+    assert (engine_modules == []) is (first == "voxtriton.kernels")
 
 
 def compiled_variants(kernel, launch) -> set:

@@ -10,16 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from voxtriton.engine.sampling import (
-    RowParams,
-    apply_repetition_penalty,
-    bits_to_uniform,
-    filter_top_k_top_p,
-    fold_seed,
-    noise_keys,
-    sample,
-    uniform_noise,
-)
+from voxtriton.engine.sampling import RowParams, apply_repetition_penalty, fold_seed, noise_keys, sample
+from voxtriton.kernels.sampling import bits_to_uniform, filter_top_k_top_p, uniform_noise
 
 
 def draw(logits, p, frames, group):

@@ -35,7 +35,7 @@ def test_a_log_without_fallbacks_gives_none():
 def test_a_gpu_without_the_triton_package_logs_every_kernel_as_a_fallback(monkeypatch, caplog):
     """Without triton the kernels fall back too: each says so in the log, which the benchmark reads.
     (check_kernels touches no GPU before it finds triton missing, so this runs on CPU.)"""
-    import voxtriton.kernels as kernels
+    import voxtriton.kernels.registry as kernels
 
     monkeypatch.setattr(kernels, "triton", None)
     with caplog.at_level(logging.WARNING, logger=kernels.log.name):

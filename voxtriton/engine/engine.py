@@ -42,12 +42,10 @@ class StepTiming:
     admit_s: float = 0.0  # admitting requests: prompts' uploads and the prefill's launch (its run, on CPU)
     decode_s: float = 0.0  # launching the frame step and waiting for the frames returned
     decode_cpu_s: float = 0.0  # the engine thread's CPU time in decode_s (waiting for a GPU event can spin)
-    decode_device_s: float | None = (
-        None  # the returned frames' step as timed on the GPU (CUDA events; None on CPU)
-    )
-    prefill_device_s: float | None = (
-        None  # the prefill launched with that step, on the GPU (None: none, or CPU)
-    )
+    # The returned frames' step as timed on the GPU (CUDA events; None on CPU).
+    decode_device_s: float | None = None
+    # The prefill launched with that step, on the GPU (None: none, or CPU).
+    prefill_device_s: float | None = None
     admitted: int = 0  # requests admitted by this step
     batch: int = 0  # rows in the frame step this step launched
 
@@ -86,7 +84,8 @@ class Engine:
             raise ValueError(f"request needs {needed} positions, the cache holds {self.runner.max_positions}")
         if len(request.prompt.trailing_text_ids) > self.runner.max_text_tokens:
             raise ValueError(
-                f"text has {len(request.prompt.trailing_text_ids)} tokens, limit {self.runner.max_text_tokens}"
+                f"text has {len(request.prompt.trailing_text_ids)} tokens, "
+                f"limit {self.runner.max_text_tokens}"
             )
         self.waiting.append(request)
 

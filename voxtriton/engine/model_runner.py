@@ -20,10 +20,11 @@ from ..kernels import check_kernels
 from ..models.config import Qwen3TTSConfig
 from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
-from .admission import ROW_SCALARS, AdmissionInputs, AdmissionLayout
+from .admission import AdmissionInputs, AdmissionLayout
 from .codec_runner import capture_stream
 from .request import Request
-from .sampling import RowParams, apply_repetition_penalty, noise_keys, sample
+from .row_state import RowState
+from .sampling import apply_repetition_penalty, noise_keys, sample
 
 NO_CODEC = -1
 
@@ -64,61 +65,15 @@ class ModelRunner:
         self.predictor_keys = zeros(p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim)
         self.predictor_values = torch.zeros_like(self.predictor_keys)
         vocab = config.talker.vocab_size
-        # Row state: everything a frame step reads or writes, one row per running request.
-        self.last_code = zeros(max_rows, dtype=long)  # codebook-0 token of the frame to complete next
-        self.past_hidden = zeros(max_rows, t.hidden_size)  # talker output that produced it
-        self.frame_index = zeros(max_rows, dtype=long)
-        self.position = zeros(max_rows, dtype=long)
-        # Trailing text ids, padded with tts_pad: row r feeds trailing[r, min(frame, last column)].
-        self.trailing = torch.full(
-            (max_rows, max_text_tokens + 1), config.tts_pad_token_id, device=self.device, dtype=long
+        self.state = RowState.allocate(
+            max_rows,
+            hidden_size=t.hidden_size,
+            vocab=vocab,
+            trailing_width=max_text_tokens + 1,
+            pad_text_id=config.tts_pad_token_id,
+            device=self.device,
+            dtype=self.dtype,
         )
-        self.seen = zeros(max_rows, vocab, dtype=torch.bool)
-        self.penalty = torch.ones(max_rows, device=self.device, dtype=torch.float32)
-        self.ignore_eos = zeros(max_rows, dtype=torch.bool)
-        self.main = RowParams(
-            zeros(max_rows, dtype=torch.float32),
-            zeros(max_rows, dtype=long),
-            zeros(max_rows, dtype=torch.float32),
-            zeros(max_rows, dtype=long),
-        )
-        self.sub = RowParams(
-            zeros(max_rows, dtype=torch.float32),
-            zeros(max_rows, dtype=long),
-            zeros(max_rows, dtype=torch.float32),
-            self.main.seeds,
-        )
-        self.row_tensors = [
-            self.last_code,
-            self.past_hidden,
-            self.frame_index,
-            self.position,
-            self.trailing,
-            self.seen,
-            self.penalty,
-            self.ignore_eos,
-            self.main.temperature,
-            self.main.top_k,
-            self.main.top_p,
-            self.main.seeds,
-            self.sub.temperature,
-            self.sub.top_k,
-            self.sub.top_p,
-        ]
-        # Where an admission writes each of its ROW_SCALARS.
-        self.scalar_columns = [
-            self.penalty,
-            self.ignore_eos,
-            self.main.temperature,
-            self.main.top_k,
-            self.main.top_p,
-            self.sub.temperature,
-            self.sub.top_k,
-            self.sub.top_p,
-            self.main.seeds,
-            self.position,
-        ]
-        assert len(self.scalar_columns) == len(ROW_SCALARS)
         self.row_offsets = torch.arange(max_rows, device=self.device)
         self.move_pair = torch.zeros(2, device=self.device, dtype=long)  # (source, target) of `move_row`
         self.true = torch.ones((), dtype=torch.bool, device=self.device)
@@ -131,9 +86,8 @@ class ModelRunner:
         self.code_groups = torch.arange(config.talker.num_code_groups, device=self.device)
         self.max_text_tokens = max_text_tokens
         self.step_output = zeros(max_rows, config.talker.num_code_groups + 1, dtype=long)
-        # Host transfers go through a stream of their own: a copy to or from pageable memory waits for
-        # the work queued before it on its stream, which on the compute stream is a frame step in
-        # flight. (Pinned memory would avoid that, but allocating it under a green context aborts.)
+        # Host transfers get a stream of their own: on the compute stream a pageable copy would wait
+        # for the frame step in flight (pinned memory would not, but aborts under a green context).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stashed_codes = [torch.zeros_like(self.step_output) for _ in range(2)]  # see `stash_codes`
         self.stashes = 0
@@ -197,8 +151,7 @@ class ModelRunner:
 
     def _move_row_by_index(self, span: int) -> None:
         source, target = self.move_pair[:1], self.move_pair[1:]
-        for tensor in self.row_tensors:
-            tensor.index_copy_(0, target, tensor.index_select(0, source))
+        self.state.move(source, target)
         for cache in (self.cache.keys, self.cache.values):
             window = cache[:, :, :, :span]
             window.index_copy_(1, target, window.index_select(1, source))
@@ -210,17 +163,15 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Penalties, suppression and the official minimum of two frames, then sampling. rows: the
         batch's (a slice) or admitted ones (row indices)."""
-        logits = apply_repetition_penalty(logits.float(), self.seen[rows], self.penalty[rows])
-        block_eos = (frames < 2) | self.ignore_eos[rows]
+        state = self.state
+        logits = apply_repetition_penalty(logits.float(), state.seen[rows], state.penalty[rows])
+        block_eos = (frames < 2) | state.ignore_eos[rows]
         logits = logits.masked_fill(self.suppressed | (block_eos[:, None] & self.is_eos), float("-inf"))
-        params = RowParams(
-            self.main.temperature[rows], self.main.top_k[rows], self.main.top_p[rows], self.main.seeds[rows]
-        )
-        code = sample(logits, params, keys)
+        code = sample(logits, state.main[rows], keys)
         if isinstance(rows, slice):
-            self.seen[rows].scatter_(1, code[:, None], True)
+            state.seen[rows].scatter_(1, code[:, None], True)
         else:  # indexing by a tensor reads a copy: write through the indices
-            self.seen.index_put_((rows, code), self.true)
+            state.seen.index_put_((rows, code), self.true)
         return code
 
     # -- steps ----------------------------------------------------------------------------------
@@ -242,7 +193,7 @@ class ModelRunner:
         if batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
             self._prefill_padded_group(requests, first_row, batch, length)
         else:  # no bucket fits: eager, exact shapes, straight into the rows
-            layout = AdmissionLayout(count, self.trailing.shape[1])
+            layout = AdmissionLayout(count, self.state.trailing.shape[1])
             flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, longest)))
             inputs = layout.views(flat, count, count, longest)
             rows = slice(first_row, first_row + count)
@@ -290,13 +241,9 @@ class ModelRunner:
         when prefilled into the scratch cache (`scratch_length` positions of it), the prompts' last
         hidden states and the first codebook-0 tokens. The rows follow the uploaded first row, so one
         graph per (requests, length bucket) serves admissions into any rows."""
-        count = inputs.scalars.shape[0]
+        count, state = inputs.scalars.shape[0], self.state
         rows = inputs.first_row + self.row_offsets[:count]
-        for index, column in enumerate(self.scalar_columns):
-            column.index_copy_(0, rows, inputs.scalars[:, index].to(column.dtype))
-        self.trailing.index_copy_(0, rows, inputs.trailing)
-        self.seen.index_fill_(0, rows, False)
-        self.frame_index.index_fill_(0, rows, 0)
+        state.admit(rows, inputs)
         if scratch_length is not None:
             # Padding positions beyond a prompt are overwritten by its frames before any step reads them.
             for cache, scratch in (
@@ -305,10 +252,10 @@ class ModelRunner:
             ):
                 cache[:, :, :, :scratch_length].index_copy_(1, rows, scratch[:, :count, :, :scratch_length])
         last = last_hidden[:count]
-        self.past_hidden.index_copy_(0, rows, last)
-        frames = self.frame_index[rows]
-        keys = noise_keys(self.main.seeds[rows], frames[:, None], self.code_groups[:1])[:, 0]
-        self.last_code.index_copy_(
+        state.past_hidden.index_copy_(0, rows, last)
+        frames = state.frame_index[rows]
+        keys = noise_keys(state.main.seeds[rows], frames[:, None], self.code_groups[:1])[:, 0]
+        state.last_code.index_copy_(
             0, rows, self._sample_first_codebook(self.talker.codec_head(last), rows, frames, keys)
         )
 
@@ -374,7 +321,7 @@ class ModelRunner:
                 )
 
             self.prefill_kv = StaticKV(scratch(), scratch())
-            self.admission_layout = AdmissionLayout(batch, self.trailing.shape[1])
+            self.admission_layout = AdmissionLayout(batch, self.state.trailing.shape[1])
             self.admission = torch.zeros(
                 self.admission_layout.size(batch, length), device=self.device, dtype=torch.long
             )
@@ -398,19 +345,17 @@ class ModelRunner:
         self.set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
         # Captures run their work on rows 0.. with placeholder inputs (and graph outputs never written):
         # the rows' state goes back to this afterwards.
-        initial_rows = [tensor.clone() for tensor in self.row_tensors]
+        initial_rows = [tensor.clone() for tensor in self.state.tensors]
         pool = None
         for span in reversed(self.span_buckets):  # largest first: later graphs reuse its memory pool
             for batch in reversed(self.batch_buckets):
-                self._reset_rows(slice(0, batch))
+                self.state.reset(slice(0, batch))
                 graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
                 self.graphs[(batch, span)] = graph
-            self.move_graphs[span], pool = self._capture(
-                lambda: self._move_row_by_index(span), pool
-            )  # row 0 onto itself
-        # A prefill may run beside a frame step (`_beside_the_step`), so its graphs get a memory pool
-        # of their own (graphs sharing a pool share their intermediate buffers) and are captured on the
-        # prefill stream (a graph keeps the cuBLAS workspace of the stream it was captured on).
+            # Captured moving row 0 onto itself.
+            self.move_graphs[span], pool = self._capture(lambda: self._move_row_by_index(span), pool)
+        # Prefills may run beside a frame step (`_beside_the_step`): their graphs get a pool of their own
+        # and are captured on the prefill stream, whose cuBLAS workspace they keep.
         prefill_pool, stream = None, self.prefill_stream or capture_stream(self.device)
         for length in reversed(self.prefill_length_buckets):
             for batch in reversed(self.prefill_batch_buckets):
@@ -427,7 +372,7 @@ class ModelRunner:
                     lambda: self._write_admitted(self._admission_inputs(count, batch, length), last, length),
                     pool,
                 )
-        for tensor, initial in zip(self.row_tensors, initial_rows):
+        for tensor, initial in zip(self.state.tensors, initial_rows):
             tensor.copy_(initial)
         torch.cuda.synchronize(self.device)
 
@@ -439,11 +384,6 @@ class ModelRunner:
             output = work()
         return ((graph, output) if keep_output else graph), graph.pool()
 
-    def _reset_rows(self, rows: slice) -> None:
-        """Put rows that no request uses back in a harmless state (positions inside the cache)."""
-        self.position[rows] = 0
-        self.frame_index[rows] = 0
-
     @torch.inference_mode()
     def decode(self, batch: int, span: int) -> torch.Tensor:
         """One frame for rows 0..batch-1: returns [batch, 17] = the frame's 16 codes + next codebook-0 token.
@@ -453,7 +393,7 @@ class ModelRunner:
         """
         padded, span = self._bucket(batch, self.batch_buckets), self._bucket(span, self.span_buckets)
         if padded > batch:
-            self._reset_rows(slice(batch, padded))
+            self.state.reset(slice(batch, padded))
         graph = self.graphs.get((padded, span))
         if graph is not None:
             graph.replay()
@@ -462,31 +402,29 @@ class ModelRunner:
         return self.step_output[:batch]
 
     def _decode_into_output(self, batch: int, span: int) -> None:
-        rows = slice(0, batch)
-        frames = self.frame_index[rows].clone()
+        rows, state = slice(0, batch), self.state
+        frames = state.frame_index[rows].clone()
         talker = self.talker
         # Draw keys for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
         groups = self.code_groups
-        keys = noise_keys(self.main.seeds[rows], frames[:, None] + (groups == 0), groups)
-        sub = RowParams(
-            self.sub.temperature[rows], self.sub.top_k[rows], self.sub.top_p[rows], self.sub.seeds[rows]
-        )
+        keys = noise_keys(state.main.seeds[rows], frames[:, None] + (groups == 0), groups)
+        sub = state.sub[rows]
         residual = talker.code_predictor.predict_frame(
-            self.past_hidden[rows],
-            talker.model.codec_embedding(self.last_code[rows]),
+            state.past_hidden[rows],
+            talker.model.codec_embedding(state.last_code[rows]),
             self.predictor_keys,
             self.predictor_values,
             lambda logits, group: sample(logits, sub, keys[:, group]),
         )
-        frame = torch.cat((self.last_code[rows, None], residual), dim=1)
-        text = self.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
+        frame = torch.cat((state.last_code[rows, None], residual), dim=1)
+        text = state.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
         embeds = (talker.frame_embeds(frame) + talker.text_embeds(text))[:, None]
-        hidden = talker(embeds, self.position[rows, None], self.cache, span)[:, 0]
-        self.frame_index[rows] += 1
-        self.position[rows] += 1
-        self.past_hidden[rows] = hidden
-        self.last_code[rows] = self._sample_first_codebook(
-            talker.codec_head(hidden), rows, self.frame_index[rows], keys[:, 0]
+        hidden = talker(embeds, state.position[rows, None], self.cache, span)[:, 0]
+        state.frame_index[rows] += 1
+        state.position[rows] += 1
+        state.past_hidden[rows] = hidden
+        state.last_code[rows] = self._sample_first_codebook(
+            talker.codec_head(hidden), rows, state.frame_index[rows], keys[:, 0]
         )
         self.step_output[rows, :-1] = frame
-        self.step_output[rows, -1] = self.last_code[rows]
+        self.step_output[rows, -1] = state.last_code[rows]

@@ -1,84 +1,21 @@
 """Triton kernels of the GPU path. Each has a PyTorch reference formula, which is what runs on other
-devices and what the kernel is tested against (in Triton's interpreter where there is no GPU)."""
+devices and what the kernel is tested against (in Triton's interpreter where there is no GPU).
 
-from __future__ import annotations
+Importing the package imports every kernel module, so that each registers its startup check before
+`check_kernels` runs them (`registry`).
+"""
 
-import logging
+from . import attention, codec, norm, rotary, sampling
+from .registry import FALLBACK_WARNING, check_kernels, run_checks, triton_usable
 
-import torch
-
-try:
-    import triton
-except ImportError:  # CPU-only installs: the reference formulas serve
-    triton = None
-
-from .checks import KERNEL_CHECKS
-
-log = logging.getLogger(__name__)
-_usable: dict[int, dict[str, bool]] = {}  # per CUDA device index: kernel name -> runs there
-
-
-def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
-    """Context for launching a kernel on `tensor`: Triton launches on the current CUDA device, which
-    need not be the tensor's (a codec on the second GPU). -1 leaves it alone: CPU tensors in Triton's
-    interpreter."""
-    return torch.cuda.device(tensor.device if tensor.is_cuda else -1)
-
-
-# A kernel that falls back says so in this form (benchmarks/serving_bench.py finds these lines by it).
-FALLBACK_WARNING = "Triton kernel %s unavailable on %s (%s: %s); using its slower PyTorch formula"
-
-
-def triton_usable(device: torch.device, kernel: str) -> bool:
-    """Whether the Triton kernel `kernel` (a name in `checks.KERNEL_CHECKS`) runs on this device;
-    see `check_kernels`."""
-    if kernel not in KERNEL_CHECKS:  # checked everywhere, so that CPU runs catch a misspelt name too
-        raise KeyError(f"no Triton kernel named {kernel!r}; known: {sorted(KERNEL_CHECKS)}")
-    if triton is None or device.type != "cuda":
-        return False
-    return check_kernels(device)[kernel]
-
-
-def check_kernels(device: torch.device) -> dict[str, bool]:
-    """Which Triton kernels run on this CUDA device, decided once per device by running each on small
-    inputs against its reference formula; each kernel that fails falls back to its formula alone.
-
-    CUDA builds of torch bring Triton, but Triton builds each kernel's launcher with the system's C
-    compiler and Python headers at first use, which slim images lack, and bf16 matrix products need
-    compute capability 8.0. Where a check fails, that kernel's reference formula runs (slower) and a
-    warning says why. The model and codec runners call this when they are made, before any graph
-    capture.
-    """
-    if device.type != "cuda":
-        return dict.fromkeys(KERNEL_CHECKS, False)
-    if triton is None:  # said per kernel, as a failed check is: benchmarks look for these lines
-        for name in KERNEL_CHECKS:
-            log.warning(
-                FALLBACK_WARNING, name, device, "ImportError", "the triton package cannot be imported"
-            )
-        return dict.fromkeys(KERNEL_CHECKS, False)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _usable:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the Triton kernel check must run before CUDA graph capture: call "
-                "voxtriton.kernels.check_kernels(device) first"
-            )
-        _usable[index] = run_checks(torch.device("cuda", index), KERNEL_CHECKS)
-    return _usable[index]
-
-
-def run_checks(device: torch.device, checks: dict) -> dict[str, bool]:
-    """Run each check (name -> function of the device returning (kernel output, reference output,
-    tolerance) pairs); a kernel passes when it runs and every pair agrees."""
-    usable = {}
-    for name, check in checks.items():
-        try:
-            for result, expected, tolerance in check(device):
-                if not torch.allclose(result.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance):
-                    raise RuntimeError("it disagrees with its reference formula")
-            usable[name] = True
-        except Exception as error:  # a missing compiler or headers surfaces here as a compile error
-            log.warning(FALLBACK_WARNING, name, device, type(error).__name__, error)
-            usable[name] = False
-    return usable
+__all__ = [
+    "FALLBACK_WARNING",
+    "attention",
+    "check_kernels",
+    "codec",
+    "norm",
+    "rotary",
+    "run_checks",
+    "sampling",
+    "triton_usable",
+]

@@ -1,9 +1,8 @@
 """Attention of a few new tokens per row over a static KV cache, reading only what each row has written.
 
 A frame step attends over the cache up to the batch's attention-span bucket, so with SDPA every row
-pays for the longest row (and the bucket's padding above it): at batch 128 and span 512, the talker's
-28 layers read 7.5 GB of keys and values per step, and cuDNN's kernel took about 5.8 ms a step on
-the H200 (33% of an eager step's kernel time). This kernel stops each row at its own position.
+pays for the longest row (and the bucket's padding above it); this kernel stops each row at its own
+position.
 
 One program per (row, KV head) holds that head's query group (the query heads that share the KV head,
 times the new tokens: 2 or 4 rows here) and streams the row's keys and values once, with an online
@@ -15,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch_device, triton, triton_usable
+from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -23,13 +22,8 @@ if triton is not None:
 # A program's query block: (query heads per KV head) x (new tokens) rows, padded to this fixed size,
 # which is also the smallest block tl.dot accepts. Decode steps have 2 or 4 rows.
 MAX_QUERY_ROWS = 16
-# Launch shapes: (keys per block, warps, pipeline stages). Each pipeline stage holds a key and a
-# value block in shared memory, 32 KB at 64 keys of 128 bf16 dims, and that caps how many programs
-# share an SM. Long spans (the talker's) keep what every call launched with before: 64-key blocks
-# with Triton's default 4 warps and 3 stages. The code predictor's cache holds 16 entries, which one
-# 16-key block covers in one pass with far less shared memory; 2 warps and 2 stages were the fastest
-# such shape on the H200 (7.4 us against 10.5 at 4 warps, 1 stage, for 256 rows; session 19).
-# benchmarks/attention_speed.py times both against other shapes.
+# Launch shapes (keys per block, warps, pipeline stages): the code predictor's 16-entry cache fits one
+# small block, in far less shared memory. benchmarks/attention_speed.py times them against others.
 LONG_SPAN_LAUNCH = (64, 4, 3)
 SHORT_SPAN_LAUNCH = (16, 2, 2)
 
@@ -101,6 +95,23 @@ def decode_attention_reference(q, keys, values, positions, scale):
     return torch.nn.functional.scaled_dot_product_attention(
         q.float(), keys, values, attn_mask=mask.to(q.device), scale=scale
     )
+
+
+@register_check("decode_attention")
+def check_decode_attention(device: torch.device) -> list[Comparison]:
+    generator = torch.Generator().manual_seed(2)
+    comparisons = []
+    # A talker-like span and the code predictor's 16 entries: they launch with different shapes
+    # (`launch_shape`). Either failing sends every decode-attention call to the reference.
+    for span, positions in ((80, torch.tensor([[5], [70]])), (16, torch.tensor([[3], [15]]))):
+        for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            q = torch.randn(2, 4, 1, 128, generator=generator).to(dtype)
+            keys, values = (torch.randn(2, 2, span, 128, generator=generator).to(dtype) for _ in range(2))
+            out = decode_attention(
+                q.to(device), keys.to(device), values.to(device), positions.to(device), 0.1
+            )
+            comparisons.append((out, decode_attention_reference(q, keys, values, positions, 0.1), tolerance))
+    return comparisons
 
 
 if triton is not None:

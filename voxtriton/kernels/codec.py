@@ -1,10 +1,9 @@
 """Fused elementwise kernels of the codec decoder's convolution stack (Triton on CUDA, PyTorch elsewhere).
 
-The decoder's activations are long ([batch, channels, frames * up to 1920]); at a background batch
-of 128 x 25 frames one activation is over a gigabyte. Eager PyTorch passed over each one several
-times per layer: SnakeBeta's five operations, the convolution bias (a broadcast add on the slow,
-non-vectorised path), the causal padding (a concatenation with the carried state) and the residual
-add. On the H200 those passes were about 60% of a codec call. Here they become two kernels:
+The decoder's activations are long ([batch, channels, frames * up to 1920]), and eager PyTorch passes
+over each one several times per layer: SnakeBeta's five operations, the convolution bias (a broadcast
+add on the slow, non-vectorised path), the causal padding (a concatenation with the carried state)
+and the residual add. Here they become two kernels:
 
 - `snake`: SnakeBeta of (x + the previous convolution's bias), written after the causal history the
   next convolution needs, so the padded input comes out of the same pass;
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch_device, triton, triton_usable
+from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -136,6 +135,36 @@ def add_channel_bias_triton(x, bias, residual=None):
     return out
 
 
+@register_check("snake")
+def check_snake(device: torch.device) -> list[Comparison]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, generator=generator)
+    log_alpha, log_beta, bias = (torch.randn(3, generator=generator) * 0.5 for _ in range(3))
+    history = torch.randn(2, 3, 6, generator=generator)
+    on = [t.to(device) for t in (x, log_alpha, log_beta, bias, history)]
+    return [
+        (
+            snake_triton(*on, tail=3),
+            snake_reference(x, log_alpha, log_beta, bias, history, tail=3),
+            HARDWARE_SINE_TOLERANCE,
+        )
+    ]
+
+
+@register_check("channel_bias")
+def check_channel_bias(device: torch.device) -> list[Comparison]:
+    generator = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(2, 3, 40, generator=generator), torch.randn(2, 3, 40, generator=generator)
+    bias = torch.randn(3, generator=generator)
+    return [
+        (
+            add_channel_bias_triton(x.to(device), bias.to(device), residual.to(device)),
+            add_channel_bias_reference(x, bias, residual),
+            1e-5,
+        )
+    ]
+
+
 if triton is not None:
 
     @triton.jit
@@ -185,9 +214,8 @@ if triton is not None:
         )
         if HAS_BIAS:
             value += tl.load(bias_ptr + channel).to(tl.float32)
-        # On a GPU, the hardware's approximate sine (one MUFU instruction): the accurate one's range
-        # reduction made this pass compute-bound, at about 2 TB/s on the H200. Its error (~1e-6
-        # absolute) is far below the bf16 activations' rounding. Triton's interpreter lacks it.
+        # The GPU's approximate sine keeps this pass memory-bound (the accurate one's range reduction
+        # does not); its ~1e-6 error is far below bf16 rounding. Triton's interpreter lacks it.
         if HARDWARE_SINE:
             wave = libdevice.fast_sinf(value * alpha)
         else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import launch_device, triton, triton_usable
+from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -100,6 +100,22 @@ def silu_and_mul_triton(gate_up):
             rows, rows.stride(0), out, width, BLOCK=SILU_BLOCK
         )
     return out.view(*gate_up.shape[:-1], width)
+
+
+@register_check("add_rms_norm")
+def check_add_rms_norm(device: torch.device) -> list[Comparison]:
+    generator = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(2, 3, 40, generator=generator), torch.randn(2, 3, 40, generator=generator)
+    weight = torch.rand(40, generator=generator) + 0.5
+    normed, summed = add_rms_norm_triton(x.to(device), residual.to(device), weight.to(device), 1e-6)
+    normed_reference, summed_reference = add_rms_norm_reference(x, residual, weight, 1e-6)
+    return [(normed, normed_reference, 1e-5), (summed, summed_reference, 1e-5)]
+
+
+@register_check("silu_and_mul")
+def check_silu_and_mul(device: torch.device) -> list[Comparison]:
+    gate_up = torch.randn(2, 3, 80, generator=torch.Generator().manual_seed(6)) * 3
+    return [(silu_and_mul_triton(gate_up.to(device)), silu_and_mul_reference(gate_up), 1e-5)]
 
 
 if triton is not None:

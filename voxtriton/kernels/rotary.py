@@ -2,9 +2,8 @@
 keys and values written into a static KV cache, in one kernel.
 
 In PyTorch this is ten small kernels per layer call: the q and k norms, three for each rotary
-embedding (multiply, roll, multiply-add) and a scatter each for keys and values. A frame step makes
-103 layer calls (the talker's 28 layers, the predictor's 5 layers 15 times), and at batch 256 these
-kernels took about 3.7 of the step's 16 ms on the H200 (eager profile, session 13). Here one program
+embedding (multiply, roll, multiply-add) and a scatter each for keys and values, and a frame step
+makes 103 layer calls (the talker's 28 layers, the predictor's 5 layers 15 times). Here one program
 per (row, new token) loads that token's q, k and v heads once, normalises and rotates q and k,
 writes k and v into the cache at the token's position, and q to a tensor of its own.
 
@@ -17,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import launch_device, triton, triton_usable
+from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -130,12 +129,27 @@ def rotate_into_cache_triton(
     return q
 
 
+@register_check("rotary")
+def check_rotary(device: torch.device) -> list[Comparison]:
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 1, 4, 8, generator=generator)  # 2 query heads, 1 KV head, head size 8
+    rotary = [torch.randn(2, 1, 1, 8, generator=generator) for _ in range(2)]
+    norms = [torch.rand(8, generator=generator) + 0.5 for _ in range(2)]
+    positions = torch.tensor([[1], [4]])
+    caches = torch.zeros(2, 2, 1, 6, 8)
+    qkv_, q_norm, k_norm, cos, sin, caches_, positions_ = (
+        t.to(device) for t in (qkv, *norms, *rotary, caches, positions)
+    )
+    q = rotate_into_cache_triton(
+        qkv_, 2, 1, q_norm, k_norm, 1e-6, cos, sin, caches_[0], caches_[1], positions_
+    )
+    q_reference = rotate_into_cache(qkv, 2, 1, *norms, 1e-6, *rotary, caches[0], caches[1], positions)
+    return [(q, q_reference, 1e-5), (caches_, caches, 1e-5)]
+
+
 if triton is not None:
-    # The new-token count and the positions' row stride (equal to it) are not specialised (equal to
-    # 1, divisible by 16): decode steps and prefills of every prompt length share one compiled kernel,
-    # so no prompt length meets a compile (seconds, stalling every stream) while serving. The q/k/v
-    # and cos/sin row strides scale with it too but stay specialised, for vector loads: for head
-    # sizes of 16 and more they are multiples of 16 whatever the length.
+    # Unspecialised new-token count and positions' row stride: prefills of every length share the decode
+    # step's compiled kernel, so no compile stalls serving. Other strides stay specialised (vector loads).
     @triton.jit(do_not_specialize=["positions_row_stride", "length"])
     def _rotate_into_cache_kernel(
         qkv,

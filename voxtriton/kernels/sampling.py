@@ -1,33 +1,99 @@
-"""One kernel per sampling call: temperature, top-k, top-p, the Gumbel draw and greedy rows together.
+"""One kernel per sampling call: temperature, top-k, top-p, the Gumbel draw and greedy rows together,
+and `sample_reference`, the same draw in PyTorch.
 
-`voxtriton.engine.sampling.sample`, the reference, is about 20 small PyTorch operations per call,
-among them a sort of the whole vocabulary, and a frame step makes 16 calls (codebook 0 and the
-predictor's 15 groups). Here one program per row loads the row's logits once (the vocabulary fits
-in registers: 2048 or 3072 tokens), sorts them in place, and finds the top-k and nucleus thresholds,
-then draws with Gumbel noise it makes from the row's draw key, with the reference's hash: no
-[rows, vocabulary] noise tensor is made or read. Same semantics as the reference (transformers'
-order: temperature, top-k, top-p; ties at a threshold are kept; masked tokens never win, whatever
-the noise). It computes in fp32 with correctly rounded division, so it picks the same tokens except
-where a nucleus boundary falls within rounding of the probability mass, which the two compute in
-different orders, or where two tokens' noisy scores tie to within the last bit of the logarithms
-(the GPU's and PyTorch's need not agree to the bit).
+The reference is about 20 small PyTorch operations per call, among them a sort of the whole
+vocabulary, and a frame step makes 16 calls (codebook 0 and the predictor's 15 groups). Here one
+program per row loads the row's logits once (the vocabulary fits in registers: 2048 or 3072 tokens),
+sorts them in place, and finds the top-k and nucleus thresholds, then draws with Gumbel noise it makes
+from the row's draw key, with the reference's hash: no [rows, vocabulary] noise tensor is made or
+read. Same semantics as the reference (transformers' order: temperature, top-k, top-p; ties at a
+threshold are kept; masked tokens never win, whatever the noise). It computes in fp32 with correctly
+rounded division, so it picks the same tokens except where a nucleus boundary falls within rounding
+of the probability mass, which the two compute in different orders, or where two tokens' noisy scores
+tie to within the last bit of the logarithms (the GPU's and PyTorch's need not agree to the bit).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import launch_device, triton
+from .registry import Comparison, launch_device, register_check, triton
 
 if triton is not None:
     import triton.language as tl
 
-# The noise hash's constants (`voxtriton.engine.sampling` makes the same noise in PyTorch).
+# The noise hash's constants (the kernel's `_mix` repeats `mix`).
 MASK31 = 0x7FFFFFFF
 MIX = 0x045D9F3B  # < 2**27: products of 31-bit values stay inside int64
 TOKEN_MULTIPLIER = 0x61C8864F
 # A program holds its row's whole vocabulary in registers; larger vocabularies take the reference.
 MAX_KERNEL_VOCAB = 8192
+
+
+def mix(x):
+    """31-bit integer hash (xorshift-multiply) of a tensor or a Python int, exact in int64 on every
+    device (and in the kernel, which repeats it)."""
+    x = ((x ^ (x >> 16)) * MIX) & MASK31
+    x = ((x ^ (x >> 16)) * MIX) & MASK31
+    return x ^ (x >> 16)
+
+
+def mix_in(key: torch.Tensor, index: torch.Tensor, multiplier: int) -> torch.Tensor:
+    """The hash of `key` extended by `index` (spread by an odd multiplier, kept to 27 bits). The
+    kernel repeats it for token indices."""
+    return mix((key + index * multiplier % (1 << 27)) & MASK31)
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """31-bit integers -> floats strictly inside (0, 1).
+
+    23 bits, so k + 0.5 is exact in float32: with 24, the top value rounds to exactly 1.0, whose
+    Gumbel noise is +inf, and +inf + (-inf) = NaN would let a masked token win the argmax.
+    """
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) noise [..., vocab] for the draws of `keys` [...]: a hash of each draw's key and the
+    token's index."""
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    return bits_to_uniform(mix_in(keys[..., None], tokens, TOKEN_MULTIPLIER))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [..., vocab] for `sample_reference` (see `uniform_noise`)."""
+    return -torch.log(-torch.log(uniform_noise(keys, vocab)))
+
+
+def filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set scores outside each row's top-k / nucleus to -inf (transformers' semantics)."""
+    vocab = scores.shape[-1]
+    ordered, _ = scores.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    ranks = torch.arange(vocab, device=scores.device)
+    ordered = ordered.masked_fill(ranks >= k[:, None], float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    # A token is dropped when the tokens ranked above it already hold top_p of the mass.
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop = (mass_above >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    # The lowest score kept in sorted order is the threshold (ties with it are kept, like top-k).
+    kept = ordered.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)
+    return scores.masked_fill(scores < kept, float("-inf"))
+
+
+def sample_reference(logits, temperature, top_k, top_p, keys):
+    """`sample_triton` in PyTorch (same arguments and result)."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    filtered = filter_top_k_top_p(scaled, top_k, top_p)
+    # Masked tokens stay out whatever the noise (and whatever NaN the model might produce).
+    noise = gumbel_noise(keys, logits.shape[-1])
+    drawn = torch.where(torch.isfinite(filtered), filtered + noise, float("-inf")).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
 def sample_triton(
@@ -63,6 +129,17 @@ def sample_triton(
     return out
 
 
+@register_check("sampling")
+def check_sampling(device: torch.device) -> list[Comparison]:
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(4)) * 3
+    temperature = torch.tensor([0.0, 0.9, 1.3, 0.7])
+    top_k = torch.tensor([0, 50, 0, 3])
+    top_p = torch.tensor([1.0, 1.0, 0.8, 1.0])
+    keys = torch.tensor([5, 2**31 - 1, 0, 123456789])
+    inputs = (logits, temperature, top_k, top_p, keys)
+    return [(sample_triton(*(t.to(device) for t in inputs)), sample_reference(*inputs), 0)]
+
+
 if triton is not None:
 
     @triton.jit
@@ -71,11 +148,8 @@ if triton is not None:
         x = ((x ^ (x >> 16)) * MIX) & MASK31
         return x ^ (x >> 16)
 
-    # The kernel runs on keys cut from wider tensors (the frame step's) and on per-row scalars that are
-    # views at any row offset or gathered copies (admissions; eagerly for prompts longer than the
-    # prefill graphs). Specialising those pointers on alignment (and the keys' stride) would compile a
-    # variant per kind of launch, some only at the first such admission while serving, stalling every
-    # stream for each compile; one-element loads gain nothing from it.
+    # Keys and per-row scalars arrive at any offset or stride (admissions sample rows anywhere): not
+    # specialising on them keeps one compiled variant, so no compile stalls every stream while serving.
     @triton.jit(
         do_not_specialize=["keys_stride"],
         do_not_specialize_on_alignment=["keys", "temperature", "top_k", "top_p"],

@@ -114,12 +114,8 @@ class CausalConv(StreamingModule):
         if dilation == 1 or not self.context:
             x = self._input(x, state, self.context, activation)
             return F.conv1d(x, conv.weight, bias, dilation=conv.dilation, groups=conv.groups)
-        # A dilated convolution as a dense one: time viewed as [length / d, d] (no copy) makes each
-        # of the d interleaved phases a dilation-1 convolution along the first axis. cuDNN's dilated
-        # kernels ran these layers at 0.6-0.8x their dilation-1 twins' speed (session 19); this form
-        # took an autotuned 256x25 call from 162 to 151 ms and 128x25 from 81 to 73 on the H200
-        # (session 24). The view needs a length divisible by d: zero columns after the input make it
-        # so, and the outputs they add are dropped.
+        # cuDNN's dilated kernels are slower than its dense ones: time viewed as [length / d, d] (zero
+        # columns pad it, their outputs dropped) makes the d phases one dilation-1 convolution.
         frames = x.shape[-1]
         x = self._input(x, state, self.context, activation, tail=-frames % dilation)
         batch, channels, length = x.shape

@@ -83,6 +83,14 @@ class _Fields:
             raise self._fail(key, f"an object of names to token ids below {vocab_size}")
         return {str(k).lower(): v for k, v in value.items()}
 
+    def token_ids(self, keys: tuple[str, ...], vocab_size: int, vocab_name: str) -> dict[str, int]:
+        """Each key's token id: an integer below `vocab_size` (called `vocab_name` in errors)."""
+        ids = {key: self.int(key, minimum=0) for key in keys}
+        for key, value in ids.items():
+            if value >= vocab_size:
+                raise self._fail(key, f"an id below {vocab_name}={vocab_size}")
+        return ids
+
     def child(self, key: str) -> "_Fields":
         if key not in self.data:
             raise CheckpointError(f"{self.source}: {self._name(key)} is missing")
@@ -222,9 +230,8 @@ def parse_talker(f: _Fields) -> TalkerConfig:
         if dialect and dialect not in languages:
             raise f._fail("spk_is_dialect", f"dialects listed in codec_language_id (speaker {name!r})")
         speaker_dialects[name] = dialect or None
-    ids = {
-        key: f.int(key, minimum=0)
-        for key in (
+    ids = f.token_ids(
+        (
             "codec_bos_id",
             "codec_eos_token_id",
             "codec_pad_id",
@@ -232,11 +239,10 @@ def parse_talker(f: _Fields) -> TalkerConfig:
             "codec_nothink_id",
             "codec_think_bos_id",
             "codec_think_eos_id",
-        )
-    }
-    for key, value in ids.items():
-        if value >= vocab:
-            raise f._fail(key, f"an id below vocab_size={vocab}")
+        ),
+        vocab,
+        "vocab_size",
+    )
     return TalkerConfig(
         transformer=transformer,
         predictor=predictor,
@@ -319,21 +325,18 @@ def load_config(checkpoint_dir: Path) -> Qwen3TTSConfig:
         )
     if codec.codebook_size > talker.vocab_size:
         raise CheckpointError(f"{path}: talker_config.vocab_size is smaller than the codec codebook")
-    text_vocab = talker.text_vocab_size
-    tokens = {
-        key: top.int(key, minimum=0)
-        for key in (
+    tokens = top.token_ids(
+        (
             "im_start_token_id",
             "im_end_token_id",
             "assistant_token_id",
             "tts_bos_token_id",
             "tts_eos_token_id",
             "tts_pad_token_id",
-        )
-    }
-    for key, value in tokens.items():
-        if value >= text_vocab:
-            raise top._fail(key, f"an id below talker_config.text_vocab_size={text_vocab}")
+        ),
+        talker.text_vocab_size,
+        "talker_config.text_vocab_size",
+    )
     generation = read_json(checkpoint_dir / "generation_config.json")
     return Qwen3TTSConfig(
         model_type=model_type,

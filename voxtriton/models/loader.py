@@ -131,7 +131,8 @@ def load_weights(root: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
         shape = checkpoint.shape(name)
         if shape != target.shape:
             raise CheckpointError(
-                f"{checkpoint.file_of(name)}: tensor {name} has shape {list(shape)}, expected {list(target.shape)}"
+                f"{checkpoint.file_of(name)}: tensor {name} has shape {list(shape)}, "
+                f"expected {list(target.shape)}"
             )
         with torch.no_grad():
             target.parameter[target.rows].copy_(checkpoint.tensor(name))

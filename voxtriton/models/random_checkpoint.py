@@ -1,9 +1,9 @@
 """Write random-weight Qwen3-TTS checkpoints in the official layout (`voxtriton make-checkpoint`).
 
-Real weights cannot be downloaded on our machines, so tests and benchmarks run on checkpoints
-made here: the official config files (verbatim copies in `presets/`), tensors with the official
-names, shapes and dtypes (talker bf16, codec fp32), and random values. They load through the same
-loader as a real checkpoint. They produce noise, not speech.
+Tests and benchmarks run without downloading real weights, on checkpoints made here: the official
+config files (verbatim copies in `presets/`), tensors with the official names, shapes and dtypes
+(talker bf16, codec fp32), and random values. They load through the same loader as a real
+checkpoint. They produce noise, not speech.
 
 Presets: `0.6b` and `1.7b` are the official 12 Hz CustomVoice configurations; `tiny` is the 0.6B
 configuration with every width and depth shrunk (TINY_OVERRIDES) so it runs faster than real time
@@ -179,9 +179,8 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: flo
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("codebook.initialized"):
         return torch.ones(shape)
-    # Small but not zero, as in a trained checkpoint: a bias or an activation parameter that the
-    # code applies in the wrong place (the fused codec kernels move them) then changes the output,
-    # and the parity tests against the official implementation see it.
+    # Small but not zero, as in a trained checkpoint, so that a bias or activation parameter applied
+    # in the wrong place (the fused codec kernels move them) changes the output the parity tests see.
     if leaf == "bias":
         return torch.randn(shape, generator=generator) * 0.02
     if leaf in ("alpha", "beta"):  # SnakeBeta's log-scale parameters
@@ -193,10 +192,8 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: flo
     if leaf == "gamma":
         return torch.full(shape, 0.1)
     if name.startswith(("decoder.", "encoder.")):
-        # Convolutions scaled by fan-in keep activations O(1) through the deep codec, so random
-        # codecs make full-range noise rather than silence or constant clipping.
-        # Residual branches and the output layer are scaled down so the random waveform stays
-        # mostly inside [-1, 1] instead of clipping.
+        # Scaled by fan-in (residual branches and the output layer further down), so a random codec
+        # makes full-range noise mostly inside [-1, 1] rather than silence or clipping.
         fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
         std = 0.25 if "embed" in leaf else fan_in**-0.5
         if ".conv2." in name:

@@ -1,0 +1,103 @@
+"""What the kernel modules share: the optional triton import, launching on a tensor's device, and the
+startup checks that decide, per device and per kernel, whether the kernel or its formula serves.
+
+Each kernel module registers its check beside its kernel (`register_check`); this module knows no
+kernel by name. A check runs the kernel once on small inputs and returns (kernel output, reference
+output, tolerance) pairs; its inputs live on the CPU and are moved to the device under test, so the
+references run where they always run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs: the reference formulas serve
+    triton = None
+
+log = logging.getLogger(__name__)
+
+Comparison = tuple[torch.Tensor, torch.Tensor, float]
+Check = Callable[[torch.device], list[Comparison]]
+KERNEL_CHECKS: dict[str, Check] = {}  # kernel name -> its startup check, in registration order
+_usable: dict[int, dict[str, bool]] = {}  # per CUDA device index: kernel name -> runs there
+
+# A kernel that falls back says so in this form (benchmarks/serving_bench.py finds these lines by it).
+FALLBACK_WARNING = "Triton kernel %s unavailable on %s (%s: %s); using its slower PyTorch formula"
+
+
+def register_check(name: str) -> Callable[[Check], Check]:
+    """Decorator: `check(device)` decides whether the Triton kernel `name` serves on a device."""
+
+    def register(check: Check) -> Check:
+        if name in KERNEL_CHECKS:
+            raise ValueError(f"a Triton kernel named {name!r} is registered twice")
+        KERNEL_CHECKS[name] = check
+        return check
+
+    return register
+
+
+def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
+    """Context for launching a kernel on `tensor`: Triton launches on the current CUDA device, which
+    need not be the tensor's (a codec on the second GPU). -1 leaves it alone: CPU tensors in Triton's
+    interpreter."""
+    return torch.cuda.device(tensor.device if tensor.is_cuda else -1)
+
+
+def triton_usable(device: torch.device, kernel: str) -> bool:
+    """Whether the Triton kernel `kernel` (a registered name) runs on this device; see `check_kernels`."""
+    if kernel not in KERNEL_CHECKS:  # checked everywhere, so that CPU runs catch a misspelt name too
+        raise KeyError(f"no Triton kernel named {kernel!r}; known: {sorted(KERNEL_CHECKS)}")
+    if triton is None or device.type != "cuda":
+        return False
+    return check_kernels(device)[kernel]
+
+
+def check_kernels(device: torch.device) -> dict[str, bool]:
+    """Which Triton kernels run on this CUDA device, decided once per device by running each registered
+    check; each kernel that fails falls back to its formula alone.
+
+    CUDA builds of torch bring Triton, but Triton builds each kernel's launcher with the system's C
+    compiler and Python headers at first use, which slim images lack, and bf16 matrix products need
+    compute capability 8.0. Where a check fails, that kernel's reference formula runs (slower) and a
+    warning says why. The model and codec runners call this when they are made, before any graph
+    capture.
+    """
+    if device.type != "cuda":
+        return dict.fromkeys(KERNEL_CHECKS, False)
+    if triton is None:  # said per kernel, as a failed check is: benchmarks look for these lines
+        for name in KERNEL_CHECKS:
+            log.warning(
+                FALLBACK_WARNING, name, device, "ImportError", "the triton package cannot be imported"
+            )
+        return dict.fromkeys(KERNEL_CHECKS, False)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _usable:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the Triton kernel check must run before CUDA graph capture: call "
+                "voxtriton.kernels.check_kernels(device) first"
+            )
+        _usable[index] = run_checks(torch.device("cuda", index), KERNEL_CHECKS)
+    return _usable[index]
+
+
+def run_checks(device: torch.device, checks: dict[str, Check]) -> dict[str, bool]:
+    """Run each check (name -> function of the device returning (kernel output, reference output,
+    tolerance) pairs); a kernel passes when it runs and every pair agrees."""
+    usable = {}
+    for name, check in checks.items():
+        try:
+            for result, expected, tolerance in check(device):
+                if not torch.allclose(result.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance):
+                    raise RuntimeError("it disagrees with its reference formula")
+            usable[name] = True
+        except Exception as error:  # a missing compiler or headers surfaces here as a compile error
+            log.warning(FALLBACK_WARNING, name, device, type(error).__name__, error)
+            usable[name] = False
+    return usable
