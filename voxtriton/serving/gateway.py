@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 from tritonclient.utils import InferenceServerException
 from voxtriton_client import AsyncTTSClient, Chunk, Synthesis
-from voxtriton_client.api import INPUT_TYPES, MODEL
+from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
 from ..models.config import CheckpointError, load_config
 from .settings import default_checkpoint_dir
@@ -37,7 +37,6 @@ log = logging.getLogger("voxtriton.gateway")
 SAMPLE_RATE = 24000
 PLAYGROUND = Path(__file__).parent / "playground.html"
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for clients that insist on them
-LANES = {0: "urgent", 1: "background", 2: "inline"}  # chunk_info's lane code
 HEALTH_TIMEOUT_S = 2.0
 
 # OpenAI request field -> (tts input, expected JSON type); "input" is the text, checked on its own
