@@ -380,11 +380,12 @@ def screenshot(page, name: str) -> None:
 
 def test_playground_plays_streamed_audio_in_a_browser(stack, browser):
     url, _, _ = stack
-    # The page asks for free-running speech; a random-weight model may then sample its end-of-speech
-    # code after one chunk. Pin the length and seed of the page's own request in flight instead.
-    page = open_playground(browser, url, max_frames=FRAMES, ignore_eos=True, seed=7)
+    # A random-weight model may sample its end-of-speech code after one chunk: the page's request in
+    # flight gets ignore_eos and a seed, and its length control sets max_frames.
+    page = open_playground(browser, url, ignore_eos=True, seed=7)
     page.wait_for_function("document.getElementById('voice').options.length > 1")  # the backend's voices
     page.fill("#text", "The browser plays this as it streams.")
+    page.fill("#seconds", str(FRAMES * 0.08))
     page.click("#speak")
     assert page.is_disabled("#speak") and page.is_enabled("#stop")
     page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
@@ -427,22 +428,45 @@ def test_playground_stop_ends_the_stream_on_the_server(stack, browser):
         wait_for_metric(server, "voxtriton_active_streams", lambda value: value == 0)
 
 
-@pytest.mark.parametrize(
-    "setup,expected",
-    [
-        ("text=   ", "Error: input: must be a non-empty string"),
-        ("seconds=0", "Error: Length: give a number of seconds above 0"),
-        ("abort", "Error: network error, the gateway did not answer"),
-    ],
-)
-def test_playground_shows_every_error(stack, browser, setup, expected):
+def served_events(*events: dict):
+    """A route handler answering the page's speech request with these SSE events."""
+    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events)
+    return lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body)
+
+
+ONE_CHUNK = {
+    "type": "speech.audio.delta",
+    "audio": base64.b64encode(bytes(2 * 1920)).decode(),
+    "chunk": {"index": 0, "first_frame": 0, "frames": 1, "lane": "urgent"},
+}
+BROKEN = {"type": "error", "error": {"message": "The voxtriton server stopped answering mid-request."}}
+PAGE_ERRORS = {  # what goes wrong -> (how the page is set up for it, what it must say)
+    "empty text": (lambda page: page.fill("#text", "   "), "Error: input: must be a non-empty string"),
+    "bad length": (
+        lambda page: page.fill("#seconds", "0"),
+        "Error: Length: give a number of seconds above 0",
+    ),
+    "no connection": (
+        lambda page: page.route("**/v1/audio/speech", lambda route: route.abort()),
+        "Error: network error, the gateway did not answer",
+    ),
+    "cut short": (
+        lambda page: page.route("**/v1/audio/speech", served_events(ONE_CHUNK)),
+        "Error: the stream ended before its last event",
+    ),
+    "failed mid-stream": (
+        lambda page: page.route("**/v1/audio/speech", served_events(ONE_CHUNK, BROKEN)),
+        "Error: The voxtriton server stopped answering mid-request.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PAGE_ERRORS)
+def test_playground_shows_every_error(stack, browser, case):
     url, _, _ = stack
+    setup, expected = PAGE_ERRORS[case]
     page = open_playground(browser, url)
-    if setup == "abort":  # the connection fails: no HTTP answer at all
-        page.route("**/v1/audio/speech", lambda route: route.abort())
-    else:
-        name, value = setup.split("=", 1)
-        page.fill(f"#{name}", value)
+    setup(page)
     page.click("#speak")
     page.wait_for_function("window.voxtritonStats.done && !document.getElementById('speak').disabled")
     status, classes = page.inner_text("#status"), page.get_attribute("#status", "class")
