@@ -6,11 +6,14 @@ import io
 import wave
 
 import pytest
+from voxtriton_client import Synthesis
 
 from voxtriton.serving.gateway import (
     MODEL_ALIASES,
     REQUEST_FIELDS,
+    BackendsUnreachable,
     SpeechError,
+    SpeechStream,
     error_from_server,
     parse_speech_request,
     streaming_wav_header,
@@ -89,6 +92,18 @@ def test_server_errors_become_short_sentences():
     )
     internal = error_from_server("internal error: CUDA error: an illegal memory access\nTraceback ...")
     assert internal.status == 502 and "\n" not in internal.message and "CUDA" not in internal.message
+
+
+def test_how_a_stream_ended_becomes_the_callers_error():
+    assert SpeechStream.ending(Synthesis(completed=True)) is None  # no audio, but no error either
+    early = SpeechStream.ending(Synthesis(completed=False))  # no final response: the server went away
+    assert (early.status, early.message) == (502, "The voxtriton server stopped answering mid-request.")
+    dropped = SpeechStream.ending(ConnectionResetError("Socket closed"))
+    assert (dropped.status, dropped.message) == (early.status, early.message)
+    down = SpeechStream.ending(BackendsUnreachable("127.0.0.1:1"))
+    assert (down.status, down.kind) == (503, "service_unavailable")
+    assert down.message == "No voxtriton server is ready; retry when one is up."
+    assert SpeechStream.ending(Synthesis(error="seed: must be >= 0")).param == "seed"
 
 
 def test_the_streamed_wav_header_is_standard_with_open_ended_sizes():

@@ -156,9 +156,8 @@ class Backend:
         """Triton is up and its tts model loaded."""
         triton = self.client().client
         try:
-            return await triton.is_server_ready(
-                client_timeout=HEALTH_TIMEOUT_S
-            ) and await triton.is_model_ready(MODEL, client_timeout=HEALTH_TIMEOUT_S)
+            up = await triton.is_server_ready(client_timeout=HEALTH_TIMEOUT_S)
+            return up and await triton.is_model_ready(MODEL, client_timeout=HEALTH_TIMEOUT_S)
         except InferenceServerException:
             return False
 
@@ -234,10 +233,7 @@ def error_from_server(message: str) -> SpeechError:
     )
 
 
-def error_from_exception(error: Exception) -> SpeechError:
-    if isinstance(error, BackendsUnreachable):
-        return unreachable()
-    log.warning("voxtriton stream failed: %r", error)
+def cut_short() -> SpeechError:
     return SpeechError(502, "The voxtriton server stopped answering mid-request.", kind="server_error")
 
 
@@ -260,20 +256,31 @@ class SpeechStream:
             self.items.put_nowait(error)
 
     @staticmethod
-    def ending(item) -> SpeechError | None:
+    def ending(item: Synthesis | Exception) -> SpeechError | None:
+        """How the stream ended: None when it completed, else the caller's error."""
+        if isinstance(item, BackendsUnreachable):
+            return unreachable()
         if isinstance(item, Exception):
-            return error_from_exception(item)
-        return error_from_server(item.error) if item.error is not None else None
+            log.warning("voxtriton stream failed: %r", item)
+            return cut_short()
+        if item.error is not None:
+            return error_from_server(item.error)
+        return None if item.completed else cut_short()
 
     async def start(self) -> None:
         item = await self.items.get()
-        if not isinstance(item, Chunk):
-            await self.task
-            raise self.ending(item) or error_from_server("stream ended without audio")
-        self.head = item
+        if isinstance(item, Chunk):
+            self.head = item
+            return
+        await self.task
+        error = self.ending(item)
+        if error is not None:
+            raise error
+        self.items.put_nowait(item)  # it completed without audio: chunks() yields none
 
     async def chunks(self):
-        yield self.head
+        if self.head is not None:
+            yield self.head
         while isinstance(item := await self.items.get(), Chunk):
             yield item
         self.failure = self.ending(item)
