@@ -260,14 +260,7 @@ def test_openai_model_names_and_voices_in_any_case_are_the_served_ones(stack):
 
 def test_sse_events_carry_the_audio_and_each_chunks_lane(stack):
     url, _, _ = stack
-    body = {
-        "model": "tts",
-        "input": "Events.",
-        "voice": "ryan",
-        "max_frames": 30,
-        "ignore_eos": True,
-        "seed": 4,
-    }
+    body = dict(model="tts", input="Events.", voice="ryan", max_frames=30, ignore_eos=True, seed=4)
     code, headers, payload = post(url, {**body, "response_format": "pcm", "stream_format": "sse"})
     assert code == 200 and headers["content-type"].startswith("text/event-stream")
     *deltas, done = sse_events(payload)
