@@ -1,10 +1,12 @@
-"""The OpenAI-compatible gateway in front of real servers: official client, curl, errors, routing, playground."""
+"""The OpenAI-compatible gateway in front of real servers: OpenAI client, curl, errors, routing, page."""
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,26 +16,22 @@ import wave
 
 import numpy as np
 import pytest
-from server_helpers import start_server
+from server_helpers import start_server, wait_for_metric
 from voxtriton_client import TTSClient
 
+from voxtriton.models.config import load_config
+from voxtriton.serving.gateway import MODEL_ALIASES
 from voxtriton.serving.launcher import free_port
 
 pytestmark = pytest.mark.server
 
 
-def start_gateway(backends: list[str], checkpoint) -> tuple[subprocess.Popen, str]:
+def start_gateway(backends: list[str], checkpoint=None, healthy: bool = True) -> tuple[subprocess.Popen, str]:
+    """A gateway on a free port, once it answers /health: with 200 when `healthy`, with anything else not."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "voxtriton.cli",
-        "gateway",
-        "--port",
-        str(port),
-        "--checkpoint",
-        str(checkpoint),
-    ]
+    command = [sys.executable, "-m", "voxtriton.cli", "gateway", "--port", str(port)]
+    if checkpoint is not None:
+        command += ["--checkpoint", str(checkpoint)]
     for backend in backends:
         command += ["--backend", backend]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -41,34 +39,58 @@ def start_gateway(backends: list[str], checkpoint) -> tuple[subprocess.Popen, st
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return process, url
+        except urllib.error.HTTPError:
+            if not healthy:
                 return process, url
         except OSError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     process.kill()
     raise RuntimeError(process.stdout.read())
+
+
+def stop_gateway(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(10)
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint):
     with start_server(tiny_checkpoint) as first, start_server(tiny_checkpoint) as second:
-        gateway, url = start_gateway([first.grpc_url, second.grpc_url], tiny_checkpoint)
+        # No --checkpoint: the gateway learns the voices from the backends' own checkpoint.
+        gateway, url = start_gateway([first.grpc_url, second.grpc_url])
         try:
             yield url, first, second
         finally:
-            gateway.terminate()
-            gateway.wait(10)
+            stop_gateway(gateway)
 
 
-def post(url: str, body: dict) -> tuple[int, dict, bytes]:
+def post(url: str, body: dict, path: str = "/v1/audio/speech") -> tuple[int, dict, bytes]:
     request = urllib.request.Request(
-        url + "/v1/audio/speech", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
+    return fetch(request)
+
+
+def get(url: str, path: str) -> tuple[int, dict, dict]:
+    status, headers, payload = fetch(urllib.request.Request(url + path))
+    return status, headers, json.loads(payload)
+
+
+def fetch(request: urllib.request.Request) -> tuple[int, dict, bytes]:
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as error:
         return error.code, dict(error.headers), error.read()
+
+
+def sse_events(payload: bytes) -> list[dict]:
+    blocks = payload.decode().split("\n\n")
+    assert blocks[-1] == ""  # every event ends with its blank line
+    return [json.loads(block.removeprefix("data: ")) for block in blocks[:-1]]
 
 
 def test_openai_client_streams_pcm(stack):
@@ -143,6 +165,9 @@ def test_curl_gets_a_playable_wav(stack, tmp_path):
         ({"model": "tts", "input": "hi", "voice": "alloy"}, 400, "voice"),
         ({"model": "tts", "input": "hi", "voice": "ryan", "language": "klingon"}, 400, "language"),
         ({"model": "tts", "input": "hi", "voice": "ryan", "max_frames": "many"}, 400, "max_frames"),
+        ({"model": "whisper-1", "input": "hi", "voice": "ryan"}, 400, "model"),
+        ({"model": "tts", "input": "hi", "voice": "ryan", "speeed": 1.0}, 400, "speeed"),
+        ({"model": "tts", "input": "hi", "voice": "ryan", "stream_format": "chunks"}, 400, "stream_format"),
     ],
 )
 def test_errors_map_to_status_codes_with_json_bodies(stack, body, status, param):
@@ -189,25 +214,127 @@ def test_busy_servers_answer_503(tiny_checkpoint):
             }
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 results = list(pool.map(lambda _: post(url, body), range(4)))
+            _, _, models = get(url, "/v1/models")  # the voices of the --checkpoint given
         finally:
-            gateway.terminate()
-            gateway.wait(10)
+            stop_gateway(gateway)
     codes = sorted(code for code, _, _ in results)
     assert 200 in codes and 503 in codes
     busy = next(r for r in results if r[0] == 503)
     assert busy[1].get("retry-after") == "1" or busy[1].get("Retry-After") == "1"
-    assert json.loads(busy[2])["error"]["type"] == "server_busy"
+    error = json.loads(busy[2])["error"]
+    assert (
+        error["type"] == "server_busy" and error["message"] == "The voxtriton server is busy; retry shortly."
+    )
+    assert models["data"][0]["voices"] == sorted(load_config(tiny_checkpoint).talker.speakers)
+
+
+def test_models_list_the_served_model_its_aliases_and_the_backends_voices(stack, tiny_checkpoint):
+    import openai
+
+    url, _, _ = stack
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    [card] = client.models.list().data
+    voices = sorted(load_config(tiny_checkpoint).talker.speakers)
+    assert (card.id, card.object, card.owned_by) == ("tts", "model", "voxtriton")
+    assert card.aliases == list(MODEL_ALIASES) and card.voices == voices and "ryan" in voices
+    assert client.models.retrieve("gpt-4o-mini-tts").id == "tts"
+    with pytest.raises(openai.NotFoundError, match="unknown model 'whisper-1'"):
+        client.models.retrieve("whisper-1")
+
+
+def test_openai_model_names_and_voices_in_any_case_are_the_served_ones(stack):
+    url, _, _ = stack
+    body = {"input": "Same voice.", "max_frames": 12, "ignore_eos": True, "seed": 3, "response_format": "pcm"}
+
+    def audio(model: str, voice: str) -> np.ndarray:
+        code, _, payload = post(url, {**body, "model": model, "voice": voice})
+        assert code == 200, payload
+        return np.frombuffer(payload, "<i2").astype(np.int32)
+
+    served = audio("tts", "ryan")
+    assert len(served) == 12 * 1920
+    for model, voice in (("tts-1", "Ryan"), ("tts-1-hd", "RYAN"), ("gpt-4o-mini-tts", "ryan")):
+        assert np.abs(audio(model, voice) - served).max() <= 7  # both backends: float rounding aside
+    assert np.abs(audio("tts", "serena") - served).max() > 1000  # the voice matters
+
+
+def test_sse_events_carry_the_audio_and_each_chunks_lane(stack):
+    url, _, _ = stack
+    body = dict(model="tts", input="Events.", voice="ryan", max_frames=30, ignore_eos=True, seed=4)
+    code, headers, payload = post(url, {**body, "response_format": "pcm", "stream_format": "sse"})
+    assert code == 200 and headers["content-type"].startswith("text/event-stream")
+    *deltas, done = sse_events(payload)
+    assert done == {"type": "speech.audio.done"} and len(deltas) >= 2
+    chunks = [delta["chunk"] for delta in deltas]
+    assert [c["index"] for c in chunks] == list(range(len(chunks)))
+    assert [c["first_frame"] for c in chunks] == [
+        sum(c["frames"] for c in chunks[:i]) for i in range(len(chunks))
+    ]
+    assert sum(c["frames"] for c in chunks) == 30
+    assert chunks[0]["lane"] == "urgent" and {c["lane"] for c in chunks} <= {"urgent", "background", "inline"}
+    pieces = [base64.b64decode(delta["audio"]) for delta in deltas]
+    assert [len(piece) for piece in pieces] == [c["frames"] * 1920 * 2 for c in chunks]
+    code, _, plain = post(url, {**body, "response_format": "pcm"})
+    streamed, plain = np.frombuffer(b"".join(pieces), "<i2"), np.frombuffer(plain, "<i2")
+    assert (
+        code == 200 and len(streamed) == len(plain) and np.abs(streamed - plain.astype(np.int32)).max() <= 7
+    )
+    # As a WAV, the first event carries the header: the events' audio joined is the file.
+    code, _, payload = post(url, {**body, "max_frames": 4, "stream_format": "sse"})
+    wav = b"".join(base64.b64decode(e["audio"]) for e in sse_events(payload)[:-1])
+    assert code == 200 and wav[:4] == b"RIFF" and len(wav) == 44 + 4 * 1920 * 2
+
+
+def test_a_backend_that_refuses_connections_is_skipped(stack):
+    url, first, _ = stack
+    gateway, url = start_gateway([f"127.0.0.1:{free_port()}", first.grpc_url])
+    try:
+        code, _, health = get(url, "/health")
+        body = {"model": "tts", "input": "Around it.", "max_frames": 4, "ignore_eos": True}
+        results = [post(url, body) for _ in range(2)]  # ties go round-robin: one of them tries it first
+    finally:
+        stop_gateway(gateway)
+    assert code == 200 and [b["ready"] for b in health["backends"]] == [False, True]
+    assert all(code == 200 and len(payload) == 44 + 4 * 1920 * 2 for code, _, payload in results)
+
+
+@pytest.fixture(scope="module")
+def no_backend():
+    """A gateway whose one backend is down."""
+    gateway, url = start_gateway([f"127.0.0.1:{free_port()}"], healthy=False)
+    try:
+        yield url
+    finally:
+        stop_gateway(gateway)
+
+
+UNAVAILABLE = "No voxtriton server is ready; retry when one is up."
+
+
+def test_without_a_ready_backend_every_endpoint_says_so_in_one_sentence(no_backend):
+    code, headers, health = get(no_backend, "/health")
+    assert code == 503 and health["status"] == "unavailable" and not health["backends"][0]["ready"]
+    assert health["error"]["message"] == UNAVAILABLE and headers.get("retry-after") == "1"
+    code, _, models = get(no_backend, "/v1/models")
+    assert code == 503 and models["error"]["message"] == UNAVAILABLE
+    code, headers, payload = post(no_backend, {"model": "tts", "input": "Anyone?", "max_frames": 4})
+    error = json.loads(payload)["error"]
+    assert code == 503 and headers.get("retry-after") == "1"
+    assert error == {"message": UNAVAILABLE, "type": "service_unavailable", "param": None, "code": None}
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FRAMES = 40  # 3.2 s of audio in several chunks
+LANE_COLORS = {"var(--urgent)", "var(--background)", "var(--inline)"}
+SCREENSHOTS = os.environ.get("VOXTRITON_SCREENSHOTS")  # a folder: the browser tests save their pages there
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (installed by .ci/run)")
-def test_playground_plays_streamed_audio_in_a_browser(stack):
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("needs Debian's chromium (installed by .ci/run)")
     from playwright.sync_api import sync_playwright
 
-    url, _, _ = stack
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM,
@@ -221,30 +348,135 @@ def test_playground_plays_streamed_audio_in_a_browser(stack):
                 "--no-first-run",
             ],
         )
-        page = browser.new_page()
-        # The page asks for free-running speech; a random-weight model may then sample its end-of-speech
-        # code after one chunk. Pin the length and seed of the page's own request in flight instead.
+        yield browser
+        browser.close()
+
+
+def open_playground(browser, url: str, **pinned):
+    """The playground, with `pinned` fields written into its speech requests in flight."""
+    page = browser.new_page(viewport={"width": 1000, "height": 640})
+    if pinned:
         page.route(
             "**/v1/audio/speech",
             lambda route: route.continue_(
-                post_data=json.dumps(
-                    {
-                        **json.loads(route.request.post_data),
-                        "max_frames": FRAMES,
-                        "ignore_eos": True,
-                        "seed": 7,
-                    }
-                )
+                post_data=json.dumps({**json.loads(route.request.post_data), **pinned})
             ),
         )
-        page.goto(url + "/")
-        page.wait_for_function("document.getElementById('voice').options.length > 0")
-        page.fill("#text", "The browser plays this as it streams.")
-        page.click("#speak")
-        page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
-        stats = page.evaluate("window.voxtritonStats")
-        status_line = page.inner_text("#stats")
-        browser.close()
+    page.goto(url + "/")
+    return page
+
+
+def screenshot(page, name: str) -> None:
+    if SCREENSHOTS:
+        page.screenshot(path=os.path.join(SCREENSHOTS, name), full_page=True)
+
+
+def test_playground_plays_streamed_audio_in_a_browser(stack, browser):
+    url, _, _ = stack
+    # A random-weight model may sample its end-of-speech code after one chunk: the page's request in
+    # flight gets ignore_eos and a seed, and its length control sets max_frames.
+    page = open_playground(browser, url, ignore_eos=True, seed=7)
+    page.wait_for_function("document.getElementById('voice').options.length > 1")  # the backend's voices
+    page.fill("#text", "The browser plays this as it streams.")
+    page.fill("#seconds", str(FRAMES * 0.08))
+    page.click("#speak")
+    assert page.is_disabled("#speak") and page.is_enabled("#stop")
+    page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
+    stats = page.evaluate("window.voxtritonStats")
+    status_line = page.inner_text("#stats")
+    # The chart: one arrival dot per chunk, in its lane's colour; Speak comes back when playback ends.
+    dots = page.eval_on_selector_all("#chart circle", "circles => circles.map(c => c.getAttribute('fill'))")
+    page.wait_for_function("!document.getElementById('speak').disabled", timeout=30_000)
+    screenshot(page, "playground.png")
+    page.close()
     assert stats["error"] is None, stats
     assert stats["samples"] == FRAMES * 1920 and stats["chunks"] >= 2  # all of it reached WebAudio, streamed
     assert 0 < stats["ttfaMs"] < 10_000 and "TTFA" in status_line
+    assert len(dots) == stats["chunks"] and set(dots) <= LANE_COLORS
+    assert sum(stats["lanes"].values()) == stats["chunks"] and "lanes:" in status_line
+
+
+def test_playground_stop_ends_the_stream_on_the_server(stack, browser):
+    url, first, second = stack
+    page = open_playground(browser, url, ignore_eos=True)
+    requests = []
+    page.on(
+        "request",
+        lambda request: requests.append(request.post_data_json) if request.method == "POST" else None,
+    )
+    page.fill("#seconds", "60")
+    page.click("#speak")
+    page.wait_for_function("window.voxtritonStats.chunks >= 2", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_function("window.voxtritonStats.state === 'stopped'", timeout=10_000)
+    status, stop_enabled, speak_enabled = (
+        page.inner_text("#status"),
+        page.is_enabled("#stop"),
+        page.is_enabled("#speak"),
+    )
+    page.close()
+    assert requests[0]["max_frames"] == 750  # 60 s at 12.5 frames a second
+    assert status == "Stopped." and speak_enabled and not stop_enabled
+    for server in (first, second):  # the gateway cancelled the request it was streaming
+        wait_for_metric(server, "voxtriton_active_streams", lambda value: value == 0)
+
+
+def served_events(*events: dict):
+    """A route handler answering the page's speech request with these SSE events."""
+    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events)
+    return lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body)
+
+
+ONE_CHUNK = {
+    "type": "speech.audio.delta",
+    "audio": base64.b64encode(bytes(2 * 1920)).decode(),
+    "chunk": {"index": 0, "first_frame": 0, "frames": 1, "lane": "urgent"},
+}
+BROKEN = {"type": "error", "error": {"message": "The voxtriton server stopped answering mid-request."}}
+PAGE_ERRORS = {  # what goes wrong -> (how the page is set up for it, what it must say)
+    "empty text": (lambda page: page.fill("#text", "   "), "Error: input: must be a non-empty string"),
+    "bad length": (
+        lambda page: page.fill("#seconds", "0"),
+        "Error: Length: give a number of seconds above 0",
+    ),
+    "no connection": (
+        lambda page: page.route("**/v1/audio/speech", lambda route: route.abort()),
+        "Error: network error, the gateway did not answer",
+    ),
+    "cut short": (
+        lambda page: page.route("**/v1/audio/speech", served_events(ONE_CHUNK)),
+        "Error: the stream ended before its last event",
+    ),
+    "failed mid-stream": (
+        lambda page: page.route("**/v1/audio/speech", served_events(ONE_CHUNK, BROKEN)),
+        "Error: The voxtriton server stopped answering mid-request.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PAGE_ERRORS)
+def test_playground_shows_every_error(stack, browser, case):
+    url, _, _ = stack
+    setup, expected = PAGE_ERRORS[case]
+    page = open_playground(browser, url)
+    setup(page)
+    page.click("#speak")
+    page.wait_for_function("window.voxtritonStats.done && !document.getElementById('speak').disabled")
+    status, classes = page.inner_text("#status"), page.get_attribute("#status", "class")
+    stats = page.evaluate("window.voxtritonStats")
+    page.close()
+    assert status.startswith(expected) and classes == "error"
+    assert stats["state"] == "error" and stats["error"] == status
+
+
+def test_playground_without_a_backend_says_so(no_backend, browser):
+    page = open_playground(browser, no_backend)
+    page.wait_for_function("document.getElementById('status').classList.contains('error')")
+    listing = page.inner_text("#status")
+    page.click("#speak")
+    page.wait_for_function("window.voxtritonStats.done")
+    speaking = page.inner_text("#status")
+    screenshot(page, "playground-no-backend.png")
+    page.close()
+    assert listing == f"Could not list the voices: {UNAVAILABLE}"
+    assert speaking == f"Error: {UNAVAILABLE}"

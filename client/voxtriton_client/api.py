@@ -21,6 +21,7 @@ from .playback import PlaybackReport, simulate_playback
 
 SAMPLE_RATE = 24000
 MODEL = "tts"
+LANES = {0: "urgent", 1: "background", 2: "inline"}  # chunk_info's lane code: where the chunk was decoded
 
 # input name -> numpy dtype, as declared in model_repository/tts/config.pbtxt
 INPUT_TYPES = {
@@ -47,9 +48,8 @@ class Chunk:
     audio: np.ndarray  # float32, mono, 24 kHz
     arrived_s: float  # seconds after the request was sent
     codes: np.ndarray | None = None  # [frames, 16], when requested
-    info: np.ndarray | None = (
-        None  # [chunk index, first frame, frames, lane (0 urgent, 1 background, 2 inline)]
-    )
+    # [chunk index, first frame, frames, lane code (LANES)], when requested
+    info: np.ndarray | None = None
 
     @property
     def seconds(self) -> float:

@@ -1,14 +1,13 @@
-"""voxtriton-client speak "text" -o out.wav: stream speech, write the WAV as it arrives, report TTFA/stalls."""
+"""`voxtriton-client speak "Hello!" -o hello.wav --max-frames 50`: stream speech, write the WAV as it
+arrives, report each chunk, the TTFA and the stalls."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .api import SAMPLE_RATE, TTSClient
+from .api import LANES, SAMPLE_RATE, TTSClient
 from .wav import StreamingWavWriter
-
-LANES = {0: "urgent", 1: "background", 2: "inline"}
 
 
 def speak(args: argparse.Namespace) -> int:
@@ -41,8 +40,9 @@ def speak(args: argparse.Namespace) -> int:
         return 1
     report = synthesis.playback
     print(
-        f"TTFA {report.ttfa_s * 1000:.1f} ms, {report.audio_s:.2f} s of audio in {len(synthesis.chunks)} chunks, "
-        f"stall {report.stall_s * 1000:.1f} ms ({report.stalls} stalls) under simulated playback; wrote {args.output}"
+        f"TTFA {report.ttfa_s * 1000:.1f} ms, {report.audio_s:.2f} s of audio in "
+        f"{len(synthesis.chunks)} chunks, stall {report.stall_s * 1000:.1f} ms ({report.stalls} stalls) "
+        f"under simulated playback; wrote {args.output}"
     )
     return 0
 
@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     say.add_argument("--language")
     say.add_argument("--instruct")
     say.add_argument("--seed", type=int)
-    say.add_argument("--max-frames", type=int)
+    say.add_argument(
+        "--max-frames",
+        type=int,
+        help="most frames to generate, 12.5 a second (a random-weight model rarely stops by itself)",
+    )
     say.add_argument("--temperature", type=float)
     say.add_argument("--top-p", type=float)
     say.add_argument("--top-k", type=int)

@@ -1,40 +1,57 @@
 """`voxtriton gateway`: an OpenAI-compatible HTTP front end for one or more voxtriton servers.
 
-    POST /v1/audio/speech   {"model", "input", "voice", "response_format": "wav"|"pcm", "speed",
-                             "instructions", and voxtriton's "language", "seed", "max_frames", "ignore_eos"}
+    POST /v1/audio/speech   OpenAI's speech request: audio streams back as it is generated
+    GET  /v1/models         the served model, its aliases and its voices
+    GET  /health            200 while a backend is ready, 503 when none is
+    GET  /                  the browser playground
 
-Audio streams to the caller as the chunks arrive from Triton (gRPC streaming; Triton's own HTTP
-endpoint cannot stream decoupled models): `pcm` is 16-bit little-endian mono at 24 kHz (as the
-OpenAI API defines it), `wav` the same behind a WAV header of unknown length. Errors are OpenAI-style
-JSON with a matching status: 400 for a bad field, 503 (with Retry-After) when every server is busy,
-502 when a server fails. With several backends (one tritonserver per GPU) each request goes to the
-backend with the fewest streams in flight from this gateway. `GET /` is a small browser playground.
+Audio streams from Triton over gRPC (Triton's own HTTP endpoint cannot stream decoupled models).
+`pcm` is 16-bit little-endian mono at 24 kHz, as the OpenAI API defines it; `wav` is the same behind
+a header of unknown length; `stream_format: "sse"` sends OpenAI's `speech.audio.delta` events, each
+with the chunk's index, frames and codec lane. docs/gateway.md lists the fields and errors.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime,
 # and `Request` is only imported inside create_app (the gateway extra need not be installed otherwise).
 import argparse
 import asyncio
+import base64
 import itertools
 import json
+import logging
 import struct
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
+from tritonclient.utils import InferenceServerException
+from voxtriton_client import AsyncTTSClient, Chunk, Synthesis
+from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
-from ..models.config import load_config
+from ..models.config import CheckpointError, load_config
+from .settings import default_checkpoint_dir
 
-CLIENT_DIR = Path(__file__).resolve().parents[2] / "client"
-if str(CLIENT_DIR) not in sys.path:  # the client package lives in client/ of a source checkout
-    sys.path.insert(0, str(CLIENT_DIR))
-
-from voxtriton_client import AsyncTTSClient  # noqa: E402
-from voxtriton_client.api import INPUT_TYPES  # noqa: E402
+log = logging.getLogger("voxtriton.gateway")
 
 SAMPLE_RATE = 24000
 PLAYGROUND = Path(__file__).parent / "playground.html"
+MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for clients that insist on them
+HEALTH_TIMEOUT_S = 2.0
+
+# OpenAI request field -> (tts input, expected JSON type); "input" is the text, checked on its own
+OPTIONAL_FIELDS = {
+    "voice": ("speaker", str),
+    "instructions": ("instruct", str),
+    "language": ("language", str),
+    "seed": ("seed", int),
+    "max_frames": ("max_frames", int),
+    "ignore_eos": ("ignore_eos", bool),
+}
+REQUEST_FIELDS = ("model", "input", "response_format", "speed", "stream_format", *OPTIONAL_FIELDS)
+TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
+# tts input -> OpenAI request field, for errors from the server in the caller's vocabulary
+FIELD_NAMES = {"text": "input", "speaker": "voice", "instruct": "instructions"}
 
 
 def pcm16(audio: np.ndarray) -> bytes:
@@ -66,44 +83,61 @@ class SpeechError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
-# voxtriton input -> OpenAI request field, for error messages in the caller's vocabulary
-FIELD_NAMES = {"text": "input", "speaker": "voice", "instruct": "instructions"}
+def unreachable() -> SpeechError:
+    return SpeechError(503, "No voxtriton server is ready; retry when one is up.", kind="service_unavailable")
+
+
+def resolve_model(name) -> str:
+    """The served model for a requested name (its own or an alias); SpeechError(400) otherwise."""
+    if not isinstance(name, str):
+        raise SpeechError(400, "model: must be a string", "model")
+    if name != MODEL and name not in MODEL_ALIASES:
+        served = ", ".join((MODEL, *MODEL_ALIASES))
+        raise SpeechError(400, f"model: unknown model {name!r}; this gateway serves {served}", "model")
+    return MODEL
 
 
 def parse_speech_request(body: dict) -> dict:
-    """OpenAI speech request -> tts inputs; SpeechError(400) naming the field otherwise."""
+    """OpenAI speech request -> tts inputs plus "format" and "sse"; SpeechError(400) naming the field."""
     if not isinstance(body, dict):
         raise SpeechError(400, "request body must be a JSON object")
+    unknown = [name for name in body if name not in REQUEST_FIELDS]
+    if unknown:
+        raise SpeechError(
+            400,
+            f"{', '.join(unknown)}: unknown field{'s' if len(unknown) > 1 else ''}; "
+            f"supported: {', '.join(REQUEST_FIELDS)}",
+            unknown[0],
+        )
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise SpeechError(400, "input: must be a non-empty string", "input")
-    if not isinstance(body.get("model", "tts"), str):
-        raise SpeechError(400, "model: must be a string", "model")
+    resolve_model(body.get("model", MODEL))
     response_format = body.get("response_format", "wav")
     if response_format not in ("wav", "pcm"):
         raise SpeechError(
             400, f"response_format: {response_format!r} is not supported (use wav or pcm)", "response_format"
         )
+    stream_format = body.get("stream_format", "audio")
+    if stream_format not in ("audio", "sse"):
+        raise SpeechError(400, f"stream_format: {stream_format!r} is not one of audio, sse", "stream_format")
     speed = body.get("speed", 1.0)
     if not isinstance(speed, (int, float)) or speed != 1.0:
         raise SpeechError(400, "speed: only 1.0 is supported (the model has no speed control)", "speed")
-    options: dict = {"format": response_format}
-    for source, target, kind in (
-        ("voice", "speaker", str),
-        ("instructions", "instruct", str),
-        ("language", "language", str),
-        ("seed", "seed", int),
-        ("max_frames", "max_frames", int),
-        ("ignore_eos", "ignore_eos", bool),
-    ):
+    options: dict = {"format": response_format, "sse": stream_format == "sse"}
+    for source, (target, kind) in OPTIONAL_FIELDS.items():
         value = body.get(source)
         if value is None:
             continue
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise SpeechError(400, f"{source}: must be a {kind.__name__}", source)
+            raise SpeechError(400, f"{source}: must be {TYPE_NAMES[kind]}", source)
         options[target] = value
     options["text"] = text
     return options
+
+
+class BackendsUnreachable(ConnectionError):
+    """No backend accepted the connection."""
 
 
 @dataclass
@@ -118,6 +152,23 @@ class Backend:
             self.clients[loop] = AsyncTTSClient(self.url)
         return self.clients[loop]
 
+    async def ready(self) -> bool:
+        """Triton is up and its tts model loaded."""
+        triton = self.client().client
+        try:
+            up = await triton.is_server_ready(client_timeout=HEALTH_TIMEOUT_S)
+            return up and await triton.is_model_ready(MODEL, client_timeout=HEALTH_TIMEOUT_S)
+        except InferenceServerException:
+            return False
+
+    async def checkpoint(self) -> Path:
+        """The checkpoint directory this backend's tts model loaded ("" there means the default one)."""
+        config = await self.client().client.get_model_config(
+            MODEL, as_json=True, client_timeout=HEALTH_TIMEOUT_S
+        )
+        configured = config["config"]["parameters"]["checkpoint_dir"]["string_value"]
+        return Path(configured) if configured else default_checkpoint_dir()
+
 
 class Router:
     """Least-loaded routing over backends by the streams this gateway has in flight on each."""
@@ -126,19 +177,38 @@ class Router:
         self.backends = [Backend(url) for url in urls]
         self._order = itertools.count()
 
-    def pick(self) -> Backend:
-        turn = next(self._order)  # ties go round-robin
-        count = len(self.backends)
-        return min((self.backends[(turn + i) % count] for i in range(count)), key=lambda b: b.in_flight)
+    def ranked(self) -> list[Backend]:
+        """Backends by streams in flight, fewest first; ties go round-robin."""
+        turn = next(self._order) % len(self.backends)
+        rotated = self.backends[turn:] + self.backends[:turn]
+        return sorted(rotated, key=lambda b: b.in_flight)
 
-    async def synthesize(self, text: str, **options):
-        """One synthesis on the least-loaded backend (`AsyncTTSClient.synthesize`'s arguments)."""
-        backend = self.pick()
-        backend.in_flight += 1
-        try:
-            return await backend.client().synthesize(text, **options)
-        finally:
-            backend.in_flight -= 1
+    async def synthesize(self, text: str, on_chunk=None, **options) -> Synthesis:
+        """One synthesis on the least-loaded backend that accepts the connection, the next one when
+        it refuses (`AsyncTTSClient.synthesize`'s arguments); BackendsUnreachable when none does."""
+        delivered = 0
+
+        def deliver(chunk: Chunk) -> None:
+            nonlocal delivered
+            delivered += 1
+            if on_chunk is not None:
+                on_chunk(chunk)
+
+        for backend in self.ranked():
+            backend.in_flight += 1
+            try:
+                return await backend.client().synthesize(text, on_chunk=deliver, **options)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or delivered:
+                    raise
+                log.warning("voxtriton server %s unreachable: %s", backend.url, error.details())
+            finally:
+                backend.in_flight -= 1
+        raise BackendsUnreachable(", ".join(b.url for b in self.backends))
+
+    async def ready_backends(self) -> list[Backend]:
+        states = await asyncio.gather(*(backend.ready() for backend in self.backends))
+        return [backend for backend, ready in zip(self.backends, states) if ready]
 
     async def close(self) -> None:
         """Close this event loop's clients."""
@@ -150,13 +220,84 @@ class Router:
 
 
 def error_from_server(message: str) -> SpeechError:
+    """A stream's error message -> the caller's error: the field's 400, busy's 503, or a short 502."""
     if message.startswith("server busy"):
-        return SpeechError(503, message, kind="server_busy")
+        return SpeechError(503, "The voxtriton server is busy; retry shortly.", kind="server_busy")
     field_name = message.split(":", 1)[0]
     if field_name in INPUT_TYPES and ":" in message:
         name = FIELD_NAMES.get(field_name, field_name)
         return SpeechError(400, name + message[len(field_name) :], name)
-    return SpeechError(502, f"voxtriton server error: {message}", kind="server_error")
+    log.warning("voxtriton server error: %s", message)
+    return SpeechError(
+        502, "The voxtriton server failed this request; its log has the cause.", kind="server_error"
+    )
+
+
+def cut_short() -> SpeechError:
+    return SpeechError(502, "The voxtriton server stopped answering mid-request.", kind="server_error")
+
+
+class SpeechStream:
+    """One synthesis as it arrives. `start()` waits for the first chunk (raising the SpeechError
+    that came instead), `chunks()` yields them all; `failure` says how a started stream failed."""
+
+    def __init__(self, router: Router, text: str, options: dict, info: bool):
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.head: Chunk | None = None
+        self.failure: SpeechError | None = None
+        self.task = asyncio.create_task(self._produce(router, text, options, info))
+
+    async def _produce(self, router: Router, text: str, options: dict, info: bool) -> None:
+        try:
+            self.items.put_nowait(
+                await router.synthesize(text, on_chunk=self.items.put_nowait, info=info, **options)
+            )
+        except Exception as error:  # connection-level failure, reported as the stream's end
+            self.items.put_nowait(error)
+
+    @staticmethod
+    def ending(item: Synthesis | Exception) -> SpeechError | None:
+        """How the stream ended: None when it completed, else the caller's error."""
+        if isinstance(item, BackendsUnreachable):
+            return unreachable()
+        if isinstance(item, Exception):
+            log.warning("voxtriton stream failed: %r", item)
+            return cut_short()
+        if item.error is not None:
+            return error_from_server(item.error)
+        return None if item.completed else cut_short()
+
+    async def start(self) -> None:
+        item = await self.items.get()
+        if isinstance(item, Chunk):
+            self.head = item
+            return
+        await self.task
+        error = self.ending(item)
+        if error is not None:
+            raise error
+        self.items.put_nowait(item)  # it completed without audio: chunks() yields none
+
+    async def chunks(self):
+        if self.head is not None:
+            yield self.head
+        while isinstance(item := await self.items.get(), Chunk):
+            yield item
+        self.failure = self.ending(item)
+
+    def cancel(self) -> None:
+        """Stop generating (the caller went away); a no-op once the stream has ended."""
+        if not self.task.done():
+            self.task.cancel()
+
+
+def sse_event(event: dict) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chunk_description(chunk: Chunk) -> dict:
+    index, first_frame, frames, lane = (int(value) for value in chunk.info)
+    return {"index": index, "first_frame": first_frame, "frames": frames, "lane": LANES.get(lane, str(lane))}
 
 
 def create_app(backend_urls: list[str], checkpoint: str | None = None):
@@ -165,9 +306,6 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
 
     app = FastAPI(title="voxtriton gateway")
     router = Router(backend_urls)
-    voices: list[str] = []
-    if checkpoint:
-        voices = sorted(load_config(Path(checkpoint)).talker.speakers)
 
     @app.exception_handler(SpeechError)
     async def speech_error(request: Request, error: SpeechError):
@@ -178,16 +316,52 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
     async def playground():
         return PLAYGROUND.read_text()
 
-    @app.get("/v1/voices")
-    async def list_voices():
-        return {"voices": voices}
-
     @app.get("/health")
     async def health():
-        return {
-            "status": "ok",
-            "backends": [{"url": b.url, "in_flight": b.in_flight} for b in router.backends],
+        ready = await router.ready_backends()
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "backends": [
+                {"url": b.url, "ready": b in ready, "in_flight": b.in_flight} for b in router.backends
+            ],
         }
+        if ready:
+            return body
+        return JSONResponse({**body, **unreachable().body()}, status_code=503, headers={"Retry-After": "1"})
+
+    async def model_card() -> dict:
+        ready = await router.ready_backends()
+        if not ready:
+            raise unreachable()
+        try:
+            directory = Path(checkpoint) if checkpoint else await ready[0].checkpoint()
+        except InferenceServerException:  # it went down since
+            raise unreachable() from None
+        try:
+            voices = sorted(load_config(directory).talker.speakers)
+        except (OSError, CheckpointError) as error:  # a backend on another host: its path is not here
+            log.warning("voices unknown (%s); give the gateway --checkpoint to list them", error)
+            voices = []
+        return {
+            "id": MODEL,
+            "object": "model",
+            "created": 0,
+            "owned_by": "voxtriton",
+            "aliases": list(MODEL_ALIASES),
+            "voices": voices,
+        }
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [await model_card()]}
+
+    @app.get("/v1/models/{name}")
+    async def retrieve_model(name: str):
+        try:
+            resolve_model(name)
+        except SpeechError as error:
+            raise SpeechError(404, error.message, "model", "not_found_error") from None
+        return await model_card()
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
@@ -196,40 +370,38 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise SpeechError(400, "request body must be JSON") from None
         options = parse_speech_request(body)
-        response_format = options.pop("format")
-        text = options.pop("text")
-        chunks: asyncio.Queue = asyncio.Queue()
+        response_format, sse, text = options.pop("format"), options.pop("sse"), options.pop("text")
+        stream = SpeechStream(router, text, options, info=sse)
+        await stream.start()
 
-        async def produce():
+        async def audio():
             try:
-                chunks.put_nowait(
-                    await router.synthesize(text, on_chunk=lambda c: chunks.put_nowait(c.audio), **options)
-                )
-            except Exception as error:  # connection-level failure to the backend
-                chunks.put_nowait(error)
-
-        task = asyncio.create_task(produce())
-        first = await chunks.get()
-        if not isinstance(first, np.ndarray):  # ended before any audio: an error, reported with its status
-            await task
-            if isinstance(first, Exception):
-                raise SpeechError(502, f"voxtriton server unreachable: {first}", kind="server_error")
-            raise error_from_server(first.error or "stream ended without audio")
-
-        async def stream():
-            if response_format == "wav":
-                yield streaming_wav_header()
-            item = first
-            try:
-                while isinstance(item, np.ndarray):
-                    yield pcm16(item)
-                    item = await chunks.get()
+                if response_format == "wav":
+                    yield streaming_wav_header()
+                async for chunk in stream.chunks():
+                    yield pcm16(chunk.audio)
             finally:
-                if not task.done():  # the caller went away: stop generating
-                    task.cancel()
+                stream.cancel()
 
-        media = "audio/wav" if response_format == "wav" else "audio/pcm"
-        return StreamingResponse(stream(), media_type=media)
+        async def events():
+            header = streaming_wav_header() if response_format == "wav" else b""
+            try:
+                async for chunk in stream.chunks():
+                    audio = base64.b64encode(header + pcm16(chunk.audio)).decode()
+                    header = b""
+                    delta = {"type": "speech.audio.delta", "audio": audio, "chunk": chunk_description(chunk)}
+                    yield sse_event(delta)
+            finally:
+                stream.cancel()
+            yield sse_event(
+                {"type": "error", **stream.failure.body()}
+                if stream.failure
+                else {"type": "speech.audio.done"}
+            )
+
+        if sse:
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(audio(), media_type="audio/wav" if response_format == "wav" else "audio/pcm")
 
     return app
 
@@ -244,18 +416,21 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--checkpoint", help="checkpoint directory, to list its voices in the playground")
+    parser.add_argument(
+        "--checkpoint",
+        help="checkpoint directory whose voices /v1/models lists (default: the one the backend "
+        "serves, read from this host's disk; give it when the backend runs elsewhere)",
+    )
 
 
 def run_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .runtime import ensure_checkpoint
-
-    checkpoint = args.checkpoint or str(ensure_checkpoint(""))
-    app = create_app(args.backend or ["127.0.0.1:8001"], checkpoint)
+    app = create_app(args.backend or ["127.0.0.1:8001"], args.checkpoint)
+    base = f"http://{args.host}:{args.port}"
     print(
-        f"voxtriton gateway: http://{args.host}:{args.port}/ (playground), POST /v1/audio/speech", flush=True
+        f"voxtriton gateway: {base}/ (playground), POST {base}/v1/audio/speech, GET {base}/v1/models",
+        flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -1,0 +1,113 @@
+"""The gateway's request checks and WAV header, without a server: each bad field named, in plain words."""
+
+from __future__ import annotations
+
+import io
+import wave
+
+import pytest
+from voxtriton_client import Synthesis
+
+from voxtriton.serving.gateway import (
+    MODEL_ALIASES,
+    REQUEST_FIELDS,
+    BackendsUnreachable,
+    SpeechError,
+    SpeechStream,
+    error_from_server,
+    parse_speech_request,
+    streaming_wav_header,
+)
+
+
+def rejection(body) -> SpeechError:
+    with pytest.raises(SpeechError) as caught:
+        parse_speech_request(body)
+    assert caught.value.status == 400
+    return caught.value
+
+
+@pytest.mark.parametrize("model", ["tts", *MODEL_ALIASES])
+def test_the_served_model_and_openai_names_are_accepted(model):
+    options = parse_speech_request({"model": model, "input": "hi", "voice": "Ryan"})
+    assert options == {"format": "wav", "sse": False, "text": "hi", "speaker": "Ryan"}
+
+
+def test_an_unknown_model_is_named_with_what_is_served():
+    error = rejection({"model": "whisper-1", "input": "hi"})
+    assert error.param == "model"
+    assert error.message == (
+        "model: unknown model 'whisper-1'; this gateway serves tts, tts-1, tts-1-hd, gpt-4o-mini-tts"
+    )
+
+
+def test_unknown_fields_are_named_all_at_once():
+    error = rejection({"model": "tts", "input": "hi", "speeed": 1.0, "volume": 2})
+    assert error.param == "speeed"
+    assert error.message.startswith("speeed, volume: unknown fields; supported: model, input,")
+    single = rejection({"input": "hi", "format": "wav"})
+    assert single.message.startswith("format: unknown field; supported:")
+    assert set(REQUEST_FIELDS) >= {"model", "input", "voice", "response_format", "speed", "instructions"}
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("seed", "7", "seed: must be an integer"),
+        ("seed", True, "seed: must be an integer"),
+        ("max_frames", 2.5, "max_frames: must be an integer"),
+        ("ignore_eos", 1, "ignore_eos: must be true or false"),
+        ("voice", 3, "voice: must be a string"),
+        ("stream_format", "chunks", "stream_format: 'chunks' is not one of audio, sse"),
+        ("response_format", "mp3", "response_format: 'mp3' is not supported (use wav or pcm)"),
+        ("speed", 2, "speed: only 1.0 is supported (the model has no speed control)"),
+    ],
+)
+def test_bad_values_are_named_in_plain_words(field, value, message):
+    error = rejection({"input": "hi", field: value})
+    assert (error.param, error.message) == (field, message)
+
+
+def test_sse_with_voxtriton_fields():
+    options = parse_speech_request(
+        {"input": "hi", "stream_format": "sse", "response_format": "pcm", "max_frames": 30, "seed": 4}
+    )
+    assert options == {"format": "pcm", "sse": True, "text": "hi", "max_frames": 30, "seed": 4}
+
+
+def test_server_errors_become_short_sentences():
+    busy = error_from_server(
+        "server busy: 2 streams generating or queued (max_streams 1 + max_queued 0); retry"
+    )
+    assert (busy.status, busy.kind, busy.message) == (
+        503,
+        "server_busy",
+        "The voxtriton server is busy; retry shortly.",
+    )
+    field = error_from_server("text: too long: more than 512 tokens")
+    assert (field.status, field.param, field.message) == (
+        400,
+        "input",
+        "input: too long: more than 512 tokens",
+    )
+    internal = error_from_server("internal error: CUDA error: an illegal memory access\nTraceback ...")
+    assert internal.status == 502 and "\n" not in internal.message and "CUDA" not in internal.message
+
+
+def test_how_a_stream_ended_becomes_the_callers_error():
+    assert SpeechStream.ending(Synthesis(completed=True)) is None  # no audio, but no error either
+    early = SpeechStream.ending(Synthesis(completed=False))  # no final response: the server went away
+    assert (early.status, early.message) == (502, "The voxtriton server stopped answering mid-request.")
+    dropped = SpeechStream.ending(ConnectionResetError("Socket closed"))
+    assert (dropped.status, dropped.message) == (early.status, early.message)
+    down = SpeechStream.ending(BackendsUnreachable("127.0.0.1:1"))
+    assert (down.status, down.kind) == (503, "service_unavailable")
+    assert down.message == "No voxtriton server is ready; retry when one is up."
+    assert SpeechStream.ending(Synthesis(error="seed: must be >= 0")).param == "seed"
+
+
+def test_the_streamed_wav_header_is_standard_with_open_ended_sizes():
+    header = streaming_wav_header()
+    assert len(header) == 44 and header[4:8] == b"\xff\xff\xff\xff" and header[40:44] == b"\xff\xff\xff\xff"
+    with wave.open(io.BytesIO(header)) as parsed:
+        assert (parsed.getframerate(), parsed.getnchannels(), parsed.getsampwidth()) == (24000, 1, 2)
