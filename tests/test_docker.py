@@ -71,3 +71,7 @@ def test_compose_starts_the_gateway_once_triton_is_healthy():
     assert gateway["healthcheck"]["test"][-1] == "http://127.0.0.1:8080/health"
     # both build the image: a service with only `image:` is pulled from a registry, where it is not
     assert gateway["build"] == services["triton"]["build"] and gateway["image"] == services["triton"]["image"]
+    # /v1/models reads the voices from the checkpoint the server loaded: the gateway sees the same
+    # mount, and the same cache where the built-in random checkpoint is made
+    assert gateway["volumes"] == services["triton"]["volumes"]
+    assert any(volume.startswith("voxtriton-cache:") for volume in gateway["volumes"])
