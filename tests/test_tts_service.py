@@ -18,7 +18,7 @@ from voxtriton.errors import ServerBusy
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
-from voxtriton.scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
+from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT, SchedulerConfig
 from voxtriton.serving import tts_service
 from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
@@ -766,4 +766,69 @@ def test_a_late_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_
             assert (len(stream.frames), stream.generated, service.draining) == before
     finally:
         lane.release.set()
+        service.shutdown()
+
+
+class CountingLane:
+    """An in-process codec lane that counts its calls."""
+
+    def __init__(self, lane):
+        self.lane, self.calls = lane, 0
+
+    def decode(self, codes, start, slots):
+        self.calls += 1
+        return self.lane.decode(codes, start, slots)
+
+
+class EveryUpdateRecorder(DroppedMetrics):
+    """Service metrics that keep every update but the gauges, by name."""
+
+    def __init__(self):
+        self.updates = []
+
+    def chunk_sent(self, *args):
+        self.updates.append("chunk_sent")
+
+    def codec_call(self, *args):
+        self.updates.append("codec_call")
+
+    def frame_step(self, *args):
+        self.updates.append("frame_step")
+
+
+def test_the_warm_up_decodes_on_every_lane_records_nothing_and_leaves_the_service_as_new(tiny_checkpoint):
+    """voxserve's warm-up pins one stream to each lane: both lanes decode, while neither the metrics
+    nor the chunk trace hear of it; afterwards the scheduler is fresh, every codec row free, and a
+    client's request is served and recorded as usual."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "voxserve", chunk_schedule="2,4")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    # A codec of its own per lane, as each lane is a process of its own in the server.
+    other_codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
+    lanes = {
+        URGENT: CountingLane(InProcessLane(codec, pool.tensor)),
+        BACKGROUND: CountingLane(InProcessLane(other_codec, pool.tensor)),
+    }
+    metrics, trace = EveryUpdateRecorder(), io.StringIO()
+    service = TTSService(engine, scheduler_config, lanes, max_queued=1, metrics=metrics, chunk_trace=trace)
+    inputs = {
+        "text": np.array([b"Warm every lane."], dtype=object),
+        "max_frames": np.array([6]),
+        "ignore_eos": np.array([True]),
+        "seed": np.array([0]),
+    }
+    try:
+        warm_up_requests = {lane: parser.parse(f"warmup-{lane}", inputs) for lane in (URGENT, BACKGROUND)}
+        service.warm_up(warm_up_requests, timeout=120)
+        assert lanes[URGENT].calls >= 2 and lanes[BACKGROUND].calls >= 2  # each stream's chunks, 2 and 4
+        assert metrics.updates == [] and trace.getvalue() == ""
+        assert service.streams == {} and service.scheduler.streams == {}
+        assert service.scheduler.routed == {URGENT: 0, BACKGROUND: 0, INLINE: 0}
+        assert len(service.free_slots) == codec_slots(engine, 1, scheduler_config)
+        sink = CollectingSink()
+        service.submit(parser.parse("r1", inputs), sink)
+        assert sink.done.wait(120) and sink.errors == []
+        assert sum(len(audio) for audio in sink.audio) == 6 * 1920
+        wait_for(lambda: metrics.updates.count("chunk_sent") == 2)
+        assert "frame_step" in metrics.updates and '"kind": "chunk"' in trace.getvalue()
+    finally:
         service.shutdown()

@@ -179,6 +179,7 @@ class StreamTimeline:
     audio_sent_s: float = 0.0
     stall_s: float = 0.0
     closed: bool = False
+    lane: str | None = None  # every chunk goes to this lane, whatever its slack (the server's warm-up)
 
     def deadline(self) -> float | None:
         if self.first_sent_at is None:
@@ -213,10 +214,13 @@ class ChunkScheduler:
 
     # -- streams ---------------------------------------------------------------------------------
 
-    def open(self, stream_id: str, arrived_at: float | None = None) -> StreamTimeline:
-        """Start a stream's timeline; `arrived_at` (default now) is when its request arrived."""
+    def open(
+        self, stream_id: str, arrived_at: float | None = None, lane: str | None = None
+    ) -> StreamTimeline:
+        """Start a stream's timeline; `arrived_at` (default now) is when its request arrived; `lane`
+        pins all its chunks to one lane."""
         stream = self.streams[stream_id] = StreamTimeline(
-            stream_id, self.clock() if arrived_at is None else arrived_at
+            stream_id, self.clock() if arrived_at is None else arrived_at, lane=lane
         )
         return stream
 
@@ -274,6 +278,8 @@ class ChunkScheduler:
         return deadline - now - self.expected_background_s()
 
     def route(self, chunk: Chunk) -> str:
+        if chunk.stream.lane is not None:
+            return chunk.stream.lane
         lanes = self.config.lanes
         if len(lanes) == 1:
             return lanes[
@@ -290,7 +296,11 @@ class ChunkScheduler:
             return
         waiting = self.queues[BACKGROUND]
         late = [
-            c for c in waiting if (s := self.slack(c, now)) is not None and s < self.config.slack_margin_s
+            c
+            for c in waiting
+            if c.stream.lane is None
+            and (s := self.slack(c, now)) is not None
+            and s < self.config.slack_margin_s
         ]
         for chunk in late:
             waiting.remove(chunk)
@@ -344,6 +354,7 @@ class ChunkScheduler:
             self.config.policy != "voxserve"
             or not budget
             or len(waiting) <= self.config.batch_limit(BACKGROUND)
+            or any(c.stream.lane is not None for c in waiting)  # pinned chunks stay on their lane
         ):
             return []
         waiting.sort(key=lambda c: c.due(self.config.ttfa_target_s))

@@ -128,6 +128,9 @@ class TTSSettings:
         ""  # append one JSON line per chunk sent and per frame step ("" = off); for diagnosis
     )
     cuda_graphs: bool = True
+    # Before Triton marks the model ready, run one request per codec lane the policy uses, through BLS,
+    # so the first client's request is served warm. Needs the model loaded after the server started.
+    warmup: bool = True
     # Launch each frame step before handling the previous one's frames, so the GPU does not wait
     # for the host's bookkeeping and admissions (not with the serial policy). See engine/engine.py.
     engine_overlap: bool = True

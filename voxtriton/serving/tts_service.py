@@ -76,6 +76,25 @@ class Stream:
     ended: bool = False
     decoding: bool = False  # a chunk of this stream is in a codec lane
     generated: bool = False  # its last frame reached the service (the engine may finish a request earlier)
+    lane: str | None = None  # pins every chunk to one lane (warm-up)
+
+
+class WarmupSink:
+    """Takes a warm-up stream's chunks and drops them; `done` is set at its end."""
+
+    def __init__(self):
+        self.done, self.error = threading.Event(), None
+
+    def send(self, audio, codes, info, final):
+        if final:
+            self.done.set()
+
+    def fail(self, message):
+        self.error = message
+        self.done.set()
+
+    def cancelled(self):
+        return False
 
 
 class ServiceMetrics(Protocol):
@@ -193,6 +212,7 @@ class TTSService:
         self.lane_clock_lock = threading.Lock()  # not the service lock: taken the moment a call returns
         self.lane_free_at: dict[str, float] = {}  # when each lane's latest call ended (see `_call_span`)
         self.running = True
+        self.engine_idle = False  # the engine thread waits for work, its previous pass all done
         self._stopping = threading.Event()  # wakes the cancellation watcher at shutdown
         self.threads = [
             threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
@@ -217,7 +237,8 @@ class TTSService:
 
     # -- submission ------------------------------------------------------------------------------
 
-    def submit(self, request: Request, sink: ResponseSink) -> None:
+    def submit(self, request: Request, sink: ResponseSink, lane: str | None = None) -> None:
+        """Queue a request; its chunks stream to `sink`. `lane` pins them to one lane (warm-up)."""
         with self.lock:
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
@@ -247,10 +268,41 @@ class TTSService:
                 if self.metrics:
                     self.metrics.rejected()
                 raise ServerBusy(f"server busy: {busy}; retry later")
-            stream = Stream(request, sink, self.clock(), self.free_slots.pop())
+            stream = Stream(request, sink, self.clock(), self.free_slots.pop(), lane=lane)
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             self.lock.notify_all()
+
+    def warm_up(self, requests: dict[str, Request], timeout: float) -> None:
+        """Run one request per lane, each pinned to its lane, to its end before serving, so that the
+        first client's request finds every code path warm. Raises if one fails or times out. The
+        metrics and the chunk trace see none of it (the cancellation watcher may count a check of a
+        warm-up stream), and the scheduler starts afresh after it."""
+        metrics, trace = self.metrics, self.chunk_trace
+        self.metrics = self.chunk_trace = None
+        sinks = {lane: WarmupSink() for lane in requests}
+        try:
+            for lane, request in requests.items():
+                self.submit(request, sinks[lane], lane=lane)
+            deadline = time.monotonic() + timeout
+            for lane, sink in sinks.items():
+                if not sink.done.wait(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"warm-up: the {lane} lane's stream did not end within {timeout:g} s")
+                if sink.error is not None:
+                    raise RuntimeError(f"warm-up: the {lane} lane's stream failed: {sink.error}")
+            with self.lock:  # until the engine's last pass (and its metrics call) is over
+                while self.running and (self.streams or not self.engine_idle):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"warm-up: the engine did not go idle within {timeout:g} s")
+                    self.lock.wait(0.05)
+        finally:
+            with self.lock:
+                for stream in list(self.streams.values()):
+                    if isinstance(stream.sink, WarmupSink):
+                        self._end(stream, "warm-up ended")
+                self.incoming = [stream for stream in self.incoming if not stream.ended]
+                self.scheduler = ChunkScheduler(self.scheduler.config, self.clock)
+                self.metrics, self.chunk_trace = metrics, trace
 
     def shutdown(self, timeout: float = 5.0) -> None:
         with self.lock:
@@ -285,12 +337,14 @@ class TTSService:
         started, cpu_started = time.perf_counter(), time.thread_time()
         with self.lock:
             while self.running and not self.incoming and not self.engine.has_work:
+                self.engine_idle = True
                 self.lock.wait(0.5)  # woken by submit; the timeout only refreshes the gauges
                 self._publish_gauges()
                 started, cpu_started = (
                     time.perf_counter(),
                     time.thread_time(),
                 )  # idle time is not part of a frame step
+            self.engine_idle = False
             if not self.running:
                 return
             for stream in self.incoming:
@@ -299,7 +353,7 @@ class TTSService:
                 except ValueError as error:
                     self._end(stream, str(error))
                     continue
-                self.scheduler.open(stream.request.request_id, stream.submitted_at)
+                self.scheduler.open(stream.request.request_id, stream.submitted_at, stream.lane)
             self.incoming.clear()
         outputs = self.engine.step()
         with self.lock:
