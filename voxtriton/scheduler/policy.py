@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
-URGENT, BACKGROUND, INLINE = "urgent", "background", "inline"
-POLICIES = ("voxserve", "concurrent", "serial", "disaggregated")
+from .policies import BACKGROUND, INLINE, URGENT, Policy, get_policy
+
+__all__ = ["BACKGROUND", "INLINE", "URGENT", "Chunk", "ChunkScheduler", "SchedulerConfig", "StreamTimeline"]
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,7 @@ class SchedulerConfig:
     catch_up: bool = False
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        get_policy(self.policy)
         try:
             sizes = self.sizes
         except ValueError:  # not a number: nothing is cached, the error below names the setting
@@ -96,11 +96,14 @@ class SchedulerConfig:
             )
 
     @property
+    def rules(self) -> Policy:
+        """The policy named by `policy`."""
+        return get_policy(self.policy)
+
+    @property
     def lanes(self) -> tuple[str, ...]:
         """The lanes this policy's chunks are decoded on (`route` sends them there)."""
-        if self.policy == "serial":
-            return (INLINE,)
-        return (URGENT, BACKGROUND) if self.policy == "voxserve" else (URGENT,)
+        return self.rules.lanes
 
     def batch_limit(self, lane: str) -> int:
         """Chunks per codec call on `lane`."""
@@ -280,11 +283,8 @@ class ChunkScheduler:
     def route(self, chunk: Chunk) -> str:
         if chunk.stream.lane is not None:
             return chunk.stream.lane
-        lanes = self.config.lanes
-        if len(lanes) == 1:
-            return lanes[
-                0
-            ]  # serial's inline decode; one codec lane beside the backbone, first come first served
+        if not self.config.rules.routes_by_slack:
+            return self.config.lanes[0]
         slack = self.slack(chunk)
         return URGENT if slack is None or slack < self.config.slack_margin_s else BACKGROUND
 
@@ -292,7 +292,7 @@ class ChunkScheduler:
 
     def _promote(self, now: float) -> None:
         """Background chunks whose slack fell below the margin while queued move to the urgent lane."""
-        if self.config.policy != "voxserve":
+        if not self.config.rules.routes_by_slack:
             return
         waiting = self.queues[BACKGROUND]
         late = [
@@ -322,9 +322,10 @@ class ChunkScheduler:
         queue = self.queues[lane]
         if not queue:
             return self._take_for_idle_urgent_lane() if lane == URGENT else []
-        fifo = self.config.policy in ("concurrent", "disaggregated", "serial")
         target = self.config.ttfa_target_s
-        queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.due(target)))
+        queue.sort(
+            key=(lambda c: c.due(target)) if self.config.rules.deadline_order else (lambda c: c.ready_at)
+        )
         limit = self.config.batch_limit(lane)
         if lane == BACKGROUND and self.config.background_fullest_size:
             sizes = collections.Counter(c.decode_frames for c in queue)
@@ -351,7 +352,7 @@ class ChunkScheduler:
         waiting = self.queues[BACKGROUND]
         budget = self.config.idle_urgent_takes_frames
         if (
-            self.config.policy != "voxserve"
+            not self.config.rules.routes_by_slack
             or not budget
             or len(waiting) <= self.config.batch_limit(BACKGROUND)
             or any(c.stream.lane is not None for c in waiting)  # pinned chunks stay on their lane

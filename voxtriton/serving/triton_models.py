@@ -198,7 +198,7 @@ class TTSTritonModel:
                 "instead of running side by side (start it with `voxtriton serve`)"
             )
         backbone_sms, shared = 0, False
-        if device.type == "cuda" and scheduler_config.policy == "voxserve":
+        if device.type == "cuda" and scheduler_config.rules.background_partition:
             total = torch.cuda.get_device_properties(device).multi_processor_count
             background_sms = lane_sms(settings.background_sms, total)
             if not 0 < background_sms < total:
@@ -232,11 +232,10 @@ class TTSTritonModel:
             )
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
-        # serial's codec takes turns with the backbone: no frame step may be queued while it decodes.
         engine = Engine(
             runner,
             settings.max_streams,
-            overlap=settings.engine_overlap and scheduler_config.policy != "serial",
+            overlap=settings.engine_overlap and scheduler_config.rules.engine_overlap,
         )
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
         slots = codec_slots(

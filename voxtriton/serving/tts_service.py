@@ -147,7 +147,7 @@ def codec_slots(
     row, or draining: generated, its audio still owed), plus the rows of streams that ended while a
     lane was decoding their chunk (up to one batch per worker of each lane the policy uses; serial's
     one inline decode at a time; freed on return)."""
-    workers = 1 if scheduler_config.policy == "serial" else lane_workers
+    workers = 1 if scheduler_config.rules.inline_decode else lane_workers
     in_flight = sum(scheduler_config.batch_limit(lane) for lane in scheduler_config.lanes)
     return engine.max_running + max_queued + max_draining + workers * in_flight
 
@@ -218,7 +218,7 @@ class TTSService:
             threading.Thread(target=self._engine_loop, name="voxtriton-engine", daemon=True),
             threading.Thread(target=self._watch_cancellations, name="voxtriton-cancellations", daemon=True),
         ]
-        if scheduler_config.policy != "serial":  # serial decodes on the engine thread
+        if not scheduler_config.rules.inline_decode:
             self.threads += [
                 threading.Thread(
                     target=self._lane_loop, args=(lane,), name=f"voxtriton-{lane}-{worker}", daemon=True
@@ -361,7 +361,7 @@ class TTSService:
                 self._on_frame(output.request, output.codes, output.finish_reason)
             self._publish_gauges()
             self.lock.notify_all()
-        if self.scheduler.config.policy == "serial":
+        if self.scheduler.config.rules.inline_decode:
             self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
         period, timing = time.perf_counter() - started, self.engine.last_timing
         host_cpu = time.thread_time() - cpu_started - timing.decode_cpu_s
