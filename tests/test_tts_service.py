@@ -19,9 +19,9 @@ from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT, SchedulerConfig
-from voxtriton.serving import tts_service
 from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
+from voxtriton.serving.service import cancellation
 from voxtriton.serving.settings import CodecSettings, TTSSettings
 from voxtriton.serving.state_pool import CodecStatePool
 from voxtriton.serving.tts_service import MAX_HOLD_S, TTSService, codec_slots
@@ -194,7 +194,7 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
     hold before the next (so it holds it at most a quarter of the time), and a sweep checks the
     streams still generating or queued before those that have generated all their frames. Holds
     of up to a second make each sweep one hold, so the holds tell the sweeps apart."""
-    monkeypatch.setattr(tts_service, "MAX_HOLD_S", 1.0)
+    monkeypatch.setattr(cancellation, "MAX_HOLD_S", 1.0)
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
     lane = LaneThatFailsAfterCancellation()  # holds the first chunk: no stream ends meanwhile
     checks = []

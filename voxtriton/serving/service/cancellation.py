@@ -1,0 +1,80 @@
+"""The cancellation watcher: polls the clients' cancellation flags, off the engine thread (each check
+is a round trip to the server process)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+log = logging.getLogger(__name__)
+
+# The longest the cancellation watcher keeps the service lock at once, which the engine thread or a
+# lane may wait out; it finishes the check in progress, so a hold is at least one check. A check took
+# 80-245 us on session 23's H200 hosts and 110-130 on CPU (benchmarks/response_sends.py), so a hold is
+# a few checks; a fixed count of 8 held the lock 0.6-2 ms there.
+MAX_HOLD_S = 0.001
+
+
+class CancellationWatcher:
+    """Part of `TTSService`: ends the streams whose client cancelled or went away."""
+
+    def _watch_cancellations(self) -> None:
+        """End the streams whose client cancelled or went away; their generation stops at the next step.
+
+        A check is a round trip to the server process that drops the GIL, and taking the GIL back
+        beside a thread running Python waits about the switch interval (5 ms; benchmarks/bls_gil.py).
+        So checks run under the service lock, where the threads that would compete for the GIL wait
+        on the lock instead: a burst of plain round trips, not a GIL handoff per stream. The lock is
+        let go once a hold has lasted MAX_HOLD_S, and then left alone long enough that the watcher
+        holds it at most `cancellation_lock_share` of the time: a sweep makes one check per open
+        stream, 0.08-0.25 ms each on the H200 hosts of session 23. A hold's time includes getting the
+        GIL back after each check. Streams still generating or waiting for a row come first, as
+        their cancellation frees a KV-cache row and a share of every frame step; draining ones
+        (generated, audio still owed) after them.
+        """
+        pause_per_held_second = 1 / self.cancellation_lock_share - 1
+        while not self._stopping.wait(self.cancellation_check_s):
+            with self.lock:
+                streams = sorted(self.streams.values(), key=lambda stream: stream.generated)  # (stable)
+            position = 0
+            while position < len(streams):
+                with self.lock:
+                    held_from = time.perf_counter()
+                    checked, ended = 0, False
+                    while position < len(streams) and (
+                        not checked or time.perf_counter() - held_from < MAX_HOLD_S
+                    ):
+                        stream = streams[position]
+                        position += 1
+                        if not stream.ended:  # (ended since the sweep began)
+                            checked += 1
+                            ended |= self._end_if_cancelled(stream)
+                    if ended:
+                        self.incoming = [s for s in self.incoming if not s.ended]
+                        self.lock.notify_all()
+                    held = time.perf_counter() - held_from
+                if self.metrics and checked:
+                    self.metrics.cancellation_checks(checked, held)
+                if self._stopping.wait(held * pause_per_held_second):
+                    return
+
+    def _end_if_cancelled(self, stream) -> bool:
+        """End the stream if its client is gone (under the service lock); whether it was."""
+        try:
+            gone = stream.sink.cancelled()
+        except Exception:  # the request is unreachable: treat the client as gone
+            log.warning(
+                "stream %s: cancellation check failed: %s",
+                stream.request.request_id,
+                traceback.format_exc(limit=1),
+            )
+            gone = True
+        if gone:
+            try:
+                self._end(stream, "request cancelled")
+            except Exception:  # keep watching the other streams
+                log.error(
+                    "stream %s: ending it failed: %s", stream.request.request_id, traceback.format_exc()
+                )
+        return gone
