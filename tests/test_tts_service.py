@@ -698,9 +698,9 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
 
     def pool_full(in_flight: int, draining: str) -> str:
         return (
-            rf"codec state pool full: all 5 rows held \([01] streams generating or queued, {draining} draining "
-            rf"\(generated, audio still owed\), {in_flight} by ended streams whose chunk a lane is still "
-            rf"decoding\); raise max_draining \(now 2\)"
+            rf"codec state pool full: all 5 rows held \([01] streams generating or queued, "
+            rf"{draining} draining \(generated, audio still owed\), {in_flight} by ended streams whose "
+            rf"chunk a lane is still decoding\); raise max_draining \(now 2\)"
         )
 
     try:

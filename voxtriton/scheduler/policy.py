@@ -39,37 +39,20 @@ class SchedulerConfig:
     # small, as its chunks wait for them.
     max_batch: int = 16
     # voxserve's background lane: its chunks all have slack, so it takes larger calls, which decode
-    # more audio per GPU second. On the H200 (1.7B, 90 req/s, session 14) its calls at 16 chunks
-    # were busy 0.91-0.97 of the time with 193 chunks waiting at p50; chunks that ran out of slack
-    # there were promoted and crowded first chunks off the urgent lane.
+    # more audio per GPU second.
     background_max_batch: int = 64
     frame_seconds: float = 0.08  # audio per frame: 1920 samples at 24 kHz
     initial_decode_estimate_s: float = 0.05
     # When a first chunk is due, after its request arrived (the time-to-first-audio target).
     ttfa_target_s: float = 0.2
-    # voxserve: when the urgent lane has nothing to decode and the background lane is more than a
-    # call behind, the urgent lane takes background chunks (earliest deadline first, one size) of up
-    # to this many frames in all; 0: never. Kept small, so a first chunk that arrives meanwhile waits
-    # for one short call per urgent lane worker at most. On the H200 (1.7B) 16 stalled 0 and 14
-    # streams at 66 and 68 req/s where off stalled 12 and 42 with one lane worker (session 10). With
-    # two workers, the fullest size below and a background lane of 64 SMs (session 11), 50 and 100
-    # stalled 29 and 43 at 80 req/s (off: 44) and 95 and 152 at 84 (off: 65), and raised p90 TTFA
-    # at 76 from 185 to 197-198 ms, so it stays off.
+    # voxserve: when the urgent lane is idle and the background lane more than a call behind, the
+    # urgent lane takes background chunks (most urgent first, one size) of up to this many frames; 0: never.
     idle_urgent_takes_frames: int = 0
     # voxserve: the background lane decodes the size with the most chunks waiting (earliest deadline
-    # first within it) instead of the size of its earliest-deadline chunk. Every chunk it holds has
-    # slack (those that run out are promoted), and on the H200 its calls took 6 chunks at p50 while
-    # 195 waited, mostly of another size (session 9). With it, on the H200 (session 10, 1.7B), the
-    # background lane's calls took 12 chunks instead of 8 and no stream stalled at 64-68 req/s,
-    # where the earliest-deadline size stalled 0, 12 and 42 (benchmarks/results/goodput_h200.md).
+    # first within it) instead of its earliest-deadline chunk's size: fuller calls, as all have slack.
     background_fullest_size: bool = True
-    # A chunk after the first may skip ahead in the schedule when its stream's generation has run
-    # ahead of its decoding: it takes the largest later size that the frames already generated fill
-    # (`catch_up_position`). The chunk then costs no wait for frames, and the codec decodes the same
-    # audio in fewer, larger calls, which take less GPU time per second of audio (on the H200 a
-    # 1.7B call of 8x2 frames costs 1.85 ms per audio second, 64x8 0.38, 256x25 0.31; session 19).
-    # The first chunk keeps its size, which sets the time to first audio. Chunk boundaries then
-    # depend on timing; the audio does not, beyond rounding (the codec is causal).
+    # A chunk after the first may take the largest later size of the schedule that the frames already
+    # generated fill: fewer, larger codec calls. Chunk boundaries then depend on timing, the audio not.
     catch_up: bool = False
 
     def __post_init__(self):
@@ -121,8 +104,7 @@ class SchedulerConfig:
         of chunks 0..k-1 has played, and it needs all frames up to its end, so with sizes doubling
         (2, 4, 8, 16) a stream stalls once a frame step takes more than about half a frame of audio
         (40 ms). Repeating each size (the default) lets the step reach about 53 ms, at the price of
-        more, smaller codec calls; on the H200 it held more streams without a stall
-        (benchmarks/results/goodput_h200.md). The second chunk must arrive while the first plays.
+        more, smaller codec calls. The second chunk must arrive while the first plays.
         """
         return self.sizes[min(index, len(self.sizes) - 1)]
 

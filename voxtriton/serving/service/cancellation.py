@@ -9,10 +9,8 @@ import traceback
 
 log = logging.getLogger(__name__)
 
-# The longest the cancellation watcher keeps the service lock at once, which the engine thread or a
-# lane may wait out; it finishes the check in progress, so a hold is at least one check. A check took
-# 80-245 us on session 23's H200 hosts and 110-130 on CPU (benchmarks/response_sends.py), so a hold is
-# a few checks; a fixed count of 8 held the lock 0.6-2 ms there.
+# The longest the watcher keeps the service lock at once (the engine thread and the lanes wait it
+# out); the check in progress finishes, so a hold is at least one check.
 MAX_HOLD_S = 0.001
 
 
@@ -28,10 +26,9 @@ class CancellationWatcher:
         on the lock instead: a burst of plain round trips, not a GIL handoff per stream. The lock is
         let go once a hold has lasted MAX_HOLD_S, and then left alone long enough that the watcher
         holds it at most `cancellation_lock_share` of the time: a sweep makes one check per open
-        stream, 0.08-0.25 ms each on the H200 hosts of session 23. A hold's time includes getting the
-        GIL back after each check. Streams still generating or waiting for a row come first, as
-        their cancellation frees a KV-cache row and a share of every frame step; draining ones
-        (generated, audio still owed) after them.
+        stream. A hold's time includes getting the GIL back after each check. Streams still
+        generating or waiting for a row come first, as their cancellation frees a KV-cache row and a
+        share of every frame step; draining ones (generated, audio still owed) after them.
         """
         pause_per_held_second = 1 / self.cancellation_lock_share - 1
         while not self._stopping.wait(self.cancellation_check_s):

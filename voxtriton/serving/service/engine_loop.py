@@ -31,10 +31,8 @@ class EngineLoop:
                 self._fail_all_running(f"generation failed: {error}")
 
     def _engine_iteration(self) -> None:
-        # The pass's wall time includes waiting for the lock, which lane workers and the cancellation
-        # watcher hold. Its CPU time on this thread, next to the wall time outside the decode, tells
-        # waiting (for the GIL, the lock, a CPU) from work: the H200 hosts of sessions 20-22 differed
-        # 1.4-5x in those parts (goodput_h200.md, session 22).
+        # The pass's wall time includes waiting for the lock; its CPU time on this thread, next to the
+        # wall time outside the decode, tells waiting (for the GIL, the lock, a CPU) from work.
         started, cpu_started = time.perf_counter(), time.thread_time()
         with self.lock:
             while self.running and not self.incoming and not self.engine.has_work:

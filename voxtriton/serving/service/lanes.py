@@ -115,11 +115,9 @@ class LaneWorkers:
                     self._free_slot(stream)
                 else:
                     deliveries.append((row, chunk, stream))
-        # The sends go out without the service lock: one is an IPC round trip per chunk (on the H200,
-        # 2.5 ms a call at p50 and 9.5 at p90 for the urgent lane, more for the background lane's
-        # larger batches), and the engine and the other lanes wait for that lock. A stream has one
-        # chunk in flight, so nothing else sends for it now; one that ends meanwhile (a cancellation)
-        # has a closed sink, which drops the chunk.
+        # Sends go out without the service lock: each is an IPC round trip, which the engine and the
+        # other lanes would wait out. A stream has one chunk in flight, so nothing else sends for it
+        # now; one that ends meanwhile (a cancellation) has a closed sink, which drops the chunk.
         sent = []  # (chunk, stream, when it was sent, or None if the client is gone)
         for row, chunk, stream in deliveries:
             info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)

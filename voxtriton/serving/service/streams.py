@@ -76,17 +76,15 @@ class StreamRegistry:
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
-            # A stream whose generation has ended needs no KV-cache row any more, only its codec state
-            # row until its last chunk is sent, so it no longer counts against max_streams +
-            # max_queued: on the H200 (session 19) voxserve, whose streams stayed held longer (median
-            # RTF 0.33-0.50 against concurrent's 0.20-0.28), was refused at 116 req/s with 768 streams
-            # held while at most 448 rows were in use. Draining streams share the codec pool instead.
+            # A stream whose generation has ended holds only its codec state row until its last chunk
+            # is sent: it no longer counts against max_streams + max_queued, only against the pool.
             generating_or_queued = len(self.streams) - self.draining
             busy = None
             if generating_or_queued >= self.engine.max_running + self.max_queued:
                 busy = (
-                    f"{generating_or_queued} streams generating or queued (max_streams {self.engine.max_running} "
-                    f"+ max_queued {self.max_queued}; {waiting} of them not started yet)"
+                    f"{generating_or_queued} streams generating or queued (max_streams "
+                    f"{self.engine.max_running} + max_queued {self.max_queued}; {waiting} of them not "
+                    "started yet)"
                 )
             elif not self.free_slots:
                 # Each open stream holds one row; the rest belong to ended streams a lane still decodes.
