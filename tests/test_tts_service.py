@@ -761,9 +761,9 @@ def test_a_late_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_
         service.submit(parser.parse("r1", inputs), CancellableSink())
         with service.lock:
             stream = service.streams["r1"]
-            before = (len(stream.frames), stream.generated, service.draining)
+            before = (len(stream.frames), stream.generation_done, service.draining)
             service._on_frame(old_request, np.zeros(16, dtype=np.int64), "max_frames")
-            assert (len(stream.frames), stream.generated, service.draining) == before
+            assert (len(stream.frames), stream.generation_done, service.draining) == before
     finally:
         lane.release.set()
         service.shutdown()

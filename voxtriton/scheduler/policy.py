@@ -204,9 +204,12 @@ class ChunkScheduler:
     ) -> StreamTimeline:
         """Start a stream's timeline; `arrived_at` (default now) is when its request arrived; `lane`
         pins all its chunks to one lane."""
-        stream = self.streams[stream_id] = StreamTimeline(
-            stream_id, self.clock() if arrived_at is None else arrived_at, lane=lane
-        )
+        arrived_at = self.clock() if arrived_at is None else arrived_at
+        return self.add(StreamTimeline(stream_id, arrived_at, lane=lane))
+
+    def add(self, stream: StreamTimeline) -> StreamTimeline:
+        """Schedule a timeline made elsewhere (the service's streams extend it)."""
+        self.streams[stream.stream_id] = stream
         return stream
 
     def close(self, stream_id: str) -> None:

@@ -143,7 +143,7 @@ class TTSService(StreamRegistry, EngineLoop, LaneWorkers, CancellationWatcher, C
                 for stream in list(self.streams.values()):
                     if isinstance(stream.sink, WarmupSink):
                         self._end(stream, "warm-up ended")
-                self.incoming = [stream for stream in self.incoming if not stream.ended]
+                self.incoming = [stream for stream in self.incoming if not stream.closed]
                 self.scheduler = ChunkScheduler(self.scheduler.config, self.clock)
                 self.metrics, self.chunk_trace = metrics, trace
 

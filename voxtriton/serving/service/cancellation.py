@@ -33,7 +33,7 @@ class CancellationWatcher:
         pause_per_held_second = 1 / self.cancellation_lock_share - 1
         while not self._stopping.wait(self.cancellation_check_s):
             with self.lock:
-                streams = sorted(self.streams.values(), key=lambda stream: stream.generated)  # (stable)
+                streams = sorted(self.streams.values(), key=lambda stream: stream.generation_done)  # (stable)
             position = 0
             while position < len(streams):
                 with self.lock:
@@ -44,11 +44,11 @@ class CancellationWatcher:
                     ):
                         stream = streams[position]
                         position += 1
-                        if not stream.ended:  # (ended since the sweep began)
+                        if not stream.closed:  # (ended since the sweep began)
                             checked += 1
                             ended |= self._end_if_cancelled(stream)
                     if ended:
-                        self.incoming = [s for s in self.incoming if not s.ended]
+                        self.incoming = [s for s in self.incoming if not s.closed]
                         self.lock.notify_all()
                     held = time.perf_counter() - held_from
                 if self.metrics and checked:

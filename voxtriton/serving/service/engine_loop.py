@@ -52,7 +52,7 @@ class EngineLoop:
                 except ValueError as error:
                     self._end(stream, str(error))
                     continue
-                self.scheduler.open(stream.request.request_id, stream.submitted_at, stream.lane)
+                self.scheduler.add(stream)
             self.incoming.clear()
         outputs = self.engine.step()
         with self.lock:
@@ -82,13 +82,13 @@ class EngineLoop:
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
         # A stream under this id may be a newer request's, submitted after the first one ended.
-        if stream is None or stream.ended or stream.request is not request:
+        if stream is None or stream.closed or stream.request is not request:
             return
         stream.frames.append(codes)
-        if reason is not None and not stream.generated:  # (the engine sends one last frame; defensive)
-            stream.generated = True
+        if reason is not None and not stream.generation_done:  # (the engine sends one last frame)
+            stream.generation_done = True
             self.draining += 1
-        self.scheduler.frames_generated(request.request_id, 1, done=stream.generated)
+        self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
 
     def _fail_all_running(self, message: str) -> None:
         """After a failed step: end every stream the engine had taken, running, being admitted
@@ -98,7 +98,7 @@ class EngineLoop:
         with the step is failed too: nothing else would end its stream.)"""
         with self.lock:
             for stream in list(self.streams.values()):
-                if stream not in self.incoming and not stream.generated:
+                if stream not in self.incoming and not stream.generation_done:
                     stream.request.cancelled = True
                     self._end(stream, message)
             self.engine.abort()

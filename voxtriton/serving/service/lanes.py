@@ -69,13 +69,7 @@ class LaneWorkers:
 
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
-            # Only chunks of streams still open: the scheduler's timeline must be the chunk's own.
-            live = [
-                (c, self.streams.get(c.stream.stream_id))
-                for c in batch
-                if self.scheduler.streams.get(c.stream.stream_id) is c.stream
-            ]
-            live = [(c, s) for c, s in live if s is not None and not s.ended]
+            live = [(c, c.stream) for c in batch if not c.stream.closed]  # streams still open
             if not live:
                 return
             codes = np.stack(
@@ -111,7 +105,7 @@ class LaneWorkers:
             deliveries = []
             for row, (chunk, stream) in enumerate(live):
                 stream.decoding = False
-                if stream.ended:
+                if stream.closed:
                     self._free_slot(stream)
                 else:
                     deliveries.append((row, chunk, stream))
@@ -134,7 +128,7 @@ class LaneWorkers:
                 sent.append((chunk, stream, None))
         with self.lock:
             for chunk, stream, sent_at in sent:
-                if sent_at is None or stream.ended:
+                if sent_at is None or stream.closed:
                     self._end(stream, None)  # a no-op for a stream ended while its chunk was sent
                     continue
                 if self.metrics:
@@ -143,7 +137,7 @@ class LaneWorkers:
                         chunk.frames,
                         elapsed,
                         chunk.index == 0,
-                        sent_at - stream.submitted_at,
+                        sent_at - stream.opened_at,
                         chunk.promoted,
                     )
                 if self.chunk_trace:

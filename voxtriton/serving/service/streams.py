@@ -11,25 +11,23 @@ import numpy as np
 from ...engine.engine import Engine
 from ...engine.request import Request
 from ...errors import ServerBusy
-from ...scheduler.policy import SchedulerConfig
+from ...scheduler.policy import SchedulerConfig, StreamTimeline
 from .protocols import ResponseSink
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class Stream:
+@dataclass(eq=False, kw_only=True)
+class Stream(StreamTimeline):
+    """A stream as the service holds it: its scheduler timeline (`closed` once it ended, whatever the
+    reason; `generation_done` once its last frame reached the service), its engine request, its sink
+    and its codec state row."""
+
     request: Request
     sink: ResponseSink
-    submitted_at: float
-    codec_slot: (
-        int | None
-    )  # row of the codec state pool, held until the stream ends and no chunk is in flight
+    codec_slot: int | None  # row of the codec state pool, held until it ends and no chunk is in flight
     frames: list[np.ndarray] = field(default_factory=list)
-    ended: bool = False
     decoding: bool = False  # a chunk of this stream is in a codec lane
-    generated: bool = False  # its last frame reached the service (the engine may finish a request earlier)
-    lane: str | None = None  # pins every chunk to one lane (warm-up)
 
 
 class WarmupSink:
@@ -99,7 +97,14 @@ class StreamRegistry:
                 if self.metrics:
                     self.metrics.rejected()
                 raise ServerBusy(f"server busy: {busy}; retry later")
-            stream = Stream(request, sink, self.clock(), self.free_slots.pop(), lane=lane)
+            stream = Stream(
+                request.request_id,
+                self.clock(),
+                lane=lane,
+                request=request,
+                sink=sink,
+                codec_slot=self.free_slots.pop(),
+            )
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             self.lock.notify_all()
@@ -109,12 +114,12 @@ class StreamRegistry:
 
         Its generation stops at the engine's next step (a no-op if it already finished).
         """
-        if stream.ended:
+        if stream.closed:
             return
-        stream.ended = True
+        stream.closed = True
         stream.request.cancelled = True
         self.streams.pop(stream.request.request_id, None)
-        self.draining -= stream.generated
+        self.draining -= stream.generation_done
         self._free_slot(stream)
         self.scheduler.close(stream.request.request_id)
         self._publish_gauges()
@@ -126,7 +131,7 @@ class StreamRegistry:
 
     def _free_slot(self, stream: Stream) -> None:
         """Return an ended stream's codec slot, unless a lane may still write it (then on return)."""
-        if stream.ended and not stream.decoding and stream.codec_slot is not None:
+        if stream.closed and not stream.decoding and stream.codec_slot is not None:
             self.free_slots.append(stream.codec_slot)
             stream.codec_slot = None
 
