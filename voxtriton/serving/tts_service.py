@@ -46,6 +46,9 @@ __all__ = [
 
 
 class TTSService(StreamRegistry, EngineLoop, LaneWorkers, CancellationWatcher, ChunkTrace):
+    """The entry point: `submit(request, sink)`, `warm_up`, `shutdown`. Its parts (serving/service/)
+    run on its threads and share its state under `lock`."""
+
     def __init__(
         self,
         engine: Engine,
