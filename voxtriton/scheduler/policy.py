@@ -130,9 +130,8 @@ class Chunk:
     frames: int
     last: bool
     ready_at: float
-    # Frames the codec call decodes: the schedule's size. A stream's shorter last chunk is padded
-    # to it, so it joins a batch of that size and replays its CUDA graph instead of running alone
-    # and eagerly; the codec is causal, so padding after the end changes none of the real audio.
+    # Frames the codec call decodes: the schedule's size, to which a shorter last chunk is padded so it
+    # joins a batch of that size and its CUDA graph (the codec is causal: the real audio is unchanged).
     decode_frames: int
     lane: str = ""
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane

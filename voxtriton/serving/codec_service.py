@@ -28,9 +28,8 @@ class CodecService:
             )
         self.partition = SMPartition(self.device, sm_count, settings.high_priority)
         graphs = self.device.type == "cuda" and settings.cuda_graphs
-        # Process-wide, and this process runs only the codec. The captured shapes are autotuned in
-        # the warm-up calls before their capture; a shape without a graph pays it once, at its
-        # first call. Without graphs every shape would pay it while serving: no autotuning then.
+        # Process-wide (this process runs only the codec): shapes are autotuned before their graph
+        # capture; without graphs every shape would pay for it while serving, so none are.
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             batch_sizes, frame_sizes = settings.graph_shapes() if graphs else (None, None)

@@ -109,9 +109,8 @@ class LaneWorkers:
                     self._free_slot(stream)
                 else:
                     deliveries.append((row, chunk, stream))
-        # Sends go out without the service lock: each is an IPC round trip, which the engine and the
-        # other lanes would wait out. A stream has one chunk in flight, so nothing else sends for it
-        # now; one that ends meanwhile (a cancellation) has a closed sink, which drops the chunk.
+        # Sends (IPC round trips) go out without the service lock. A stream has one chunk in flight, so
+        # nothing else sends for it; one ended meanwhile has a closed sink, which drops the chunk.
         sent = []  # (chunk, stream, when it was sent, or None if the client is gone)
         for row, chunk, stream in deliveries:
             info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
