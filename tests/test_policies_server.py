@@ -32,9 +32,31 @@ def run_all(url: str) -> list:
         return list(pool.map(one, REQUESTS))
 
 
+def assert_warm_when_ready(server, policy: str) -> None:
+    """Read when the server first reports ready, before any client's request: Triton's own counters
+    show that the warm-up ran every codec model the policy decodes on, and only those, while
+    voxtriton's client-facing metrics are still empty."""
+    samples = server.metrics()
+    executed = {
+        model
+        for model in ("codec_urgent", "codec_background")
+        if samples.get(f'nv_inference_count{{model="{model}",version="1"}}', 0) > 0
+    }
+    assert executed == ({"codec_urgent", "codec_background"} if policy == "voxserve" else {"codec_urgent"})
+    assert samples["voxtriton_ttfa_seconds_count"] == 0
+    assert all(
+        samples[f'voxtriton_chunks_total{{lane="{lane}"}}'] == 0
+        for lane in ("urgent", "background", "inline")
+    )
+    assert all(
+        samples[f'voxtriton_codec_calls_total{{lane="{lane}"}}'] == 0 for lane in ("urgent", "background")
+    )
+
+
 @pytest.fixture(scope="module")
 def baseline(tiny_checkpoint):
     with start_server(tiny_checkpoint, policy="voxserve") as server:
+        assert_warm_when_ready(server, "voxserve")
         return run_all(server.grpc_url)
 
 
@@ -62,8 +84,9 @@ def test_policy_changes_timing_not_content(tiny_checkpoint, baseline, policy, pa
     to one codec model) and the background lane's fullest size. Also one call in flight (with a
     shorter GIL switch interval), the other batching rules, and the catch-up option set through the
     config (on this CPU the backbone rarely runs ahead of the codec, so its chunks mostly follow the
-    schedule; test_tts_service makes it catch up)."""
+    schedule; test_tts_service makes it catch up). Each server is warm when it reports ready."""
     with start_server(tiny_checkpoint, policy=policy, parameters=parameters) as server:
+        assert_warm_when_ready(server, policy)
         results = run_all(server.grpc_url)
     if policy == "voxserve":
         assert_both_lanes_in_order(results)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from voxtriton.scheduler import POLICY_NAMES, get_policy
 from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT, ChunkScheduler, SchedulerConfig
 
 
@@ -270,6 +271,40 @@ def test_policies_route_as_documented():
             [chunk] = sched.frames_generated("s", 1)
             assert chunk.lane == lane
             serve(sched, lane)
+
+
+def test_the_policies_are_registered_by_name_with_the_properties_the_server_reads():
+    assert POLICY_NAMES == ("voxserve", "concurrent", "serial", "disaggregated")
+    table = {
+        name: (p.lanes, p.deadline_order, p.inline_decode, p.engine_overlap, p.background_partition)
+        for name, p in ((name, get_policy(name)) for name in POLICY_NAMES)
+    }
+    assert table == {
+        "voxserve": ((URGENT, BACKGROUND), True, False, True, True),
+        "concurrent": ((URGENT,), False, False, True, False),
+        "serial": ((INLINE,), False, True, False, False),
+        "disaggregated": ((URGENT,), False, False, True, False),
+    }
+    assert [name for name in POLICY_NAMES if get_policy(name).codec_on_second_gpu] == ["disaggregated"]
+    assert [name for name in POLICY_NAMES if get_policy(name).routes_by_slack] == ["voxserve"]
+    with pytest.raises(ValueError, match="policy must be one of voxserve, concurrent, serial, disaggregated"):
+        get_policy("fastest")
+
+
+def test_a_pinned_stream_stays_on_its_lane_whatever_its_slack():
+    """The warm-up pins a stream per lane: its first chunk goes to the background lane too, and a
+    pinned background chunk out of slack is neither promoted nor taken by an idle urgent lane."""
+    sched, clock = scheduler(
+        slack_margin_s=0.3, chunk_schedule="2", idle_urgent_takes_frames=16, background_max_batch=1
+    )
+    for name in ("a", "b"):
+        sched.open(name, lane=BACKGROUND)
+        assert [c.lane for c in sched.frames_generated(name, 2)] == [BACKGROUND]
+    serve(sched, BACKGROUND), serve(sched, BACKGROUND)  # their first chunks: playback starts at t=0
+    for name in ("a", "b"):
+        assert [c.lane for c in sched.frames_generated(name, 2)] == [BACKGROUND]
+    clock.now = 5.0  # both listeners ran dry long ago
+    assert sched.next_batch(URGENT) == [] and len(sched.queues[BACKGROUND]) == 2
 
 
 def flood_until_served(sched, clock, victim, call_s=0.01, arrivals_ahead_s=0.09, size=2):

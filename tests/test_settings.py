@@ -17,6 +17,7 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
     )
     assert settings.cancellation_check_s == 0.5 and settings.backbone_partition == "exclusive"
     assert scheduler.policy == "concurrent"
+    assert TTSSettings().warmup and not TTSSettings.from_model_config(config(warmup="false"))[0].warmup
 
 
 @pytest.mark.parametrize(
@@ -35,7 +36,8 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
         (
             "background_sms",
             "most",
-            "'background_sms' must be an SM count or a fraction of the GPU's SMs between 0 and 1 (such as 0.75), got 'most'",
+            "'background_sms' must be an SM count or a fraction of the GPU's SMs between 0 and 1 "
+            "(such as 0.75), got 'most'",
         ),
         ("background_sms", "1.5", "'background_sms' must be an SM count or a fraction"),
         ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),

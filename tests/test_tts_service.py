@@ -18,10 +18,10 @@ from voxtriton.errors import ServerBusy
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
-from voxtriton.scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
-from voxtriton.serving import tts_service
+from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT, SchedulerConfig
 from voxtriton.serving.codec_service import CodecService, InProcessLane
 from voxtriton.serving.requests import RequestParser
+from voxtriton.serving.service import cancellation
 from voxtriton.serving.settings import CodecSettings, TTSSettings
 from voxtriton.serving.state_pool import CodecStatePool
 from voxtriton.serving.tts_service import MAX_HOLD_S, TTSService, codec_slots
@@ -194,7 +194,7 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
     hold before the next (so it holds it at most a quarter of the time), and a sweep checks the
     streams still generating or queued before those that have generated all their frames. Holds
     of up to a second make each sweep one hold, so the holds tell the sweeps apart."""
-    monkeypatch.setattr(tts_service, "MAX_HOLD_S", 1.0)
+    monkeypatch.setattr(cancellation, "MAX_HOLD_S", 1.0)
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
     lane = LaneThatFailsAfterCancellation()  # holds the first chunk: no stream ends meanwhile
     checks = []
@@ -698,9 +698,9 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
 
     def pool_full(in_flight: int, draining: str) -> str:
         return (
-            rf"codec state pool full: all 5 rows held \([01] streams generating or queued, {draining} draining "
-            rf"\(generated, audio still owed\), {in_flight} by ended streams whose chunk a lane is still "
-            rf"decoding\); raise max_draining \(now 2\)"
+            rf"codec state pool full: all 5 rows held \([01] streams generating or queued, "
+            rf"{draining} draining \(generated, audio still owed\), {in_flight} by ended streams whose "
+            rf"chunk a lane is still decoding\); raise max_draining \(now 2\)"
         )
 
     try:
@@ -761,9 +761,74 @@ def test_a_late_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_
         service.submit(parser.parse("r1", inputs), CancellableSink())
         with service.lock:
             stream = service.streams["r1"]
-            before = (len(stream.frames), stream.generated, service.draining)
+            before = (len(stream.frames), stream.generation_done, service.draining)
             service._on_frame(old_request, np.zeros(16, dtype=np.int64), "max_frames")
-            assert (len(stream.frames), stream.generated, service.draining) == before
+            assert (len(stream.frames), stream.generation_done, service.draining) == before
     finally:
         lane.release.set()
+        service.shutdown()
+
+
+class CountingLane:
+    """An in-process codec lane that counts its calls."""
+
+    def __init__(self, lane):
+        self.lane, self.calls = lane, 0
+
+    def decode(self, codes, start, slots):
+        self.calls += 1
+        return self.lane.decode(codes, start, slots)
+
+
+class EveryUpdateRecorder(DroppedMetrics):
+    """Service metrics that keep every update but the gauges, by name."""
+
+    def __init__(self):
+        self.updates = []
+
+    def chunk_sent(self, *args):
+        self.updates.append("chunk_sent")
+
+    def codec_call(self, *args):
+        self.updates.append("codec_call")
+
+    def frame_step(self, *args):
+        self.updates.append("frame_step")
+
+
+def test_the_warm_up_decodes_on_every_lane_records_nothing_and_leaves_the_service_as_new(tiny_checkpoint):
+    """voxserve's warm-up pins one stream to each lane: both lanes decode, while neither the metrics
+    nor the chunk trace hear of it; afterwards the scheduler is fresh, every codec row free, and a
+    client's request is served and recorded as usual."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "voxserve", chunk_schedule="2,4")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    # A codec of its own per lane, as each lane is a process of its own in the server.
+    other_codec = CodecService(CodecSettings(checkpoint_dir=str(tiny_checkpoint), device="cpu"))
+    lanes = {
+        URGENT: CountingLane(InProcessLane(codec, pool.tensor)),
+        BACKGROUND: CountingLane(InProcessLane(other_codec, pool.tensor)),
+    }
+    metrics, trace = EveryUpdateRecorder(), io.StringIO()
+    service = TTSService(engine, scheduler_config, lanes, max_queued=1, metrics=metrics, chunk_trace=trace)
+    inputs = {
+        "text": np.array([b"Warm every lane."], dtype=object),
+        "max_frames": np.array([6]),
+        "ignore_eos": np.array([True]),
+        "seed": np.array([0]),
+    }
+    try:
+        warm_up_requests = {lane: parser.parse(f"warmup-{lane}", inputs) for lane in (URGENT, BACKGROUND)}
+        service.warm_up(warm_up_requests, timeout=120)
+        assert lanes[URGENT].calls >= 2 and lanes[BACKGROUND].calls >= 2  # each stream's chunks, 2 and 4
+        assert metrics.updates == [] and trace.getvalue() == ""
+        assert service.streams == {} and service.scheduler.streams == {}
+        assert service.scheduler.routed == {URGENT: 0, BACKGROUND: 0, INLINE: 0}
+        assert len(service.free_slots) == codec_slots(engine, 1, scheduler_config)
+        sink = CollectingSink()
+        service.submit(parser.parse("r1", inputs), sink)
+        assert sink.done.wait(120) and sink.errors == []
+        assert sum(len(audio) for audio in sink.audio) == 6 * 1920
+        wait_for(lambda: metrics.updates.count("chunk_sent") == 2)
+        assert "frame_step" in metrics.updates and '"kind": "chunk"' in trace.getvalue()
+    finally:
         service.shutdown()

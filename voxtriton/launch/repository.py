@@ -6,6 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ..scheduler import get_policy
 from ..scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
 from ..serving.settings import codec_graph_shapes
 
@@ -55,7 +56,8 @@ def model_overrides(
     checkpoint: str | None, policy: str | None, gpus: int, parameters: dict[str, dict[str, str]]
 ) -> dict[str, dict[str, str]]:
     """Parameters per model of one server: its checkpoint, its policy on `gpus` GPUs, then `parameters`."""
-    if policy != "disaggregated":  # there the codec lanes get a GPU of their own, no partition
+    second_gpu = bool(policy) and get_policy(policy).codec_on_second_gpu
+    if not second_gpu:  # with a GPU of their own, the codec lanes need no partition
         parameters = align_background_partition(parameters)
     parameters = codec_graphs_for_the_scheduler(parameters)
     overrides: dict[str, dict[str, str]] = {"*": {}, "tts": {}}
@@ -63,14 +65,12 @@ def model_overrides(
         overrides["*"]["checkpoint_dir"] = str(Path(checkpoint).resolve())
     if policy:
         overrides["tts"]["scheduler_policy"] = policy
-    if policy == "disaggregated":
+    if second_gpu:
         if gpus >= 2:  # the codec lanes get the second GPU to themselves
             for model in CODEC_MODELS:
                 overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
         else:
-            print(
-                "voxtriton: policy 'disaggregated' needs two GPUs; the codec stays on the backbone's device"
-            )
+            print(f"voxtriton: policy {policy!r} needs two GPUs; the codec stays on the backbone's device")
     for model, values in parameters.items():
         overrides.setdefault(model, {}).update(values)
     return overrides

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..scheduler import POLICY_NAMES
 from . import preflight
 from .repository import REPOSITORY
 from .server import StartFailed, TritonServer
@@ -19,7 +20,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory in the official layout (default: the embedded "
         "tiny RANDOM-weight checkpoint, which produces noise)",
     )
-    parser.add_argument("--policy", choices=("voxserve", "concurrent", "serial", "disaggregated"))
+    parser.add_argument("--policy", choices=POLICY_NAMES)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)

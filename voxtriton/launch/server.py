@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from .gpus import MPSDaemon, gpu_count, pinned_device
-from .repository import REPOSITORY, model_overrides, render_repository
+from .repository import CODEC_MODELS, REPOSITORY, model_overrides, render_repository
 from .tritonserver import find_tritonserver
 
 # A glog error line: "E1204 15:50:13.689261 16080 model_lifecycle.cc:642] message".
@@ -127,11 +127,11 @@ class TritonServer:
             str(self.metrics_port),
             "--exit-timeout-secs",
             "10",
-            # explicit mode lets the tts model reload a codec lane whose process died
+            # explicit mode lets the tts model reload a codec lane whose process died, and load after
+            # the server started (`wait_ready`)
             "--model-control-mode",
             "explicit",
-            "--load-model",
-            "*",
+            *[argument for model in CODEC_MODELS for argument in ("--load-model", model)],
         ]
         if self.install.backend_dir is not None:
             command += ["--backend-directory", str(self.install.backend_dir)]
@@ -174,12 +174,24 @@ class TritonServer:
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
-                        return
+                        return self._load_scheduler(deadline)
             except OSError:
                 pass
             time.sleep(0.25)
         self.stop()
         raise StartTimedOut(f"tritonserver not ready after {timeout:.0f} s", self.log_tail())
+
+    def _load_scheduler(self, deadline: float) -> None:
+        """Load the tts model once the server is up: its warm-up calls the codec models through BLS,
+        which Triton refuses while the server starts; the server is ready again once it is warm."""
+        url = f"http://127.0.0.1:{self.http_port}/v2/repository/models/tts/load"
+        request = urllib.request.Request(url, data=b"", method="POST")
+        try:
+            urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())).close()
+        except OSError as error:
+            detail = error.read().decode(errors="replace") if hasattr(error, "read") else str(error)
+            self.stop()
+            raise StartFailed(f"the tts model did not load: {detail}", self.log_tail()) from None
 
     def metrics(self) -> dict[str, float]:
         """voxtriton's samples from the Prometheus endpoint, and Triton's own per-model inference

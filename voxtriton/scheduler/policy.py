@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
-URGENT, BACKGROUND, INLINE = "urgent", "background", "inline"
-POLICIES = ("voxserve", "concurrent", "serial", "disaggregated")
+from .policies import BACKGROUND, INLINE, URGENT, Policy, get_policy
+
+__all__ = ["BACKGROUND", "INLINE", "URGENT", "Chunk", "ChunkScheduler", "SchedulerConfig", "StreamTimeline"]
 
 
 @dataclass(frozen=True)
@@ -38,42 +39,24 @@ class SchedulerConfig:
     # small, as its chunks wait for them.
     max_batch: int = 16
     # voxserve's background lane: its chunks all have slack, so it takes larger calls, which decode
-    # more audio per GPU second. On the H200 (1.7B, 90 req/s, session 14) its calls at 16 chunks
-    # were busy 0.91-0.97 of the time with 193 chunks waiting at p50; chunks that ran out of slack
-    # there were promoted and crowded first chunks off the urgent lane.
+    # more audio per GPU second.
     background_max_batch: int = 64
     frame_seconds: float = 0.08  # audio per frame: 1920 samples at 24 kHz
     initial_decode_estimate_s: float = 0.05
     # When a first chunk is due, after its request arrived (the time-to-first-audio target).
     ttfa_target_s: float = 0.2
-    # voxserve: when the urgent lane has nothing to decode and the background lane is more than a
-    # call behind, the urgent lane takes background chunks (earliest deadline first, one size) of up
-    # to this many frames in all; 0: never. Kept small, so a first chunk that arrives meanwhile waits
-    # for one short call per urgent lane worker at most. On the H200 (1.7B) 16 stalled 0 and 14
-    # streams at 66 and 68 req/s where off stalled 12 and 42 with one lane worker (session 10). With
-    # two workers, the fullest size below and a background lane of 64 SMs (session 11), 50 and 100
-    # stalled 29 and 43 at 80 req/s (off: 44) and 95 and 152 at 84 (off: 65), and raised p90 TTFA
-    # at 76 from 185 to 197-198 ms, so it stays off.
+    # voxserve: when the urgent lane is idle and the background lane more than a call behind, the
+    # urgent lane takes background chunks (most urgent first, one size) of up to this many frames; 0: never.
     idle_urgent_takes_frames: int = 0
     # voxserve: the background lane decodes the size with the most chunks waiting (earliest deadline
-    # first within it) instead of the size of its earliest-deadline chunk. Every chunk it holds has
-    # slack (those that run out are promoted), and on the H200 its calls took 6 chunks at p50 while
-    # 195 waited, mostly of another size (session 9). With it, on the H200 (session 10, 1.7B), the
-    # background lane's calls took 12 chunks instead of 8 and no stream stalled at 64-68 req/s,
-    # where the earliest-deadline size stalled 0, 12 and 42 (benchmarks/results/goodput_h200.md).
+    # first within it) instead of its earliest-deadline chunk's size: fuller calls, as all have slack.
     background_fullest_size: bool = True
-    # A chunk after the first may skip ahead in the schedule when its stream's generation has run
-    # ahead of its decoding: it takes the largest later size that the frames already generated fill
-    # (`catch_up_position`). The chunk then costs no wait for frames, and the codec decodes the same
-    # audio in fewer, larger calls, which take less GPU time per second of audio (on the H200 a
-    # 1.7B call of 8x2 frames costs 1.85 ms per audio second, 64x8 0.38, 256x25 0.31; session 19).
-    # The first chunk keeps its size, which sets the time to first audio. Chunk boundaries then
-    # depend on timing; the audio does not, beyond rounding (the codec is causal).
+    # A chunk after the first may take the largest later size of the schedule that the frames already
+    # generated fill: fewer, larger codec calls. Chunk boundaries then depend on timing, the audio not.
     catch_up: bool = False
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        get_policy(self.policy)
         try:
             sizes = self.sizes
         except ValueError:  # not a number: nothing is cached, the error below names the setting
@@ -96,11 +79,14 @@ class SchedulerConfig:
             )
 
     @property
+    def rules(self) -> Policy:
+        """The policy named by `policy`."""
+        return get_policy(self.policy)
+
+    @property
     def lanes(self) -> tuple[str, ...]:
         """The lanes this policy's chunks are decoded on (`route` sends them there)."""
-        if self.policy == "serial":
-            return (INLINE,)
-        return (URGENT, BACKGROUND) if self.policy == "voxserve" else (URGENT,)
+        return self.rules.lanes
 
     def batch_limit(self, lane: str) -> int:
         """Chunks per codec call on `lane`."""
@@ -118,8 +104,7 @@ class SchedulerConfig:
         of chunks 0..k-1 has played, and it needs all frames up to its end, so with sizes doubling
         (2, 4, 8, 16) a stream stalls once a frame step takes more than about half a frame of audio
         (40 ms). Repeating each size (the default) lets the step reach about 53 ms, at the price of
-        more, smaller codec calls; on the H200 it held more streams without a stall
-        (benchmarks/results/goodput_h200.md). The second chunk must arrive while the first plays.
+        more, smaller codec calls. The second chunk must arrive while the first plays.
         """
         return self.sizes[min(index, len(self.sizes) - 1)]
 
@@ -145,9 +130,8 @@ class Chunk:
     frames: int
     last: bool
     ready_at: float
-    # Frames the codec call decodes: the schedule's size. A stream's shorter last chunk is padded
-    # to it, so it joins a batch of that size and replays its CUDA graph instead of running alone
-    # and eagerly; the codec is causal, so padding after the end changes none of the real audio.
+    # Frames the codec call decodes: the schedule's size, to which a shorter last chunk is padded so it
+    # joins a batch of that size and its CUDA graph (the codec is causal: the real audio is unchanged).
     decode_frames: int
     lane: str = ""
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane
@@ -179,6 +163,7 @@ class StreamTimeline:
     audio_sent_s: float = 0.0
     stall_s: float = 0.0
     closed: bool = False
+    lane: str | None = None  # every chunk goes to this lane, whatever its slack (the server's warm-up)
 
     def deadline(self) -> float | None:
         if self.first_sent_at is None:
@@ -213,11 +198,17 @@ class ChunkScheduler:
 
     # -- streams ---------------------------------------------------------------------------------
 
-    def open(self, stream_id: str, arrived_at: float | None = None) -> StreamTimeline:
-        """Start a stream's timeline; `arrived_at` (default now) is when its request arrived."""
-        stream = self.streams[stream_id] = StreamTimeline(
-            stream_id, self.clock() if arrived_at is None else arrived_at
-        )
+    def open(
+        self, stream_id: str, arrived_at: float | None = None, lane: str | None = None
+    ) -> StreamTimeline:
+        """Start a stream's timeline; `arrived_at` (default now) is when its request arrived; `lane`
+        pins all its chunks to one lane."""
+        arrived_at = self.clock() if arrived_at is None else arrived_at
+        return self.add(StreamTimeline(stream_id, arrived_at, lane=lane))
+
+    def add(self, stream: StreamTimeline) -> StreamTimeline:
+        """Schedule a timeline made elsewhere (the service's streams extend it)."""
+        self.streams[stream.stream_id] = stream
         return stream
 
     def close(self, stream_id: str) -> None:
@@ -274,11 +265,10 @@ class ChunkScheduler:
         return deadline - now - self.expected_background_s()
 
     def route(self, chunk: Chunk) -> str:
-        lanes = self.config.lanes
-        if len(lanes) == 1:
-            return lanes[
-                0
-            ]  # serial's inline decode; one codec lane beside the backbone, first come first served
+        if chunk.stream.lane is not None:
+            return chunk.stream.lane
+        if not self.config.rules.routes_by_slack:
+            return self.config.lanes[0]
         slack = self.slack(chunk)
         return URGENT if slack is None or slack < self.config.slack_margin_s else BACKGROUND
 
@@ -286,11 +276,15 @@ class ChunkScheduler:
 
     def _promote(self, now: float) -> None:
         """Background chunks whose slack fell below the margin while queued move to the urgent lane."""
-        if self.config.policy != "voxserve":
+        if not self.config.rules.routes_by_slack:
             return
         waiting = self.queues[BACKGROUND]
         late = [
-            c for c in waiting if (s := self.slack(c, now)) is not None and s < self.config.slack_margin_s
+            c
+            for c in waiting
+            if c.stream.lane is None
+            and (s := self.slack(c, now)) is not None
+            and s < self.config.slack_margin_s
         ]
         for chunk in late:
             waiting.remove(chunk)
@@ -312,9 +306,10 @@ class ChunkScheduler:
         queue = self.queues[lane]
         if not queue:
             return self._take_for_idle_urgent_lane() if lane == URGENT else []
-        fifo = self.config.policy in ("concurrent", "disaggregated", "serial")
         target = self.config.ttfa_target_s
-        queue.sort(key=(lambda c: c.ready_at) if fifo else (lambda c: c.due(target)))
+        queue.sort(
+            key=(lambda c: c.due(target)) if self.config.rules.deadline_order else (lambda c: c.ready_at)
+        )
         limit = self.config.batch_limit(lane)
         if lane == BACKGROUND and self.config.background_fullest_size:
             sizes = collections.Counter(c.decode_frames for c in queue)
@@ -341,9 +336,10 @@ class ChunkScheduler:
         waiting = self.queues[BACKGROUND]
         budget = self.config.idle_urgent_takes_frames
         if (
-            self.config.policy != "voxserve"
+            not self.config.rules.routes_by_slack
             or not budget
             or len(waiting) <= self.config.batch_limit(BACKGROUND)
+            or any(c.stream.lane is not None for c in waiting)  # pinned chunks stay on their lane
         ):
             return []
         waiting.sort(key=lambda c: c.due(self.config.ttfa_target_s))

@@ -28,9 +28,8 @@ class CodecService:
             )
         self.partition = SMPartition(self.device, sm_count, settings.high_priority)
         graphs = self.device.type == "cuda" and settings.cuda_graphs
-        # Process-wide, and this process runs only the codec. The captured shapes are autotuned in
-        # the warm-up calls before their capture; a shape without a graph pays it once, at its
-        # first call. Without graphs every shape would pay it while serving: no autotuning then.
+        # Process-wide (this process runs only the codec): shapes are autotuned before their graph
+        # capture; without graphs every shape would pay for it while serving, so none are.
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             batch_sizes, frame_sizes = settings.graph_shapes() if graphs else (None, None)
@@ -39,14 +38,21 @@ class CodecService:
         self.calls = 0
 
     def decode(
-        self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor
+        self,
+        codes: torch.Tensor,
+        start: torch.Tensor,
+        slots: torch.Tensor,
+        pool: torch.Tensor,
+        warmup: bool = False,
     ) -> torch.Tensor:
         """codes [B, T, Q] int, start [B] int64, slots [B] int64 -> audio [B, T*spf] fp32.
 
         Each stream's codec state is row `slots[i]` of `pool` (see state_pool): read, advanced and
         written back in place; a stream at frame 0 starts from a fresh state, whatever its row holds.
+        `warmup`: a call of the tts model's warm-up, which test faults leave alone.
         """
-        self._maybe_fail()
+        if not warmup:
+            self._maybe_fail()
         batch = codes.shape[0]
         if codes.dim() != 3 or codes.shape[2] != self.model.config.num_quantizers:
             raise ValueError(
@@ -84,7 +90,7 @@ class CodecService:
         """Test-only fault injection (config parameter `test_fault`), to prove a failing lane fails
         only the requests it was serving. "raise:N": every Nth call raises. "exit:N": the Nth call
         kills this process, once per server (a marker file outlives the process, so the reloaded
-        lane runs normally)."""
+        lane runs normally). The warm-up's calls are not counted."""
         self.calls += 1
         fault = self.settings.test_fault
         if not fault:

@@ -28,9 +28,8 @@ def resolve_device(name: str) -> torch.device:
             return torch.device("cpu")  # no GPU wanted ("", "-1"): the CPU was asked for
         if GPU_DEVICE_NODE.exists():
             if torch.version.cuda is not None:
-                # A CUDA build on a GPU host that cannot use it is misconfigured (CUDA_VISIBLE_DEVICES,
-                # an MPS server that does not see the device): refuse rather than serve a GPU's load at
-                # CPU speed (a 1.7B model on the CPU answered nothing within minutes on the H200 host).
+                # A CUDA build that cannot use the host's GPU is misconfigured (CUDA_VISIBLE_DEVICES,
+                # MPS): refuse rather than serve a GPU's load at CPU speed.
                 raise ValueError(
                     f"config.pbtxt parameter 'device' is auto and this host has a GPU ({GPU_DEVICE_NODE}), "
                     "but CUDA is not available to this process: check CUDA_VISIBLE_DEVICES, the CUDA MPS "

@@ -71,13 +71,8 @@ class TTSSettings:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     max_streams: int = 64  # running requests (KV-cache rows)
     max_queued: int = 64  # admitted but waiting for a row; beyond this: "server busy"
-    # Codec state rows (about 5 MB each with the 12 Hz codec) added for streams whose generation has
-    # ended but whose audio the codec still owes: such a stream holds no KV-cache row and does not
-    # count against max_streams + max_queued. All streams share one codec state pool of max_streams
-    # + max_queued + max_draining + the lanes' in-flight reserve rows; a request that finds it full
-    # is refused. On the H200 (session 19, 1.7B, 116-120 req/s) voxserve held about 315 or more
-    # such streams beside at most 448 generating: its streams stayed held longer than concurrent's
-    # (median RTF 0.33-0.50 against 0.20-0.28), so more drained at once.
+    # Codec state rows (about 5 MB each) for streams that finished generating and still owe audio: they
+    # hold no KV-cache row and do not count against max_streams + max_queued; a full pool refuses.
     max_draining: int = 128
     max_positions: int = 2048  # KV-cache positions per request: prompt + frames
     max_frames: int = 1500  # per request (120 s of audio)
@@ -85,57 +80,37 @@ class TTSSettings:
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
-    # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (see
-    # `lane_sms`). On the H200 (1.7B, benchmarks/results/goodput_h200.md): 64 SMs stalled fewer
-    # streams than 32 or 48 (session 7), and 96 stalled no clearly fewer streams than 64 at 54-58
-    # req/s (session 8). With two calls in flight per lane (session 11, one machine) 0.75 (96 SMs)
-    # stalled none at 78 req/s (one probe) and 80 (two probes, both failing on p90 TTFA at 201-208
-    # ms), where 64 stalled 44 at 80; 112 stalled 9 already at 76.
+    # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (`lane_sms`).
     background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
-    # kernels filling in around it; "exclusive" gives it only the SMs the background lane does not
-    # use. On the H200 "shared" stalled fewer streams at every rate measured (goodput_h200.md).
+    # kernels filling in around it; "exclusive" gives it only the SMs the background lane leaves.
     backbone_partition: str = "shared"
-    # Codec calls each lane keeps in flight. With 2, a lane gathers and sends one batch while its
-    # other batch decodes: the second call waits in Triton's queue at the codec instance, so the
-    # codec process runs them back to back instead of idling through the lane's host work (a third
-    # of the urgent lane's working time on the H200 in session 9). The price: a worker commits to a
-    # batch while the other call runs, so chunks cut meanwhile cannot join it (watch the lanes'
-    # chunks per call). On the H200 (session 10, 1.7B) 2 took the urgent lane's gaps with work
-    # waiting from 13.3 s to 1.0 s of a run: voxserve stalled no stream at 64-68 req/s where one
-    # worker stalled 0, 12 and 42, and concurrent's goodput rose from 54 to 58 req/s.
+    # Codec calls each lane keeps in flight: with 2, the codec decodes one batch while the lane
+    # gathers and sends the other, instead of idling through the lane's host work.
     lane_workers: int = 2
-    # The interpreter's switch interval in the tts process, in ms (Python's default is 5). A thread
-    # back from a round trip that drops the GIL (a chunk send, a codec call) can wait up to this long
-    # to get it back while another thread runs Python, as the engine thread does in every frame
-    # step: on CPU, 6 sends beside a thread that runs Python non-stop took 32 ms at 5 ms and 4.7 ms
-    # at 0.5 (`benchmarks/response_sends.py`, session 11). A shorter interval also lets those threads
-    # cut into the engine's Python work. On the H200 0.5 made no difference at 18 req/s (session 4);
-    # not measured at today's load, so Python's default stays.
+    # The tts process's GIL switch interval, in ms: the longest a thread back from a chunk send or a
+    # codec call may wait for the GIL while the engine thread runs Python (`benchmarks/response_sends.py`).
     switch_interval_ms: float = 5.0
     codec_urgent_model: str = "codec_urgent"
     codec_background_model: str = "codec_background"
     cancellation_check_s: float = 0.2  # a sweep makes one round trip per open stream
-    # The largest share of time the cancellation watcher may hold the service lock: after each hold
-    # it lets go for (1 / share - 1) times as long as it held it. A sweep over N streams holds it N
-    # round trips long, and a round trip's cost varies with the host and its load (0.05 ms assumed
-    # in session 5, 0.11-0.13 ms on CPU in session 22): at 1400 streams and 0.2 s sweeps the unpaced
-    # watcher could hold the lock about half the time, which the engine thread and the lanes wait
-    # out. Generating and queued streams are checked before draining ones, so those holding a
-    # KV-cache row or waiting for one are found first. 1 turns the pacing off.
+    # The largest share of time the cancellation watcher may hold the service lock, which the engine
+    # thread and the lanes wait out: after a hold it lets go (1 / share - 1) times as long. 1: no pacing.
     cancellation_lock_share: float = 0.1
-    chunk_trace_path: str = (
-        ""  # append one JSON line per chunk sent and per frame step ("" = off); for diagnosis
-    )
+    # Append one JSON line per chunk sent and per frame step ("" = off); for diagnosis.
+    chunk_trace_path: str = ""
     cuda_graphs: bool = True
+    # Before Triton marks the model ready, run one request per codec lane the policy uses, through BLS,
+    # so the first client's request is served warm. Needs the model loaded after the server started.
+    warmup: bool = True
     # Launch each frame step before handling the previous one's frames, so the GPU does not wait
     # for the host's bookkeeping and admissions (not with the serial policy). See engine/engine.py.
     engine_overlap: bool = True
-    # Run prompts' prefills on a stream of their own, beside the frame step in flight (GPU; graph-sized prompts).
+    # Prefill prompts on a stream of their own, beside the frame step in flight (GPU; graph-sized prompts).
     prefill_overlap: bool = True
     graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams
     graph_spans: str = "256,512,1024,2048"  # attention-span buckets, capped at max_positions
-    prefill_graph_batch_sizes: str = "1,2,4,8"  # prompts admitted together (larger admissions go in groups)
+    prefill_graph_batch_sizes: str = "1,2,4,8"  # prompts admitted together (larger ones go in groups)
     prefill_graph_lengths: str = "32,64,128,256"  # prompt-length buckets; longer prompts prefill eagerly
 
     def graph_buckets(self) -> dict[str, list[int]]:
@@ -154,7 +129,8 @@ class TTSSettings:
             )
         if self.cancellation_check_s <= 0:
             raise ValueError(
-                f"config.pbtxt parameter 'cancellation_check_s' must be positive, got {self.cancellation_check_s}"
+                "config.pbtxt parameter 'cancellation_check_s' must be positive, "
+                f"got {self.cancellation_check_s}"
             )
         if not 0 < self.cancellation_lock_share <= 1:
             raise ValueError(
@@ -203,15 +179,14 @@ class CodecSettings:
     # lane of the policies other than voxserve) or "background".
     lane: str = URGENT
     cuda_graphs: bool = True
-    # Let cuDNN time its convolution algorithms per shape (before each graph capture; with
-    # cuda_graphs only) instead of taking its heuristic's choice, which for some dilated layers is a
-    # fallback kernel 10x slower (benchmarks/results/codec_speed_h200.md, session 9).
+    # Let cuDNN time its convolution algorithms per shape before each graph capture (with cuda_graphs
+    # only): its heuristic picks a far slower fallback kernel for some dilated layers.
     cudnn_autotune: bool = True
     # CUDA-graph shapes (chunks per call, frames per chunk); empty: those the tts scheduler's default
     # chunk schedule and this lane's batch limit make (`codec_graph_shapes`).
     graph_batch_sizes: str = ""
     graph_frame_sizes: str = ""
-    test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (see README)
+    test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (not counting the warm-up's calls)
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)

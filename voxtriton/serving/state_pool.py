@@ -1,11 +1,10 @@
 """The codec streaming state of every stream, in memory that both codec lanes reach in place.
 
 A stream's codec state (~5 MB for the 12 Hz codec: its transformer's key/value window and every
-causal convolution's history) used to travel through BLS with each chunk, both ways. That copy,
-not the decode, dominated a codec call. Now the `tts` model owns one pool with a row per stream
-slot; a BLS call carries only the slot numbers and the pool's handle, and the codec instance that
-decodes the chunk reads and writes the rows in place. Any chunk can still go to either lane, and a
-restarted lane re-attaches from the handle its next call brings.
+causal convolution's history) is too large to copy through BLS with each chunk. So the `tts` model
+owns one pool with a row per stream slot; a BLS call carries only the slot numbers and the pool's
+handle, and the codec instance that decodes the chunk reads and writes the rows in place. Any chunk
+can go to either lane, and a restarted lane re-attaches from the handle its next call brings.
 
 On a GPU the pool is device memory shared through CUDA IPC; on CPU it is a file in shared memory.
 A stream has one chunk in flight at a time, so no row is ever touched by two lanes at once, and a

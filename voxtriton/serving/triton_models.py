@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ from .tts_service import TTSService, codec_slots
 
 log = logging.getLogger("voxtriton")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+WARMUP_REQUEST_ID = "voxtriton-warmup"  # the codec calls of the warm-up: test faults skip them
+WARMUP_TIMEOUT_S = 300.0
 
 
 def to_triton(name: str, tensor: torch.Tensor):
@@ -119,10 +122,12 @@ class BLSCodecLane:
         # first of them reloads the model.
         self.restart_lock = threading.Lock()
         self.restarts = 0
+        self.warming = False  # calls are the warm-up's
 
     def decode(self, codes, start, slots):
         restarts_before = self.restarts
         request = pb_utils.InferenceRequest(
+            request_id=WARMUP_REQUEST_ID if self.warming else "",
             model_name=self.model_name,
             requested_output_names=["audio"],
             inputs=[
@@ -160,7 +165,7 @@ class BLSCodecLane:
             except Exception as error:
                 log.error(
                     "%s: reload failed (%s); start tritonserver with --model-control-mode=explicit "
-                    "--load-model=* so voxtriton can restart a failed codec lane",
+                    "so voxtriton can restart a failed codec lane",
                     self.model_name,
                     error,
                 )
@@ -193,7 +198,7 @@ class TTSTritonModel:
                 "instead of running side by side (start it with `voxtriton serve`)"
             )
         backbone_sms, shared = 0, False
-        if device.type == "cuda" and scheduler_config.policy == "voxserve":
+        if device.type == "cuda" and scheduler_config.rules.background_partition:
             total = torch.cuda.get_device_properties(device).multi_processor_count
             background_sms = lane_sms(settings.background_sms, total)
             if not 0 < background_sms < total:
@@ -227,11 +232,10 @@ class TTSTritonModel:
             )
         with torch.device("meta"):
             state_size = CodecModel(config.codec).state_size
-        # serial's codec takes turns with the backbone: no frame step may be queued while it decodes.
         engine = Engine(
             runner,
             settings.max_streams,
-            overlap=settings.engine_overlap and scheduler_config.policy != "serial",
+            overlap=settings.engine_overlap and scheduler_config.rules.engine_overlap,
         )
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
         slots = codec_slots(
@@ -243,7 +247,7 @@ class TTSTritonModel:
             self.state_pool.rows,
             self.state_pool.rows * state_size * 4 / 1e6,
         )
-        lanes = {
+        self.lanes = {
             URGENT: BLSCodecLane(settings.codec_urgent_model, self.state_pool),
             BACKGROUND: BLSCodecLane(settings.codec_background_model, self.state_pool),
         }
@@ -254,7 +258,7 @@ class TTSTritonModel:
         self.service = TTSService(
             engine,
             scheduler_config,
-            lanes,
+            self.lanes,
             settings.max_queued,
             settings.cancellation_check_s,
             metrics=self.metrics,
@@ -266,8 +270,18 @@ class TTSTritonModel:
             cancellation_lock_share=settings.cancellation_lock_share,
         )
         self.ids = itertools.count()
+        self.loading = True  # until Triton's warm-up sample (model_warmup in config.pbtxt) was answered
 
     def execute(self, requests):
+        if self.loading:
+            self.loading = False
+            if all(_is_warmup_sample(request) for request in requests):
+                if self.settings.warmup:
+                    self._warm_up()
+                # An error response to a warm-up sample hangs the model's load (Triton 2.51).
+                for request in requests:
+                    request.get_response_sender().send(flags=FINAL)
+                return None
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{request.request_id() or 'request'}#{next(self.ids)}"
@@ -291,6 +305,42 @@ class TTSTritonModel:
                 )
         return None
 
+    def _warm_up(self) -> None:
+        """One request per lane the policy uses, through the engine, the scheduler and BLS to the codec
+        models, before Triton marks this model ready. BLS works only once the server is up: in
+        initialize() Triton 2.51 refuses it, and while the server starts it answers "Server not
+        ready"; so this runs in the warm-up sample's execute, of a model loaded after the codec
+        models and after the server started (`voxtriton serve` loads it so)."""
+        config = self.service.scheduler.config
+        frames = min(sum(config.sizes), self.settings.max_frames)  # one chunk of each size
+        inputs = {
+            "text": np.array([b"Warming up every lane."], dtype=object),
+            "max_frames": np.array([frames], np.int32),
+            "ignore_eos": np.array([True]),
+            "seed": np.array([0], np.int64),
+        }
+        started = time.perf_counter()
+        for lane in self.lanes.values():
+            lane.warming = True
+        try:
+            requests = {lane: self.parser.parse(f"warmup-{lane}", inputs) for lane in config.lanes}
+            self.service.warm_up(requests, WARMUP_TIMEOUT_S)
+            log.info(
+                "tts: warmed up in %.2f s (%d frames on each of the lanes %s)",
+                time.perf_counter() - started,
+                frames,
+                ", ".join(config.lanes),
+            )
+        except Exception as error:
+            log.error(
+                "tts: warm-up failed (%s); serving anyway, the first requests pay for the cold start. "
+                "Load this model after the server has started (voxtriton serve does)",
+                error,
+            )
+        finally:
+            for lane in self.lanes.values():
+                lane.warming = False
+
     def finalize(self):
         try:
             self.service.shutdown()
@@ -299,6 +349,12 @@ class TTSTritonModel:
             self.state_pool.close()
             if self.chunk_trace:
                 self.chunk_trace.close()
+
+
+def _is_warmup_sample(request) -> bool:
+    """Triton's warm-up sample (config.pbtxt) has an empty text, which no client's request may have."""
+    text = pb_utils.get_input_tensor_by_name(request, "text")
+    return text is not None and text.as_numpy().size == 1 and text.as_numpy().reshape(-1)[0] in (b"", "")
 
 
 class CodecTritonModel:
@@ -324,7 +380,8 @@ class CodecTritonModel:
                     return from_triton(pb_utils.get_input_tensor_by_name(request, name))
 
                 pool = attach(get("state_pool").cpu().numpy().tobytes(), server_pid=os.getppid())
-                audio = self.service.decode(get("codes"), get("start"), get("slots"), pool)
+                warmup = request.request_id() == WARMUP_REQUEST_ID
+                audio = self.service.decode(get("codes"), get("start"), get("slots"), pool, warmup=warmup)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton("audio", audio)]))
             except Exception as error:
                 log.error("%s: decode failed: %s", self.name, error)

@@ -1,0 +1,104 @@
+"""The engine thread: admits requests, runs one frame step for every running request, and hands the
+frames to the chunk scheduler, which cuts chunks and queues them on a lane."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+
+import numpy as np
+
+from ...engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Part of `TTSService`: the engine thread's loop."""
+
+    def _engine_loop(self) -> None:
+        with self.engine_context:
+            self._run_engine()
+
+    def _run_engine(self) -> None:
+        while self.running:
+            try:
+                self._engine_iteration()
+            except Exception as error:  # a bug or device fault: fail the running streams, keep serving
+                log.error("engine iteration failed: %s", traceback.format_exc())
+                self._fail_all_running(f"generation failed: {error}")
+
+    def _engine_iteration(self) -> None:
+        # The pass's wall time includes waiting for the lock; its CPU time on this thread, next to the
+        # wall time outside the decode, tells waiting (for the GIL, the lock, a CPU) from work.
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        with self.lock:
+            while self.running and not self.incoming and not self.engine.has_work:
+                self.engine_idle = True
+                self.lock.wait(0.5)  # woken by submit; the timeout only refreshes the gauges
+                self._publish_gauges()
+                started, cpu_started = (
+                    time.perf_counter(),
+                    time.thread_time(),
+                )  # idle time is not part of a frame step
+            self.engine_idle = False
+            if not self.running:
+                return
+            for stream in self.incoming:
+                try:
+                    self.engine.add(stream.request)
+                except ValueError as error:
+                    self._end(stream, str(error))
+                    continue
+                self.scheduler.add(stream)
+            self.incoming.clear()
+        outputs = self.engine.step()
+        with self.lock:
+            for output in outputs:
+                self._on_frame(output.request, output.codes, output.finish_reason)
+            self._publish_gauges()
+            self.lock.notify_all()
+        if self.scheduler.config.rules.inline_decode:
+            self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
+        period, timing = time.perf_counter() - started, self.engine.last_timing
+        host_cpu = time.thread_time() - cpu_started - timing.decode_cpu_s
+        if self.metrics and outputs:
+            self.metrics.frame_step(period, len(outputs), timing, host_cpu)
+        if self.chunk_trace and (outputs or timing.batch):  # with overlap, a first launch returns nothing
+            with self.lock:
+                self._write_trace(
+                    {
+                        "kind": "step",
+                        "end": self.clock(),
+                        "period": period,
+                        "frames": len(outputs),
+                        "host_cpu_s": host_cpu,
+                        **dataclasses.asdict(timing),
+                    }
+                )
+
+    def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
+        stream = self.streams.get(request.request_id)
+        # A stream under this id may be a newer request's, submitted after the first one ended.
+        if stream is None or stream.closed or stream.request is not request:
+            return
+        stream.frames.append(codes)
+        if reason is not None and not stream.generation_done:  # (the engine sends one last frame)
+            stream.generation_done = True
+            self.draining += 1
+        self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
+
+    def _fail_all_running(self, message: str) -> None:
+        """After a failed step: end every stream the engine had taken, running, being admitted
+        (those were in neither of its lists) or with frames in flight, with the error. Streams still
+        in `incoming` wait for the next step; streams whose last frame had reached the service still
+        get their remaining chunks. (A request the engine marked finished whose last frame was lost
+        with the step is failed too: nothing else would end its stream.)"""
+        with self.lock:
+            for stream in list(self.streams.values()):
+                if stream not in self.incoming and not stream.generation_done:
+                    stream.request.cancelled = True
+                    self._end(stream, message)
+            self.engine.abort()

@@ -1,0 +1,147 @@
+"""The codec lanes' workers: each takes a batch from its lane's queue, calls the codec (BLS in the
+server), sends each chunk's audio to its stream without the service lock, and lets the scheduler cut
+that stream's next chunk."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+import torch
+
+from ...scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk
+
+log = logging.getLogger(__name__)
+
+LANE_CODES = {URGENT: 0, BACKGROUND: 1, INLINE: 2}
+
+
+def own_stream(device: torch.device):
+    """A CUDA stream for the calling thread's work (a no-op context on CPU)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device))
+
+
+def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
+    """A chunk's frames [T, Q], the last one repeated up to `length` (see `Chunk.decode_frames`)."""
+    codes = np.stack(frames)
+    return np.concatenate([codes, np.repeat(codes[-1:], length - len(codes), axis=0)])
+
+
+class LaneWorkers:
+    """Part of `TTSService`: the lane workers' loop and the codec call of a batch."""
+
+    def _lane_loop(self, lane: str) -> None:
+        with own_stream(self.device):
+            self._serve_lane(lane)
+
+    def _serve_lane(self, lane: str) -> None:
+        while self.running:
+            with self.lock:
+                batch = self.scheduler.next_batch(lane)
+                while self.running and not batch:
+                    self.lock.wait(0.5)
+                    batch = self.scheduler.next_batch(lane)
+            if batch:
+                self._decode_batch(lane, batch)
+
+    def _drain_inline(self) -> None:
+        while True:
+            with self.lock:
+                batch = self.scheduler.next_batch(INLINE)
+            if not batch:
+                return
+            self._decode_batch(INLINE, batch)
+
+    def _call_span(self, lane: str, issued: float) -> tuple[float, float]:
+        """(start, end) of a codec call just returned. With several workers on a lane, a call issued
+        while the lane's previous one ran waited for it in Triton's queue (one codec instance runs
+        one call at a time): it starts when that one ended. Counting the wait would inflate the lane's
+        decode estimate, and with it the slack the scheduler routes by. A worker that records its
+        end late (descheduled after its call returned) can leave the wait counted: an approximation."""
+        ended = self.clock()
+        with self.lane_clock_lock:
+            started = max(issued, self.lane_free_at.get(lane, issued))
+            self.lane_free_at[lane] = max(ended, self.lane_free_at.get(lane, ended))
+        return started, ended
+
+    def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
+        with self.lock:
+            live = [(c, c.stream) for c in batch if not c.stream.closed]  # streams still open
+            if not live:
+                return
+            codes = np.stack(
+                [
+                    padded_codes(s.frames[c.first_frame : c.first_frame + c.frames], c.decode_frames)
+                    for c, s in live
+                ]
+            )
+            for _, stream in live:
+                stream.decoding = True
+        issued = self.clock()
+        try:
+            audio = self.lanes[URGENT if lane == INLINE else lane].decode(
+                torch.from_numpy(codes.astype(np.int32)),
+                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
+                torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64),
+            )
+        except Exception as error:
+            log.error("codec lane %s failed: %s", lane, error)
+            with self.lock:
+                for _, stream in live:
+                    stream.decoding = False
+                    self._end(stream, f"codec lane '{lane}' failed: {error}")
+                    self._free_slot(stream)  # also when it had already ended (cancelled) meanwhile
+                self.lock.notify_all()
+            return
+        started, ended = self._call_span(lane, issued)
+        elapsed = ended - started
+        if self.metrics:
+            self.metrics.codec_call(lane, codes.shape[0] * codes.shape[1], elapsed)
+        samples_per_frame = audio.shape[1] // codes.shape[1]
+        with self.lock:
+            deliveries = []
+            for row, (chunk, stream) in enumerate(live):
+                stream.decoding = False
+                if stream.closed:
+                    self._free_slot(stream)
+                else:
+                    deliveries.append((row, chunk, stream))
+        # Sends (IPC round trips) go out without the service lock. A stream has one chunk in flight, so
+        # nothing else sends for it; one ended meanwhile has a closed sink, which drops the chunk.
+        sent = []  # (chunk, stream, when it was sent, or None if the client is gone)
+        for row, chunk, stream in deliveries:
+            info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
+            try:
+                stream.sink.send(
+                    audio[row, : chunk.frames * samples_per_frame],
+                    codes[row, : chunk.frames],
+                    info,
+                    chunk.last,
+                )
+                sent.append((chunk, stream, self.clock()))
+            except Exception as error:  # client gone: stop generating for it
+                log.info("stream %s: send failed (%s); cancelling", stream.request.request_id, error)
+                sent.append((chunk, stream, None))
+        with self.lock:
+            for chunk, stream, sent_at in sent:
+                if sent_at is None or stream.closed:
+                    self._end(stream, None)  # a no-op for a stream ended while its chunk was sent
+                    continue
+                if self.metrics:
+                    self.metrics.chunk_sent(
+                        chunk.lane,
+                        chunk.frames,
+                        elapsed,
+                        chunk.index == 0,
+                        sent_at - stream.opened_at,
+                        chunk.promoted,
+                    )
+                if self.chunk_trace:
+                    self._trace(chunk, len(live), started, ended, sent_at)
+                self.scheduler.chunk_done(chunk, elapsed, sent_at)
+                if chunk.last:
+                    self._end(stream, None)
+            self.lock.notify_all()
