@@ -18,7 +18,7 @@ TRITON_LANG := triton==3.6.0
 TRITON := nvidia-pytriton==0.7.0
 REFERENCE := qwen-tts-hf==0.1.1.post1 torchaudio==2.11.0
 
-.PHONY: install serve test test-fast clean
+.PHONY: install serve test test-fast lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,13 @@ install: $(STAMP)
 serve: install
 	$(BIN)/voxtriton serve $(ARGS)
 
-# The whole suite: unit tests, parity with the reference, and a real tritonserver over gRPC.
-test: install
+# ruff (lint and format, configured in pyproject.toml) with zero findings.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# The whole suite: lint, unit tests, parity with the reference, and a real tritonserver over gRPC.
+test: lint
 	VOXTRITON_REQUIRE_PARITY=1 $(PY) -m pytest -q $(ARGS)
 
 test-fast: install

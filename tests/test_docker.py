@@ -59,7 +59,7 @@ def test_compose_serves_with_a_gpu_a_checkpoint_mount_and_a_ready_healthcheck():
     # curl is in the NGC tritonserver image; the port is `voxtriton serve`'s HTTP port
     http_port = build_parser().parse_args(["serve"]).http_port
     assert check["test"][:2] == ["CMD", "curl"] and "-f" in check["test"][2]
-    assert check["test"][-1] == f"http://127.0.0.1:{http_port}/v2/health/ready"
+    assert check["test"][-1] == f"http://127.0.0.1:{http_port}/v2/models/tts/ready"
     assert {"interval", "timeout", "retries", "start_period"} <= check.keys()
 
 
