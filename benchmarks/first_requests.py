@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -25,6 +26,9 @@ from voxtriton.serving.launcher import TritonServer, parse_params
 
 
 def git_commit() -> str:
+    """COMMIT from the environment (a checkout copied without .git), else git's."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"].split()[0]
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
         ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True

@@ -141,8 +141,8 @@ def test_the_default_checkpoint_skips_the_checkpoint_checks():
 
 @pytest.mark.server
 def test_a_failed_start_prints_the_log_lines_that_say_why(checkpoint, tmp_path):
-    """A checkpoint that passes the checks but cannot be loaded: Triton starts and exits; serve prints
-    the log's error lines, not a traceback nor the whole log."""
+    """A checkpoint that passes the checks but cannot be loaded: Triton starts, the tts model fails to
+    load; serve prints the log's error lines, not a traceback nor the whole log."""
     (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
     env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
     ports = [str(free_port()) for _ in range(3)]
@@ -156,7 +156,7 @@ def test_a_failed_start_prints_the_log_lines_that_say_why(checkpoint, tmp_path):
     )
     lines = result.stderr.splitlines()
     assert result.returncode == 1, result.stdout + result.stderr
-    assert lines[0] == "voxtriton: tritonserver exited with code 1; its log says:", result.stderr
+    assert lines[0] == "voxtriton: the tts model did not load; its log says:", result.stderr
     assert 2 <= len(lines) <= 9, result.stderr
     assert any("failed to load 'tts'" in line and "model.safetensors" in line for line in lines), (
         result.stderr

@@ -188,10 +188,10 @@ class TritonServer:
         request = urllib.request.Request(url, data=b"", method="POST")
         try:
             urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())).close()
-        except OSError as error:
-            detail = error.read().decode(errors="replace") if hasattr(error, "read") else str(error)
+        except OSError:  # the log holds why (a model's error is many lines of JSON in the reply)
+            tail = self.log_tail()
             self.stop()
-            raise StartFailed(f"the tts model did not load: {detail}", self.log_tail()) from None
+            raise StartFailed("the tts model did not load", tail) from None
 
     def metrics(self) -> dict[str, float]:
         """voxtriton's samples from the Prometheus endpoint, and Triton's own per-model inference
