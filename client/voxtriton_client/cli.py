@@ -41,10 +41,16 @@ def speak(args: argparse.Namespace) -> int:
     report = synthesis.playback
     print(
         f"TTFA {report.ttfa_s * 1000:.1f} ms, {report.audio_s:.2f} s of audio in "
-        f"{len(synthesis.chunks)} chunks, stall {report.stall_s * 1000:.1f} ms ({report.stalls} stalls) "
-        f"under simulated playback; wrote {args.output}"
+        f"{len(synthesis.chunks)} chunks, {stall_summary(report)} under simulated playback; "
+        f"wrote {args.output}"
     )
     return 0
+
+
+def stall_summary(report) -> str:
+    if not report.stalls:
+        return "no stall"
+    return f"{report.stalls} stall{'s' if report.stalls > 1 else ''} ({report.stall_s * 1000:.1f} ms)"
 
 
 def main(argv: list[str] | None = None) -> int:
