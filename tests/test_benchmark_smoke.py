@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from server_helpers import live_processes
 
+from voxtriton.bench.targets import TritonTarget
 from voxtriton.bench.workload import one_request
-from voxtriton.serving.gateway import Router
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_pr
 
         server = await asyncio.start_server(accept_and_stay_silent, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = Router([f"127.0.0.1:{port}"])
+        client = TritonTarget([f"127.0.0.1:{port}"])
         try:
             started = time.perf_counter()
             result = await one_request(client, random.Random(0), (1.0, 2.0), None, timeout=0.5)
