@@ -47,7 +47,7 @@ from voxtriton.bench.fleet import TERMINATION, Fleet, GaugeSampler, settled_metr
 from voxtriton.bench.goodput import same_rate, search_goodput
 from voxtriton.bench.server_metrics import server_side
 from voxtriton.bench.summary import TTFA_TARGET_S, summarize, verdicts
-from voxtriton.bench.targets import Endpoint, parse_extra_body
+from voxtriton.bench.targets import GATEWAY_EXTRA_BODY, Endpoint, parse_extra_body
 from voxtriton.bench.workload import Progress, closed_loop, one_request, open_loop
 
 # Goodput definition -> the key of a probe's verdict on it (summary.verdicts)
@@ -485,8 +485,7 @@ def main() -> None:
     parser.add_argument("--model", help="--target openai: the request's model field")
     parser.add_argument(
         "--extra-body",
-        type=parse_extra_body,
-        default={"ignore_eos": True},
+        default=json.dumps(GATEWAY_EXTRA_BODY),
         help="--target openai: a JSON object merged into every request, for the server's own fields "
         "(default: voxtriton's gateway's {\"ignore_eos\": true}, so random weights run to their length)",
     )
@@ -594,6 +593,10 @@ def main() -> None:
         missing = [option for option in ("url", "model") if not getattr(args, option)]
         if missing:
             parser.error(f"--target openai needs {' and '.join('--' + m for m in missing)}")
+        try:
+            args.extra_body = parse_extra_body(args.extra_body)
+        except ValueError as error:
+            parser.error(str(error))
         args.policies = args.label or "openai"  # one system, the endpoint
     elif not args.checkpoint:
         parser.error("--checkpoint is required (or --smoke)")

@@ -15,6 +15,8 @@ from voxtriton.serving.gateway import Router
 
 FRAME_RATE = 12.5  # codec frames per second of audio
 PCM_BYTES_PER_S = 24000 * 2  # OpenAI's `pcm`: 16-bit little-endian mono at 24 kHz
+# voxtriton's gateway runs random weights to the length asked for when told to ignore the end token.
+GATEWAY_EXTRA_BODY = {"ignore_eos": True}
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class Endpoint:
 
     url: str
     model: str
-    extra_body: dict = field(default_factory=dict)
+    extra_body: dict = field(default_factory=lambda: dict(GATEWAY_EXTRA_BODY))
     length_field: str = "max_frames"
     seed_field: str = "seed"
     label: str = "openai"
