@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from voxtriton.bench.fleet import kernel_fallbacks
@@ -65,16 +67,21 @@ def test_an_endpoint_that_is_down_ends_the_run_saying_so(tmp_path):
     assert not (tmp_path / "bench" / "results.json").exists()
 
 
-def test_the_openai_target_refuses_incomplete_or_malformed_options(tmp_path):
-    bench = [sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--out", str(tmp_path)]
+def test_the_openai_target_refuses_incomplete_or_malformed_options(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     for options, message in (
         (["--target", "openai", "--model", "tts"], "--target openai needs --url"),
         (["--target", "openai", "--url", "http://x", "--model", "m", "--extra-body", "[1]"], "JSON object"),
         (["--target", "openai", "--url", "http://x", "--model", "m", "--extra-body", "{"], "not JSON"),
+        (["--target", "openai", "--url", "http://x", "--model", "m", "--smoke"], "--smoke starts a server"),
         (["--checkpoint", "x", "--goodput-rules", "strict,loose"], "--goodput-rules: loose"),
     ):
-        completed = subprocess.run(bench + options, capture_output=True, text=True, timeout=60)
-        assert completed.returncode == 2 and message in completed.stderr, (options, completed.stderr)
+        monkeypatch.setattr(sys, "argv", ["serving_bench.py", "--out", str(tmp_path), *options])
+        with pytest.raises(SystemExit) as exit:
+            bench.main()
+        assert exit.value.code == 2 and message in capsys.readouterr().err, options
 
 
 def test_a_request_body_carries_the_fixed_length_in_the_field_named():

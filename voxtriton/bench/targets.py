@@ -14,7 +14,7 @@ from voxtriton.bench.summary import LANES, RequestResult
 from voxtriton.serving.gateway import Router
 
 FRAME_RATE = 12.5  # codec frames per second of audio
-PCM_BYTES_PER_S = 24000 * 2  # OpenAI's `pcm`: 16-bit little-endian mono at 24 kHz
+PCM_SAMPLE_RATE = 24000  # OpenAI's `pcm`: 16-bit little-endian mono samples at 24 kHz
 # voxtriton's gateway runs random weights to the length asked for when told to ignore the end token.
 GATEWAY_EXTRA_BODY = {"ignore_eos": True}
 
@@ -123,17 +123,22 @@ def parse_extra_body(text: str) -> dict:
 
 class OpenAITarget:
     """An Endpoint over HTTP (httpx, which the openai client brings). Audio is counted as it arrives:
-    bytes -> seconds at 24 kHz, 16-bit mono; a response that is not 200 is a failed request."""
+    bytes -> seconds at 24 kHz, 16-bit mono; a response that is not 200 is a failed request. Late
+    pieces are numbered by network read (the server's chunks are not visible in the bytes), and
+    their lane is "unknown"."""
 
     def __init__(self, endpoint: Endpoint):
         try:
             import httpx
         except ImportError:
             raise SystemExit("--target openai needs httpx: python -m pip install httpx") from None
-        self.endpoint, self.httpx = endpoint, httpx
+        self.endpoint = endpoint
         # No pool limit: an open-loop probe holds one connection per stream in flight.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=10.0))
+        # Straight to the endpoint: no proxy from the environment between the client and the server.
+        self.client = httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(None, connect=10.0), trust_env=False
+        )
 
     async def request(self, utterance: Utterance, speaker: str | None, sent: float) -> RequestResult:
         url = self.endpoint.url.rstrip("/") + "/v1/audio/speech"
@@ -146,11 +151,9 @@ class OpenAITarget:
             async for piece in response.aiter_bytes():
                 if not piece:
                     continue
-                before = received // 2
+                samples = received // 2
                 received += len(piece)
-                arrivals.append(
-                    (time.perf_counter() - sent, (received // 2 - before) / (PCM_BYTES_PER_S / 2))
-                )
+                arrivals.append((time.perf_counter() - sent, (received // 2 - samples) / PCM_SAMPLE_RATE))
         return played(sent, arrivals, None, asked_s=utterance.seconds)
 
     async def close(self) -> None:
