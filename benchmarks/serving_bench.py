@@ -52,6 +52,7 @@ from voxtriton.bench.workload import Progress, closed_loop, one_request, open_lo
 
 # Goodput definition -> the key of a probe's verdict on it (summary.verdicts)
 RULES = {"strict": "meets", "attainment": "attains"}
+UNREAD = "- | - | - | - | -"  # the server-side cells of a table row, for a system whose metrics are not read
 
 
 def measure(args, fleet: Fleet | Endpoint, label: str, run) -> dict:
@@ -293,7 +294,7 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
                     f"{s['codec_ms_mean']['urgent']} | {s['codec_ms_mean']['background']} | "
                     f"{s['first_chunk_codec_ms_mean']} | {_fmt(s['urgent_share'])}"
                     if s
-                    else " | ".join("-" * 5)
+                    else UNREAD
                 )
                 lines.append(
                     f"| {r['policy']} | {row['streams']} | {row['completed']} | {row['ttfa_p90_ms']} | "
@@ -349,7 +350,7 @@ def goodput_table(results: list[dict]) -> list[str]:
 def server_cells(server: dict | None) -> str:
     """The rates table's server-side cells; "-" each for a system whose metrics the harness cannot read."""
     if server is None:
-        return " | ".join("-" * 5)
+        return UNREAD
     return (
         f"{server['frame_step_ms_mean']} | {_fmt(server.get('admit_ms_per_request'))} "
         f"({_fmt(server.get('prefill_device_ms_per_request'))}) | "

@@ -122,7 +122,7 @@ def test_goodput_by_each_verdict_skips_probes_not_judged():
     assert (attained["goodput"], attained["passes"], attained["lowest_failed"]) == (3.0, "1 of 1", None)
 
 
-def test_one_search_per_definition_reuses_the_probes(monkeypatch):
+def test_one_search_per_definition_reuses_the_probes(monkeypatch, tmp_path):
     """serving_bench's goodput search, with probes whose verdicts follow known capacities (strict 10
     req/s, attainment 14 req/s): each search brackets its own capacity, and no rate and repeat is
     measured twice."""
@@ -150,3 +150,11 @@ def test_one_search_per_definition_reuses_the_probes(monkeypatch):
     assert 14 * 8 ** (-1 / 32) <= found["attainment"]["goodput"] <= 14
     assert len(measured) == len(set(measured)) == len(found["trials"])
     assert all(t["meets"] == (t["rate"] <= 10) and t["attains"] == (t["rate"] <= 14) for t in found["trials"])
+    # The report gives each goodput with the probes passed at it (both repeats, each measured once)
+    # and the peak listeners at the strict one (5: a request a second, 5 s of audio each).
+    args.out = tmp_path
+    meta = {"date": "today", "command": "serving_bench.py", "hardware": "CPU", "checkpoint": "/tmp/ck-tiny"}
+    bench.write_outputs(args, [{"policy": "peer", "rates": [], "concurrency": [], "goodput": found}], meta)
+    strict, attainment = found["strict"]["goodput"], found["attainment"]["goodput"]
+    row = f"| peer | {strict:.2f} | 2 of 2 | {attainment:.2f} | 2 of 2 | 5 |  |"
+    assert row in (tmp_path / "results.md").read_text()
