@@ -1,63 +1,82 @@
-"""The listener's experience under load: Poisson arrivals over gRPC streaming, per policy.
+"""The listener's experience under load: Poisson arrivals over gRPC streaming per policy, or over
+HTTP to any OpenAI-compatible streaming speech endpoint.
 
     # open loop: Poisson arrivals at each rate for --duration seconds, every policy, one server each
     python benchmarks/serving_bench.py --checkpoint DIR --policies voxserve,concurrent,serial \
         --rates 2,4,8 --out results/x
-    # goodput: the highest rate with p90 TTFA <= 200 ms and no stalled request, found by bisection
+    # goodput by bisection, by both definitions (strict: p90 TTFA <= 200 ms and no stalled request;
+    # SLO attainment: at least 99% of requests start within 200 ms and never stall)
     python benchmarks/serving_bench.py --checkpoint DIR --goodput --rate-low 1 --rate-high 64 --out results/x
+    # another server, already running (the harness starts nothing): the same workload over HTTP
+    python benchmarks/serving_bench.py --target openai --url http://HOST:PORT --model NAME --voice ryan \
+        --length-field max_new_tokens --extra-body '{"task_type": "CustomVoice"}' --rates 2,4 --out results/y
     # closed loop: N concurrent streams at all times (lane behaviour at 8, 32, 128 streams)
     python benchmarks/serving_bench.py --checkpoint DIR --concurrency 8,32,128 --out results/x
     # CPU smoke test (tiny random checkpoint, under a minute): what the test suite runs
     python benchmarks/serving_bench.py --smoke --out /tmp/smoke
 
 Workload: utterances of U(3, 20) seconds of audio (max_frames at 12.5 frames/s with ignore_eos, so
-random weights behave like real ones), texts drawn from TEXTS, arrival gaps from a Gamma
-distribution with mean 1/rate and shape 1/burstiness**2 (burstiness 1 = Poisson).
+random weights behave like real ones; over HTTP the frames go in --length-field), texts drawn from
+TEXTS, arrival gaps from a Gamma distribution with mean 1/rate and shape 1/burstiness**2
+(burstiness 1 = Poisson).
 
 Metrics (client side): TTFA = request sent to first audio received; stall =
 simulated playback that starts at the first chunk; RTF = generation time / audio duration. The
 client measures its own event-loop lag, so it can show it was not the bottleneck. Server-side
-numbers (frame step time, lane latencies, share of urgent chunks) come from the metrics endpoint.
-Checkpoints are random-weight: timings are real, audio is noise.
+numbers (frame step time, lane latencies, share of urgent chunks) come from the metrics endpoint;
+for --target openai there are none (reported as null). Over HTTP, audio is counted as its bytes
+arrive (16-bit mono PCM at 24 kHz). Checkpoints are random-weight: timings are real, audio is noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from voxtriton.bench.fleet import TERMINATION, Fleet, GaugeSampler, settled_metrics
-from voxtriton.bench.goodput import search_goodput
+from voxtriton.bench.goodput import same_rate, search_goodput
 from voxtriton.bench.server_metrics import server_side
-from voxtriton.bench.summary import TTFA_TARGET_S, meets_target, summarize
-from voxtriton.bench.workload import Progress, closed_loop, open_loop
+from voxtriton.bench.summary import TTFA_TARGET_S, summarize, verdicts
+from voxtriton.bench.targets import GATEWAY_EXTRA_BODY, Endpoint, parse_extra_body
+from voxtriton.bench.workload import Progress, closed_loop, one_request, open_loop
+
+# Goodput definition -> the key of a probe's verdict on it (summary.verdicts)
+RULES = {"strict": "meets", "attainment": "attains"}
+UNREAD = "- | - | - | - | -"  # the server-side cells of a table row, for a system whose metrics are not read
 
 
-def measure(args, fleet: Fleet, label: str, run) -> dict:
-    before = settled_metrics(fleet)  # the last probe's (or the warm-up's) updates applied, as `after`'s are
+def measure(args, fleet: Fleet | Endpoint, label: str, run) -> dict:
+    """One probe, with the servers' side of it; None there for a system whose servers the harness
+    cannot read (an Endpoint)."""
+    metered = bool(fleet.servers)
+    before = settled_metrics(fleet) if metered else None  # the last probe's updates applied, as `after`'s are
     # No garbage collection while a probe runs: a full collection over hundreds of streams' objects
     # stalls the client's event loop, which would delay chunks and show as stalls the server did not cause.
     gc.collect()
     gc.disable()
     started = time.monotonic()
     try:
-        with GaugeSampler(fleet) as gauges:
+        with GaugeSampler(fleet) if metered else contextlib.nullcontext() as gauges:
             results, lag = asyncio.run(run())
     finally:
         gc.enable()
     summary = summarize(results, lag)
-    summary["server"] = server_side(
-        before, settled_metrics(fleet), time.monotonic() - started, len(fleet.servers)
-    )
-    summary["server"]["gauges"] = gauges.summary()
+    summary["server"] = None
+    if metered:
+        summary["server"] = server_side(
+            before, settled_metrics(fleet), time.monotonic() - started, len(fleet.servers)
+        )
+        summary["server"]["gauges"] = gauges.summary()
     # Another busy process on the host slows the server's Python threads; the 1-minute load average
     # (this server and client included, overlapping the previous probe) makes that visible.
     summary["host_load_1min"], summary["host_cpus"] = (
@@ -74,12 +93,39 @@ def measure(args, fleet: Fleet, label: str, run) -> dict:
     return summary
 
 
-def warm_up(args, fleet: Fleet) -> None:
-    asyncio.run(open_loop(fleet.urls, 2.0 * len(fleet.urls), 2.0, 1.0, (1.0, 2.0), 999, args.speaker))
+def check_serves(args, fleet: Fleet | Endpoint) -> None:
+    """One short request before anything is measured: a system that does not serve it ends the run
+    with the reason, rather than measuring a probe of failures."""
+
+    async def one():
+        target = fleet.make_target()
+        try:
+            return await one_request(target, random.Random(args.seed), (1.0, 1.0), args.speaker)
+        finally:
+            await target.close()
+
+    result = asyncio.run(one())
+    if result.error or not result.audio_s:
+        where = f" at {fleet.url}" if isinstance(fleet, Endpoint) else ""
+        raise SystemExit(
+            f"{fleet.label}{where} did not serve a test request, so nothing is measured: "
+            f"{result.error or 'it returned no audio'}"
+        )
+
+
+def warm_up(args, fleet: Fleet | Endpoint) -> None:
+    rate = 2.0 * max(1, len(fleet.servers))
+    asyncio.run(open_loop(fleet.make_target, rate, 2.0, 1.0, (1.0, 2.0), 999, args.speaker))
 
 
 def open_loop_probe(
-    args, fleet: Fleet, label: str, rate: float, duration: float, seed: int, progress: Progress | None = None
+    args,
+    fleet: Fleet | Endpoint,
+    label: str,
+    rate: float,
+    duration: float,
+    seed: int,
+    progress: Progress | None = None,
 ) -> dict:
     """One measured open-loop probe: arrivals at `rate` for `duration` seconds, with the run's burstiness,
     utterance lengths and speaker; `seed` picks the arrivals."""
@@ -88,7 +134,7 @@ def open_loop_probe(
         fleet,
         label,
         lambda: open_loop(
-            fleet.urls,
+            fleet.make_target,
             rate,
             duration,
             args.burstiness,
@@ -100,7 +146,7 @@ def open_loop_probe(
     )
 
 
-def warm_up_load(args, fleet: Fleet, policy: str) -> dict:
+def warm_up_load(args, fleet: Fleet | Endpoint, policy: str) -> dict:
     """`--warm-up-load` seconds of arrivals at the lowest rate the run measures, not counted as a probe,
     for a fresh server whose first load may behave unlike later ones; what the warm-up saw is recorded.
     Its arrivals (seed - 1) are none of the probes' (seed + repeat)."""
@@ -112,12 +158,14 @@ def warm_up_load(args, fleet: Fleet, policy: str) -> dict:
 
 
 def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: None) -> dict:
-    """One policy's servers and probes. `probed(out)` gets the results so far after each probe."""
-    fleet = Fleet(args, spec)
+    """One policy's servers (or the --target openai endpoint) and probes. `probed(out)` gets the
+    results so far after each probe."""
+    fleet = endpoint(args) if args.target == "openai" else Fleet(args, spec)
     policy = fleet.label
-    out: dict = {"policy": policy, "rates": [], "concurrency": []}
+    out: dict = {"policy": policy, "target": args.target, "rates": [], "concurrency": []}
     try:
         fleet.start()
+        check_serves(args, fleet)
         warm_up(args, fleet)
         if args.warm_up_load:
             out["warm_up"] = warm_up_load(args, fleet, policy)
@@ -143,14 +191,16 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
                 args,
                 fleet,
                 f"{policy} {streams} streams",
-                lambda: closed_loop(fleet.urls, streams, args.duration, seconds, args.seed, args.speaker),
+                lambda: closed_loop(
+                    fleet.make_target, streams, args.duration, seconds, args.seed, args.speaker
+                ),
             )
             out["concurrency"].append({"streams": streams, **summary})
             probed(out)
         if args.goodput:
 
             def searching(trials: list[dict]) -> None:
-                out["goodput"] = {"goodput": None, "trials": trials, "note": "search not finished"}
+                out["goodput"] = {"trials": trials, "note": "search not finished"}
                 probed(out)
 
             out["goodput"] = find_goodput(args, fleet, policy, searching)
@@ -160,26 +210,43 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
     return out
 
 
-def find_goodput(
-    args, fleet: Fleet, policy: str, searching: Callable[[list[dict]], None] = lambda trials: None
-) -> dict:
-    """The highest rate meeting p90 TTFA <= 200 ms with no stall (`search_goodput`); every probe is
-    kept, and `searching(trials)` gets them after each one."""
-    trials = []
+def endpoint(args) -> Endpoint:
+    return Endpoint(
+        args.url, args.model, args.extra_body, args.length_field, args.seed_field, args.label or "openai"
+    )
 
-    def probe(rate, repeat):
+
+def find_goodput(
+    args,
+    fleet: Fleet | Endpoint,
+    policy: str,
+    searching: Callable[[list[dict]], None] = lambda trials: None,
+) -> dict:
+    """The highest rate passing each of --goodput-rules (`search_goodput`), one search after the
+    other; a probe at a rate and repeat already measured is reused, not run again. Every probe is
+    kept with both verdicts, and `searching(trials)` gets them after each one."""
+    trials: list[dict] = []
+
+    def probe(rate, repeat) -> dict:
+        for done in trials:
+            if done["repeat"] == repeat and same_rate(done["rate"], rate):
+                return done
         summary = open_loop_probe(
             args, fleet, f"{policy} goodput probe {rate:.2f}/s", rate, args.duration, args.seed + repeat
         )
-        trials.append({"rate": rate, "repeat": repeat, "meets": meets_target(summary), **summary})
+        trials.append({"rate": rate, "repeat": repeat, **verdicts(summary), **summary})
         searching(trials)
-        return trials[-1]["meets"]
+        return trials[-1]
 
-    def trial(rate):  # passes when every repeat does (`all` stops at the first that fails)
-        return all(probe(rate, repeat) for repeat in range(args.repeats))
+    found: dict = {"trials": trials}
+    for rule in args.goodput_rules:
 
-    rate, note = search_goodput(trial, args.rate_low, args.rate_high, args.bisection_steps)
-    return {"goodput": rate, "trials": trials, **({"note": note} if note else {})}
+        def trial(rate):  # passes when every repeat does (`all` stops at the first that fails)
+            return all(probe(rate, repeat)[RULES[rule]] for repeat in range(args.repeats))
+
+        rate, note = search_goodput(trial, args.rate_low, args.rate_high, args.bisection_steps)
+        found[rule] = {"goodput": rate, **({"note": note} if note else {})}
+    return found
 
 
 def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> None:
@@ -197,22 +264,19 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
     ]
     if any(r["rates"] for r in results):
         lines += [
-            "| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | RTF | "
-            "frame step ms | admit ms per request (GPU) | urgent share (promoted) | "
+            "| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | "
+            "SLO attained | RTF | frame step ms | admit ms per request (GPU) | urgent share (promoted) | "
             "lanes busy (chunks/call) | rows max (waiting max) | host load (CPUs) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results:
             for row in r["rates"]:
-                s = row["server"]
                 lines.append(
                     f"| {r['policy']} | {row['rate']:g} | {row['completed']} | {row['failed']} | "
                     f"{row['ttfa_p50_ms']} | {row['ttfa_p90_ms']} | {row['ttfa_p99_ms']} | "
-                    f"{row['stalled_requests']} | {row['stall_total_s']:.2f} | {_fmt(row['rtf_median'])} | "
-                    f"{s['frame_step_ms_mean']} | {_fmt(s.get('admit_ms_per_request'))} "
-                    f"({_fmt(s.get('prefill_device_ms_per_request'))}) | "
-                    f"{_fmt(s['urgent_share'])} ({_count(s.get('promoted_chunks'))}) | {lane_occupancy(s)} | "
-                    f"{row_peaks(s)} | "
+                    f"{row['stalled_requests']} | {row['stall_total_s']:.2f} | "
+                    f"{_share(row.get('slo_attainment'))} | {_fmt(row['rtf_median'])} | "
+                    f"{server_cells(row['server'])} | "
                     f"{row['host_load_1min']} ({row['host_cpus']}) |"
                 )
         lines.append("")
@@ -225,32 +289,21 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
         for r in results:
             for row in r["concurrency"]:
                 s = row["server"]
+                server = (
+                    f"{s['frame_step_ms_mean']} ({_fmt(s['frame_step_batch_mean'])}) | "
+                    f"{s['codec_ms_mean']['urgent']} | {s['codec_ms_mean']['background']} | "
+                    f"{s['first_chunk_codec_ms_mean']} | {_fmt(s['urgent_share'])}"
+                    if s
+                    else UNREAD
+                )
                 lines.append(
                     f"| {r['policy']} | {row['streams']} | {row['completed']} | {row['ttfa_p90_ms']} | "
-                    f"{row['stalled_requests']} | {s['frame_step_ms_mean']} "
-                    f"({_fmt(s['frame_step_batch_mean'])}) | "
-                    f"{s['codec_ms_mean']['urgent']} | {s['codec_ms_mean']['background']} | "
-                    f"{s['first_chunk_codec_ms_mean']} | {_fmt(s['urgent_share'])} |"
+                    f"{row['stalled_requests']} | {server} |"
                 )
         lines.append("")
-    goodputs = {
-        r["policy"]: r["goodput"]["goodput"]
-        for r in results
-        if r.get("goodput", {}).get("goodput") is not None
-    }
-    if goodputs:
-        lines += ["| policy | goodput (req/s) | peak listeners at that rate |", "|---|---|---|"]
-        for r in results:
-            if r["policy"] in goodputs:
-                passing = [
-                    t for t in r["goodput"]["trials"] if t["meets"] and t["rate"] == r["goodput"]["goodput"]
-                ]
-                peak = passing[0].get("listeners_peak", "-") if passing else "-"
-                lines.append(f"| {r['policy']} | {r['goodput']['goodput']:.2f} | {peak} |")
-        baselines = [g for p, g in goodputs.items() if p != "voxserve"]
-        if "voxserve" in goodputs and baselines and max(baselines) > 0:
-            lines += ["", f"voxserve / best baseline = {goodputs['voxserve'] / max(baselines):.2f}x"]
-        lines.append("")
+    searched = [r for r in results if any(rule in r.get("goodput", {}) for rule in RULES)]
+    if searched:
+        lines += goodput_table(searched)
     write_whole(out / "results.md", "\n".join(lines) + "\n")
     plot(results, out)
     if echo:
@@ -262,6 +315,52 @@ def write_whole(path: Path, text: str) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
     os.replace(partial, path)
+
+
+def goodput_table(results: list[dict]) -> list[str]:
+    """Each policy's goodput by both definitions, with how many of the probes at that rate passed."""
+    lines = [
+        "| policy | strict goodput (req/s) | probes passed at it | SLO-attainment goodput (req/s) | "
+        "probes passed at it | peak listeners at the strict goodput | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    best = {}
+    for r in results:
+        cells, notes, listeners = [], [], None
+        for rule, verdict in RULES.items():
+            found = r["goodput"].get(rule)
+            if found is None:
+                cells += ["-", "-"]
+                continue
+            best[rule, r["policy"]] = found["goodput"]
+            at = [t for t in r["goodput"]["trials"] if same_rate(t["rate"], found["goodput"])]
+            cells += [f"{found['goodput']:.2f}", f"{sum(bool(t[verdict]) for t in at)} of {len(at)}"]
+            notes += [f"{rule}: {found['note']}"] if "note" in found else []
+            if rule == "strict":
+                listeners = max((t["listeners_peak"] for t in at if t[verdict]), default=None)
+        lines.append(f"| {r['policy']} | {' | '.join(cells)} | {_count(listeners)} | {'; '.join(notes)} |")
+    for rule in RULES:
+        ours = best.get((rule, "voxserve"))
+        baselines = [g for (kind, policy), g in best.items() if kind == rule and policy != "voxserve"]
+        if ours is not None and baselines and max(baselines) > 0:
+            lines += ["", f"{rule}: voxserve / best baseline = {ours / max(baselines):.2f}x"]
+    return lines + [""]
+
+
+def server_cells(server: dict | None) -> str:
+    """The rates table's server-side cells; "-" each for a system whose metrics the harness cannot read."""
+    if server is None:
+        return UNREAD
+    return (
+        f"{server['frame_step_ms_mean']} | {_fmt(server.get('admit_ms_per_request'))} "
+        f"({_fmt(server.get('prefill_device_ms_per_request'))}) | "
+        f"{_fmt(server['urgent_share'])} ({_count(server.get('promoted_chunks'))}) | "
+        f"{lane_occupancy(server)} | {row_peaks(server)}"
+    )
+
+
+def _share(fraction: float | None) -> str:  # "-": no requests, or results from before the metric
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def row_peaks(server: dict) -> str:
@@ -376,6 +475,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--target",
+        choices=("triton", "openai"),
+        default="triton",
+        help="triton: start voxtriton's tritonservers (--policies) and measure them over gRPC; openai: "
+        "measure the OpenAI-compatible speech endpoint at --url, which must already be running",
+    )
+    parser.add_argument("--url", help="--target openai: the server's base URL, e.g. http://127.0.0.1:8091")
+    parser.add_argument("--model", help="--target openai: the request's model field")
+    parser.add_argument(
+        "--extra-body",
+        default=json.dumps(GATEWAY_EXTRA_BODY),
+        help="--target openai: a JSON object merged into every request, for the server's own fields "
+        "(default: voxtriton's gateway's {\"ignore_eos\": true}, so random weights run to their length)",
+    )
+    parser.add_argument(
+        "--length-field",
+        default="max_frames",
+        help="--target openai: the request field that fixes its length, in codec frames at 12.5 Hz "
+        "(voxtriton's gateway: max_frames; vLLM-Omni: max_new_tokens)",
+    )
+    parser.add_argument(
+        "--seed-field",
+        default="seed",
+        help="--target openai: the request field for its sampling seed ('' sends none)",
+    )
+    parser.add_argument("--label", help="--target openai: the system's name in the results (default openai)")
     parser.add_argument("--checkpoint")
     parser.add_argument(
         "--policies",
@@ -407,6 +533,13 @@ def main() -> None:
         "policy's limit one probe can pass and the next fail",
     )
     parser.add_argument("--goodput", action="store_true")
+    parser.add_argument(
+        "--goodput-rules",
+        default="strict,attainment",
+        help="the goodput definitions to search for, one bisection each (probes reused between them): "
+        "strict (p90 TTFA <= 200 ms, no stalled or failed request) and attainment (at least 99%% of "
+        "requests start within 200 ms and never stall); every probe records both verdicts",
+    )
     parser.add_argument("--rate-low", type=float, default=1.0)
     parser.add_argument("--rate-high", type=float, default=64.0)
     parser.add_argument("--bisection-steps", type=int, default=4)
@@ -419,7 +552,7 @@ def main() -> None:
         help="codec state rows added for streams generated but still owed audio (about 5 MB "
         "each with Qwen3-TTS's codec); near a policy's goodput hundreds of streams drain at once",
     )
-    parser.add_argument("--speaker")
+    parser.add_argument("--speaker", "--voice", help="the voice (the request's speaker)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="MODEL:KEY=VALUE config.pbtxt parameter")
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
@@ -436,6 +569,8 @@ def main() -> None:
     if args.replot:
         plot(json.loads((Path(args.out) / "results.json").read_text())["policies"], Path(args.out))
         return
+    if args.smoke and args.target == "openai":
+        parser.error("--smoke starts a server: it is for --target triton")
     if args.smoke:
         import tempfile
 
@@ -451,12 +586,28 @@ def main() -> None:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
-    if not args.checkpoint:
+    args.goodput_rules = [rule for rule in args.goodput_rules.split(",") if rule]
+    unknown = [rule for rule in args.goodput_rules if rule not in RULES]
+    if unknown or not args.goodput_rules:
+        parser.error(f"--goodput-rules: {','.join(unknown) or 'none given'}; choose from {', '.join(RULES)}")
+    if args.target == "openai":
+        missing = [option for option in ("url", "model") if not getattr(args, option)]
+        if missing:
+            parser.error(f"--target openai needs {' and '.join('--' + m for m in missing)}")
+        try:
+            args.extra_body = parse_extra_body(args.extra_body)
+        except ValueError as error:
+            parser.error(str(error))
+        args.policies = args.label or "openai"  # one system, the endpoint
+    elif not args.checkpoint:
         parser.error("--checkpoint is required (or --smoke)")
     meta = {
         "command": " ".join(sys.argv),
-        "hardware": hardware(),
-        "checkpoint": args.checkpoint,
+        # An endpoint's host may not be the client's: say whose hardware this is.
+        "hardware": hardware() + (" (the client's host)" if args.target == "openai" else ""),
+        "checkpoint": args.checkpoint or args.model,
+        "target": args.target,
+        **({"url": args.url, "model": args.model} if args.target == "openai" else {}),
         "date": time.strftime("%Y-%m-%d"),
         "duration_s": args.duration,
         "burstiness": args.burstiness,

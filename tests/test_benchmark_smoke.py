@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from server_helpers import live_processes
 
+from voxtriton.bench.targets import TritonTarget
 from voxtriton.bench.workload import one_request
-from voxtriton.serving.gateway import Router
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +74,11 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     # sweep was checked, and the watcher held the lock for part of the probe, not all of it.
     watcher = row["server"]["cancellation_watcher"]
     assert watcher["checks_per_s"] > 0 and watcher["us_per_check"] > 0 and 0 < watcher["lock_share"] < 1
+    # Lengths are fixed per request (max_frames with ignore_eos): the audio is what was asked for. A
+    # request that stalled does not attain the SLO.
+    assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)
+    assert row["slo_attained"] <= row["completed"] - row["stalled_requests"]
+    assert row["slo_attainment"] == row["slo_attained"] / row["requests"]
     assert "| voxserve | 1 |" in (out / "results.md").read_text()
     warm_up = policy["warm_up"]  # at the lowest rate, kept apart from the probes
     assert warm_up["rate"] == 1 and warm_up["seconds"] == 2 and warm_up["requests"] >= 1
@@ -156,7 +161,7 @@ def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_pr
 
         server = await asyncio.start_server(accept_and_stay_silent, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = Router([f"127.0.0.1:{port}"])
+        client = TritonTarget([f"127.0.0.1:{port}"])
         try:
             started = time.perf_counter()
             result = await one_request(client, random.Random(0), (1.0, 2.0), None, timeout=0.5)

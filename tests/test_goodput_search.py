@@ -1,11 +1,18 @@
-"""The goodput search of benchmarks/serving_bench.py, against a known capacity (no server)."""
+"""The goodput search of benchmarks/serving_bench.py against known capacities, and the two goodput
+definitions (no server)."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+from pathlib import Path
+
 import pytest
 
-from voxtriton.bench.goodput import search_goodput
-from voxtriton.bench.summary import RequestResult, timeline
+from voxtriton.bench.goodput import goodput, search_goodput
+from voxtriton.bench.summary import RequestResult, attains_target, summarize, timeline, verdicts
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def probe_log(capacity):
@@ -61,3 +68,93 @@ def test_the_timeline_shows_when_stalls_began():
     ]
     assert [row["ttfa_p90_ms"] for row in rows] == [150.0, 100.0, 900.0]
     assert timeline([]) == []
+
+
+def slo_probe(late=0, stalled=0, failed=0, requests=100):
+    """`requests` requests: `late` start after 200 ms, `stalled` stall, `failed` fail; the rest
+    start in 100 ms and play through."""
+    results = []
+    for i in range(requests):
+        if i < late:
+            results.append(RequestResult(float(i), 0.35, 0.0, 5.0, 0.3, None))
+        elif i < late + stalled:
+            results.append(RequestResult(float(i), 0.1, 0.4, 5.0, 0.3, None))
+        elif i < late + stalled + failed:
+            results.append(RequestResult(float(i), None, 0.0, 0.0, None, "HTTP 503"))
+        else:
+            results.append(RequestResult(float(i), 0.1, 0.0, 5.0, 0.3, None))
+    return summarize(results, [])
+
+
+def test_slo_attainment_allows_one_request_in_a_hundred():
+    """At least 99% of requests start within 200 ms and never stall: 1 late of 100 attains, 2 do not.
+    A failed request counts against it as a late one does."""
+    one, two = slo_probe(late=1), slo_probe(late=2)
+    assert (one["slo_attained"], one["slo_attainment"]) == (99, 0.99) and attains_target(one)
+    assert (two["slo_attained"], two["slo_attainment"]) == (98, 0.98) and not attains_target(two)
+    assert attains_target(slo_probe(failed=1)) and not attains_target(slo_probe(failed=1, late=1))
+    assert attains_target(slo_probe(late=2, requests=200)) and not attains_target(
+        slo_probe(late=3, requests=200)
+    )
+
+
+def test_the_two_definitions_disagree_where_they_should():
+    """One stall in 100 fails strict and keeps attainment; 5 late starts in 100 keep the p90 within
+    200 ms (strict passes) and fail attainment. Both verdicts are recorded on each probe."""
+    assert verdicts(slo_probe(stalled=1)) == {"meets": False, "attains": True}
+    assert verdicts(slo_probe(late=5)) == {"meets": True, "attains": False}
+    assert verdicts(slo_probe()) == {"meets": True, "attains": True}
+    assert verdicts(slo_probe(late=20)) == {"meets": False, "attains": False}
+    # A probe summarized before attainment was counted is not judged by it.
+    old = {k: v for k, v in slo_probe().items() if k not in ("slo_attained", "slo_attainment")}
+    assert verdicts(old) == {"meets": True, "attains": None}
+    assert not attains_target(summarize([], []))
+
+
+def test_goodput_by_each_verdict_skips_probes_not_judged():
+    rows = [
+        {"rate": 2.0, "passed": True, "attained": True, "listeners_peak": 5},
+        {"rate": 3.0, "passed": False, "attained": True, "listeners_peak": 7},
+        {"rate": 4.0, "passed": False, "attained": None, "listeners_peak": 9},
+    ]
+    assert goodput(rows)["goodput"] == 2.0 and goodput(rows)["lowest_failed"] == 3.0
+    attained = goodput(rows, "attained")
+    assert (attained["goodput"], attained["passes"], attained["lowest_failed"]) == (3.0, "1 of 1", None)
+
+
+def test_one_search_per_definition_reuses_the_probes(monkeypatch, tmp_path):
+    """serving_bench's goodput search, with probes whose verdicts follow known capacities (strict 10
+    req/s, attainment 14 req/s): each search brackets its own capacity, and no rate and repeat is
+    measured twice."""
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    measured = []
+
+    def fake_probe(args, fleet, label, rate, duration, seed, progress=None):
+        measured.append((rate, seed))
+        return slo_probe(stalled=int(rate > 10), late=2 * int(rate > 14))
+
+    monkeypatch.setattr(bench, "open_loop_probe", fake_probe)
+    args = argparse.Namespace(
+        goodput_rules=["strict", "attainment"],
+        repeats=2,
+        rate_low=4.0,
+        rate_high=32.0,
+        bisection_steps=5,
+        duration=1.0,
+        seed=0,
+    )
+    found = bench.find_goodput(args, None, "peer")
+    assert 10 * 8 ** (-1 / 32) <= found["strict"]["goodput"] <= 10
+    assert 14 * 8 ** (-1 / 32) <= found["attainment"]["goodput"] <= 14
+    assert len(measured) == len(set(measured)) == len(found["trials"])
+    assert all(t["meets"] == (t["rate"] <= 10) and t["attains"] == (t["rate"] <= 14) for t in found["trials"])
+    # The report gives each goodput with the probes passed at it (both repeats, each measured once)
+    # and the peak listeners at the strict one (5: a request a second, 5 s of audio each).
+    args.out = tmp_path
+    meta = {"date": "today", "command": "serving_bench.py", "hardware": "CPU", "checkpoint": "/tmp/ck-tiny"}
+    bench.write_outputs(args, [{"policy": "peer", "rates": [], "concurrency": [], "goodput": found}], meta)
+    strict, attainment = found["strict"]["goodput"], found["attainment"]["goodput"]
+    row = f"| peer | {strict:.2f} | 2 of 2 | {attainment:.2f} | 2 of 2 | 5 |  |"
+    assert row in (tmp_path / "results.md").read_text()

@@ -79,5 +79,50 @@ def test_merging_runs_writes_the_tables_with_or_without_matplotlib(tmp_path):
     assert completed.returncode == 0, completed.stderr
     table = (out / "results.md").read_text()
     assert "| 1.7b | concurrent | 80.00 | 1 of 2 | 76.00 | 80.00 | 900 |" in table
-    assert "| 1.7b | concurrent | b | 84.00 | no | 14 / 1600 | 150.0 | 20.0 |" in table
+    # (runs from before the harness counted SLO attainment: "-" there, and no attainment goodput)
+    assert "| 1.7b | concurrent | b | 84.00 | no | - | 14 / 1600 | 150.0 | 20.0 |" in table
+    assert "| 1.7b | concurrent | - | None | - | - | None |" in table
     assert (out / "ttfa_stalls_vs_rate.png").exists() or "matplotlib not installed" in completed.stderr
+
+
+def test_both_definitions_for_a_system_without_server_metrics(tmp_path):
+    """A run of an OpenAI-compatible endpoint (no server-side metrics: `server` is None): one stalled
+    request in 200 fails the strict goodput and keeps the SLO attainment (199 of 200 >= 99%)."""
+
+    def trial(rate, stalled, attained, p90):
+        return {
+            "rate": rate,
+            "requests": 200,
+            "failed": 0,
+            "completed": 200,
+            "stalled_requests": stalled,
+            "slo_attained": attained,
+            "slo_attainment": attained / 200,
+            "ttfa_p90_ms": p90,
+            "stall_total_s": 0.2 * stalled,
+            "listeners_peak": 30,
+            "audio_s": 2000.0,
+            "server": None,
+        }
+
+    run = tmp_path / "peer"
+    run.mkdir()
+    trials = [trial(2, 0, 200, 150.0), trial(3, 1, 199, 170.0), trial(4, 0, 150, 250.0)]
+    meta = {"command": "serving_bench.py --target openai", "checkpoint": "/tmp/ck-1.7b"}
+    (run / "results.json").write_text(
+        json.dumps({"meta": meta, "policies": [{"policy": "vllm-omni", "rates": trials}]})
+    )
+    out = tmp_path / "merged"
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "merge_goodput.py"), "--out", str(out), str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    merged = json.loads((out / "results.json").read_text())["goodput"]["1.7b vllm-omni"]
+    assert (merged["strict"]["goodput"], merged["strict"]["lowest_failed"]) == (2, 3)
+    assert (merged["attainment"]["goodput"], merged["attainment"]["passes"]) == (3, "1 of 1")
+    assert merged["attainment"]["lowest_failed"] == 4
+    table = (out / "results.md").read_text()
+    assert "| 1.7b | vllm-omni | peer | 3.00 | no | yes (99.5%) | 1 / 200 | 170.0 | None |" in table

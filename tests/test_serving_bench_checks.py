@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from voxtriton.bench.fleet import kernel_fallbacks
+from voxtriton.bench.targets import Endpoint, Utterance
+from voxtriton.serving.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Lines of a real server log whose environment had a CC that named no compiler.
 FALLBACK = (
@@ -43,3 +52,58 @@ def test_a_gpu_without_the_triton_package_logs_every_kernel_as_a_fallback(monkey
     assert usable and not any(usable.values())
     found = kernel_fallbacks("\n".join(record.getMessage() for record in caplog.records))
     assert len(found) == len(usable) and all("cannot be imported" in line for line in found)
+
+
+def test_an_endpoint_that_is_down_ends_the_run_saying_so(tmp_path):
+    """--target openai starts nothing: with nothing listening at --url it measures nothing, exits
+    non-zero and names the URL and the failure, and writes no results."""
+    url = f"http://127.0.0.1:{free_port()}"
+    command = [sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--target", "openai"]
+    command += ["--url", url, "--model", "tts", "--rates", "2", "--out", str(tmp_path / "bench")]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert completed.returncode != 0
+    assert f"openai at {url} did not serve a test request" in completed.stderr
+    assert "ConnectError" in completed.stderr
+    assert not (tmp_path / "bench" / "results.json").exists()
+
+
+def test_the_openai_target_refuses_incomplete_or_malformed_options(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for options, message in (
+        (["--target", "openai", "--model", "tts"], "--target openai needs --url"),
+        (["--target", "openai", "--url", "http://x", "--model", "m", "--extra-body", "[1]"], "JSON object"),
+        (["--target", "openai", "--url", "http://x", "--model", "m", "--extra-body", "{"], "not JSON"),
+        (["--target", "openai", "--url", "http://x", "--model", "m", "--smoke"], "--smoke starts a server"),
+        (["--checkpoint", "x", "--goodput-rules", "strict,loose"], "--goodput-rules: loose"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["serving_bench.py", "--out", str(tmp_path), *options])
+        with pytest.raises(SystemExit) as exit:
+            bench.main()
+        assert exit.value.code == 2 and message in capsys.readouterr().err, options
+
+
+def test_a_request_body_carries_the_fixed_length_in_the_field_named():
+    utterance = Utterance("Hello.", frames=50, seed=7)
+    ours = Endpoint("http://gw", "tts").body(utterance, "ryan")
+    assert ours == {
+        "model": "tts",
+        "input": "Hello.",
+        "response_format": "pcm",
+        "ignore_eos": True,
+        "voice": "ryan",
+        "max_frames": 50,
+        "seed": 7,
+    }
+    peer = Endpoint(
+        "http://peer", "/ck", {"task_type": "CustomVoice", "stream": True}, "max_new_tokens", seed_field=""
+    ).body(utterance, None)
+    assert peer == {
+        "model": "/ck",
+        "input": "Hello.",
+        "response_format": "pcm",
+        "task_type": "CustomVoice",
+        "stream": True,
+        "max_new_tokens": 50,
+    }

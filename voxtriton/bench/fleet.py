@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from voxtriton.bench.summary import percentile
+from voxtriton.bench.targets import TritonTarget
 from voxtriton.kernels import FALLBACK_WARNING
 from voxtriton.serving.launcher import TritonServer, parse_params
 
@@ -63,6 +64,9 @@ class Fleet:
                 f"formulas and would measure that, not the build (pass --allow-kernel-fallback to "
                 f"measure it anyway); the first: {fallbacks[0]}"
             )
+
+    def make_target(self) -> TritonTarget:
+        return TritonTarget(self.urls)
 
     def metrics(self) -> dict[str, float]:
         """Counters summed over the servers."""

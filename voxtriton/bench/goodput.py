@@ -1,4 +1,6 @@
-"""Goodput: the highest arrival rate whose probes meet the listener's targets."""
+"""Goodput: the highest arrival rate whose probes meet the listener's targets, by either definition:
+strict (p90 TTFA <= 200 ms, nothing stalled or failed) or SLO attainment (at least 99% of requests
+start within 200 ms and never stall)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from voxtriton.bench.summary import meets_target
+from voxtriton.bench.summary import attains_target, meets_target
 
 
 def search_goodput(passes, low: float, high: float, steps: int) -> tuple[float, str | None]:
@@ -38,6 +40,7 @@ def probes(run: Path) -> list[dict]:
     for entry in result["policies"]:
         trials = (entry.get("goodput") or {}).get("trials", []) + entry.get("rates", [])
         for trial in trials:
+            server = trial["server"] or {}  # None for a server the harness cannot read (another system)
             rows.append(
                 {
                     "model": model,
@@ -45,16 +48,18 @@ def probes(run: Path) -> list[dict]:
                     "run": run.name,
                     "rate": trial["rate"],
                     "passed": meets_target(trial),
+                    "attained": attains_target(trial),  # None for runs from before the definition
+                    "slo_attainment": trial.get("slo_attainment"),
                     "stalled": trial["stalled_requests"],
                     "requests": trial["requests"],
                     "ttfa_p90_ms": trial["ttfa_p90_ms"],
                     "stall_total_s": round(trial["stall_total_s"], 3),
                     "listeners_peak": trial["listeners_peak"],
-                    "frame_step_ms": trial["server"]["frame_step_ms_mean"],
+                    "frame_step_ms": server.get("frame_step_ms_mean"),
                     # For gpu_budget.py; runs of older harness versions may lack them.
                     "completed": trial.get("completed"),
                     "audio_s": trial.get("audio_s"),
-                    "frame_step_batch": trial["server"].get("frame_step_batch_mean"),
+                    "frame_step_batch": server.get("frame_step_batch_mean"),
                     "command": command,
                 }
             )
@@ -68,19 +73,21 @@ def same_rate(a: float, b: float) -> bool:
     return abs(a - b) <= SAME_RATE * max(a, b)
 
 
-def goodput(rows: list[dict]) -> dict:
-    """The highest rate passed in any probe ("goodput", with "passes" = passed / probes at that rate),
-    the highest passed in most of its probes ("goodput_most"), and the lowest failed."""
+def goodput(rows: list[dict], verdict: str = "passed") -> dict:
+    """By the probes' `verdict` (a key: True passed, False failed, None not judged), the highest rate
+    passed in any probe ("goodput", with "passes" = passed / probes at that rate), the highest passed
+    in most of its probes ("goodput_most"), and the lowest failed."""
+    rows = [r for r in rows if r[verdict] is not None]
 
     def tally(rate):
         probes = [r for r in rows if same_rate(r["rate"], rate)]
-        return sum(r["passed"] for r in probes), len(probes)
+        return sum(r[verdict] for r in probes), len(probes)
 
-    passed = [r["rate"] for r in rows if r["passed"]]
-    failed = [r["rate"] for r in rows if not r["passed"]]
+    passed = [r["rate"] for r in rows if r[verdict]]
+    failed = [r["rate"] for r in rows if not r[verdict]]
     best = max(passed, default=None)
     mostly = [rate for rate in passed if 2 * tally(rate)[0] > tally(rate)[1]]
-    listeners = max((r["listeners_peak"] for r in rows if r["passed"] and r["rate"] == best), default=None)
+    listeners = max((r["listeners_peak"] for r in rows if r[verdict] and r["rate"] == best), default=None)
     return {
         "goodput": best,
         "passes": "{} of {}".format(*tally(best)) if best is not None else None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from voxtriton.serving.tts_service import LANE_CODES
 
 TTFA_TARGET_S = 0.2
+SLO_ATTAINMENT_PERCENT = 99  # of requests that must start within TTFA_TARGET_S and never stall
 TIMELINE_WINDOW_S = 2.0  # each probe's timeline: requests, stalls and p90 TTFA per 2 s of arrivals
 LANES = tuple(sorted(LANE_CODES, key=LANE_CODES.get))  # chunk_info's lane codes, in order
 
@@ -24,6 +25,16 @@ class RequestResult:
     late: tuple[
         tuple[int, str], ...
     ] = ()  # (chunk index, codec lane) of each chunk that arrived after the buffer ran dry
+    asked_s: float | None = None  # the audio the request asked for (its fixed length)
+
+    def attains_slo(self) -> bool:
+        """Completed, first audio within TTFA_TARGET_S, and played without a stall."""
+        return (
+            self.error is None
+            and self.ttfa_s is not None
+            and self.ttfa_s <= TTFA_TARGET_S
+            and self.stall_s == 0
+        )
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -82,6 +93,7 @@ def summarize(results: list[RequestResult], lag: list[float]) -> dict:
     ttfa = [r.ttfa_s for r in ok if r.ttfa_s is not None]
     rtf = [r.rtf for r in ok if r.rtf is not None]
     stalled = [r for r in ok if r.stall_s > 0]
+    attained = sum(r.attains_slo() for r in results)
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -98,6 +110,10 @@ def summarize(results: list[RequestResult], lag: list[float]) -> dict:
         "late_chunks_by_lane": dict(collections.Counter(lane for r in ok for _, lane in r.late)),
         "rtf_median": statistics.median(rtf) if rtf else None,
         "audio_s": sum(r.audio_s for r in ok),
+        "audio_asked_s": sum(r.asked_s for r in ok) if all(r.asked_s is not None for r in ok) else None,
+        # SLO attainment: the share of all requests (failed ones count against it) that attain the SLO.
+        "slo_attained": attained,
+        "slo_attainment": attained / len(results) if results else None,
         "listeners_peak": peak_listeners(results),
         "client_loop_lag_p99_ms": _ms(percentile(lag, 99)),
         "client_loop_lag_max_ms": _ms(max(lag) if lag else None),
@@ -110,9 +126,27 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def meets_target(summary: dict) -> bool:
+    """The strict verdict: nothing failed, nothing stalled, p90 TTFA within the target."""
     return (
         summary["failed"] == 0
         and summary["stalled_requests"] == 0
         and summary["ttfa_p90_ms"] is not None
         and summary["ttfa_p90_ms"] <= TTFA_TARGET_S * 1e3
     )
+
+
+def attains_target(summary: dict) -> bool | None:
+    """The SLO-attainment verdict: at least 99% of requests attain the SLO; None for a probe summarized
+    before the harness counted attainment."""
+    if "slo_attained" not in summary:
+        return None
+    # In integers: 99 of 100 passes exactly, whatever the float rounding of 0.99 * n would say.
+    return (
+        summary["requests"] > 0
+        and 100 * summary["slo_attained"] >= SLO_ATTAINMENT_PERCENT * summary["requests"]
+    )
+
+
+def verdicts(summary: dict) -> dict:
+    """Both goodput definitions' verdicts on one probe."""
+    return {"meets": meets_target(summary), "attains": attains_target(summary)}

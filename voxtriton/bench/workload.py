@@ -1,4 +1,5 @@
-"""The load: utterances of random length sent as streaming requests, in open or closed loop."""
+"""The load: utterances of random length sent as streaming requests, in open or closed loop, to a
+target (voxtriton over gRPC or an OpenAI-compatible endpoint: voxtriton.bench.targets)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,10 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable
 
-from voxtriton_client import simulate_playback
-
-from voxtriton.bench.summary import LANES, RequestResult
-from voxtriton.serving.gateway import Router
+from voxtriton.bench.summary import RequestResult
+from voxtriton.bench.targets import FRAME_RATE, Utterance
 
 TEXTS = [
     "Good morning, and welcome to the show.",
@@ -22,7 +22,6 @@ TEXTS = [
     "The meeting has been moved to Thursday afternoon at three o'clock.",
     "Streaming speech should start fast and never stall, even under heavy load.",
 ]
-FRAME_RATE = 12.5
 # A stream with no final response by then counts as failed (with that error), so a server that stops
 # answering ends a probe instead of hanging it (a 20 s utterance takes about 12 s near the goodput).
 REQUEST_TIMEOUT_S = 180.0
@@ -52,41 +51,25 @@ class Progress:
             sys.stderr.write("\n")
 
 
-async def one_request(
-    client: Router, rng: random.Random, seconds_range, speaker: str | None, timeout: float = REQUEST_TIMEOUT_S
-) -> RequestResult:
+def draw_utterance(rng: random.Random, seconds_range) -> Utterance:
+    """A text of TEXTS, a length of U(seconds_range) seconds in whole frames, and a sampling seed."""
     seconds = rng.uniform(*seconds_range)
     frames = max(1, round(seconds * FRAME_RATE))
+    return Utterance(rng.choice(TEXTS), frames, rng.randrange(2**31))
+
+
+async def one_request(
+    target, rng: random.Random, seconds_range, speaker: str | None, timeout: float = REQUEST_TIMEOUT_S
+) -> RequestResult:
+    utterance = draw_utterance(rng, seconds_range)
     sent = time.perf_counter()
     try:
-        synthesis = await asyncio.wait_for(
-            client.synthesize(
-                rng.choice(TEXTS),
-                speaker=speaker,
-                seed=rng.randrange(2**31),
-                max_frames=frames,
-                ignore_eos=True,
-                info=True,
-            ),
-            timeout,
-        )
+        return await asyncio.wait_for(target.request(utterance, speaker, sent), timeout)
     except asyncio.TimeoutError:
-        return RequestResult(sent, None, 0.0, 0.0, None, f"no final response within {timeout:g} s")
-    except Exception as error:  # connection-level failures count as failed requests
-        return RequestResult(sent, None, 0.0, 0.0, None, repr(error))
-    report = simulate_playback(0.0, [(c.arrived_s, c.seconds) for c in synthesis.chunks])
-    last = synthesis.chunks[-1].arrived_s if synthesis.chunks else None
-    error = synthesis.error or (None if synthesis.completed else "stream ended without its final response")
-    late = tuple((i, LANES[int(synthesis.chunks[i].info[3])]) for i in report.late_chunks)
-    return RequestResult(
-        sent,
-        report.ttfa_s,
-        report.stall_s,
-        report.audio_s,
-        last / report.audio_s if last and report.audio_s else None,
-        error,
-        late,
-    )
+        error = f"no final response within {timeout:g} s"
+    except Exception as failure:  # connection-level failures count as failed requests
+        error = repr(failure)
+    return RequestResult(sent, None, 0.0, 0.0, None, error, asked_s=utterance.seconds)
 
 
 async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 0.01) -> None:
@@ -98,7 +81,7 @@ async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 
 
 
 async def open_loop(
-    urls: list[str],
+    make_target: Callable,
     rate: float,
     duration: float,
     burstiness: float,
@@ -111,7 +94,7 @@ async def open_loop(
     shape = 1.0 / burstiness**2
     lag: list[float] = []
     stop = asyncio.Event()
-    client = Router(urls)  # least-loaded over the servers, as the gateway routes
+    client = make_target()  # made in this event loop, which its connections belong to
     try:
         lag_task = asyncio.create_task(loop_lag(lag, stop))
         tasks = []
@@ -136,13 +119,13 @@ async def open_loop(
 
 
 async def closed_loop(
-    urls: list[str], streams: int, duration: float, seconds_range, seed: int, speaker: str | None
+    make_target: Callable, streams: int, duration: float, seconds_range, seed: int, speaker: str | None
 ) -> tuple[list[RequestResult], list[float]]:
     rng = random.Random(seed)
     lag: list[float] = []
     stop = asyncio.Event()
     results: list[RequestResult] = []
-    client = Router(urls)
+    client = make_target()
     try:
         lag_task = asyncio.create_task(loop_lag(lag, stop))
         end = time.perf_counter() + duration

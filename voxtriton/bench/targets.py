@@ -1,0 +1,160 @@
+"""What the load is sent to: voxtriton's tritonservers over gRPC, or any OpenAI-compatible streaming
+speech endpoint over HTTP. Both turn one utterance into a RequestResult with the same playback
+accounting, so the figures of either path mean the same thing."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from voxtriton_client import simulate_playback
+
+from voxtriton.bench.summary import LANES, RequestResult
+from voxtriton.serving.gateway import Router
+
+FRAME_RATE = 12.5  # codec frames per second of audio
+PCM_SAMPLE_RATE = 24000  # OpenAI's `pcm`: 16-bit little-endian mono samples at 24 kHz
+# voxtriton's gateway runs random weights to the length asked for when told to ignore the end token.
+GATEWAY_EXTRA_BODY = {"ignore_eos": True}
+
+
+@dataclass(frozen=True)
+class Utterance:
+    text: str
+    frames: int  # its fixed length: the model generates exactly this many frames
+    seed: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / FRAME_RATE
+
+
+def played(sent: float, arrivals: list[tuple[float, float]], error: str | None, lanes=None, asked_s=None):
+    """A RequestResult from the audio's arrivals ((seconds after `sent`, audio seconds) per piece);
+    `lanes[i]` names the codec lane of piece i where the server says it."""
+    report = simulate_playback(0.0, arrivals)
+    last = arrivals[-1][0] if arrivals else None
+    late = tuple((i, lanes[i] if lanes else "unknown") for i in report.late_chunks)
+    return RequestResult(
+        sent,
+        report.ttfa_s,
+        report.stall_s,
+        report.audio_s,
+        last / report.audio_s if last and report.audio_s else None,
+        error,
+        late,
+        asked_s,
+    )
+
+
+class TritonTarget:
+    """voxtriton's tritonservers, least-loaded over `urls` as the gateway routes; a fixed length is
+    max_frames with ignore_eos."""
+
+    def __init__(self, urls: list[str]):
+        self.router = Router(urls)
+
+    async def request(self, utterance: Utterance, speaker: str | None, sent: float) -> RequestResult:
+        synthesis = await self.router.synthesize(
+            utterance.text,
+            speaker=speaker,
+            seed=utterance.seed,
+            max_frames=utterance.frames,
+            ignore_eos=True,
+            info=True,
+        )
+        error = synthesis.error or (
+            None if synthesis.completed else "stream ended without its final response"
+        )
+        arrivals = [(c.arrived_s, c.seconds) for c in synthesis.chunks]
+        lanes = [LANES[int(c.info[3])] for c in synthesis.chunks]
+        return played(sent, arrivals, error, lanes, utterance.seconds)
+
+    async def close(self) -> None:
+        await self.router.close()
+
+
+@dataclass
+class Endpoint:
+    """An OpenAI-compatible streaming speech endpoint: `POST {url}/v1/audio/speech` returning `pcm`
+    as it is generated. The fixed length goes in `length_field` (frames at 12.5 Hz), the request's
+    seed in `seed_field` (none when empty), and `extra_body` carries the server's own fields.
+    As a system under measurement it is the user's: the harness neither starts nor stops it, and
+    reads none of its metrics (it has no `servers`)."""
+
+    url: str
+    model: str
+    extra_body: dict = field(default_factory=lambda: dict(GATEWAY_EXTRA_BODY))
+    length_field: str = "max_frames"
+    seed_field: str = "seed"
+    label: str = "openai"
+    servers = ()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, logs) -> None:
+        pass
+
+    def make_target(self) -> OpenAITarget:
+        return OpenAITarget(self)
+
+    def body(self, utterance: Utterance, voice: str | None) -> dict:
+        body = {"model": self.model, "input": utterance.text, "response_format": "pcm", **self.extra_body}
+        if voice:
+            body["voice"] = voice
+        body[self.length_field] = utterance.frames
+        if self.seed_field:
+            body[self.seed_field] = utterance.seed
+        return body
+
+
+def parse_extra_body(text: str) -> dict:
+    """--extra-body's JSON object; ValueError saying what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--extra-body: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--extra-body: must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+class OpenAITarget:
+    """An Endpoint over HTTP (httpx, which the openai client brings). Audio is counted as it arrives:
+    bytes -> seconds at 24 kHz, 16-bit mono; a response that is not 200 is a failed request. Late
+    pieces are numbered by network read (the server's chunks are not visible in the bytes), and
+    their lane is "unknown"."""
+
+    def __init__(self, endpoint: Endpoint):
+        try:
+            import httpx
+        except ImportError:
+            raise SystemExit("--target openai needs httpx: python -m pip install httpx") from None
+        self.endpoint = endpoint
+        # No pool limit: an open-loop probe holds one connection per stream in flight.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # Straight to the endpoint: no proxy from the environment between the client and the server.
+        self.client = httpx.AsyncClient(
+            limits=limits, timeout=httpx.Timeout(None, connect=10.0), trust_env=False
+        )
+
+    async def request(self, utterance: Utterance, speaker: str | None, sent: float) -> RequestResult:
+        url = self.endpoint.url.rstrip("/") + "/v1/audio/speech"
+        arrivals: list[tuple[float, float]] = []
+        received = 0  # bytes; a piece may end mid-sample, so seconds come from the running total
+        async with self.client.stream("POST", url, json=self.endpoint.body(utterance, speaker)) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:300]
+                return played(sent, [], f"HTTP {response.status_code}: {detail}", asked_s=utterance.seconds)
+            async for piece in response.aiter_bytes():
+                if not piece:
+                    continue
+                samples = received // 2
+                received += len(piece)
+                arrivals.append((time.perf_counter() - sent, (received // 2 - samples) / PCM_SAMPLE_RATE))
+        return played(sent, arrivals, None, asked_s=utterance.seconds)
+
+    async def close(self) -> None:
+        await self.client.aclose()
