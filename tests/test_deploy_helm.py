@@ -4,6 +4,8 @@ schemas (kubernetes-validate, offline). No cluster is involved."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from test_deploy_envoy import ENVOY_DIR, validate
@@ -77,9 +79,26 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(case, version):
 
 
 def test_an_invalid_manifest_fails_validation():
-    manifests = render({"triton": {"replicas": "two"}})
+    # a misspelt key inside resources, which the chart passes through as given
+    manifests = render({"triton": {"resources": {"limits": {"nvidia.com/gpu": 1}, "request": {"cpu": 8}}}})
     [error] = schema_errors(manifests, KUBERNETES[-1])
-    assert error.startswith("Deployment tts-voxtriton-triton: 'two' is not of type 'integer'")
+    assert error == (
+        "Deployment tts-voxtriton-triton: Additional properties are not allowed ('request' was unexpected)"
+    )
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"triton": {"replicas": "two"}}, "at '/triton/replicas': got string, want integer"),
+        ({"triton": {"shmSize": "lots"}}, "at '/triton/shmSize': 'lots' does not match pattern"),
+        ({"autoscaling": {"targetActiveStreams": 0}}, "at '/autoscaling/targetActiveStreams': minimum"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_value(values, message):
+    helm, _ = tools()
+    with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
+        render(values)
 
 
 def test_one_server_per_gpu_with_its_shared_memory_probes_and_checkpoint():
