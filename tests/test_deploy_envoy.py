@@ -1,6 +1,7 @@
 """deploy/envoy/: Envoy in front of two real tritonservers (CPU, tiny random-weight checkpoint) and
 the gateway, all on loopback. Streams pass through unchanged, new streams go to the server with the
-fewest in flight, a killed server's streams end with an error and new ones go to the other."""
+fewest in flight, a killed server's streams end with an error and new ones go to the other, a frozen
+server's streams end in bounded time, and with no server left a request fails at once."""
 
 from __future__ import annotations
 
@@ -275,3 +276,28 @@ def test_a_killed_server_ends_its_streams_and_new_ones_go_to_the_other(proxy):
     finally:
         for stream in streams:
             stream.close()
+
+
+@pytest.mark.server
+def test_a_frozen_last_server_ends_its_streams_and_new_ones_fail_fast(proxy):
+    """After the kill above: the one server left stops answering (SIGSTOP). Envoy's keepalive ends
+    its stream in bounded time, and with no server left a new request fails at once."""
+    envoy, url, _, first, second = proxy
+    assert first.process is None or first.process.poll() is not None  # the test above killed it
+    stream = Listener(url)
+    try:
+        stream.wait_for_chunks(2)
+        frozen_at = time.monotonic()
+        os.killpg(second.process.pid, signal.SIGSTOP)
+        deadline = frozen_at + 25  # keepalive: a ping every 10 s, 5 s for its answer
+        while stream.ended_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stream.ended_at is not None, "the frozen server's stream did not end within 25 s"
+        assert stream.error is not None and "RST_STREAM" in stream.error
+        asked_at = time.monotonic()
+        synthesis = TTSClient(url).synthesize("Anyone?", speaker="ryan", max_frames=4, timeout=30)
+        assert not synthesis.completed and "no healthy upstream" in synthesis.error
+        assert time.monotonic() - asked_at < 5
+    finally:
+        os.killpg(second.process.pid, signal.SIGCONT)
+        stream.close()
