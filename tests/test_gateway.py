@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import http.client
 import io
 import json
 import os
@@ -480,3 +481,27 @@ def test_playground_without_a_backend_says_so(no_backend, browser):
     page.close()
     assert listing == f"Could not list the voices: {UNAVAILABLE}"
     assert speaking == f"Error: {UNAVAILABLE}"
+
+
+def test_a_stream_that_fails_after_its_audio_began_is_aborted_not_ended(tiny_checkpoint):
+    """The 200 has gone out with the first chunk; a later codec failure must not look like a complete,
+    shorter answer: the gateway ends the body without its last chunk, which clients see as an error."""
+    faulty = {"codec_urgent": {"test_fault": "raise:2"}, "tts": {"scheduler_policy": "concurrent"}}
+    with start_server(tiny_checkpoint, parameters=faulty) as server:
+        gateway, url = start_gateway([server.grpc_url], tiny_checkpoint)
+        try:
+            body = {"model": "tts", "input": "Cut short.", "max_frames": 40, "ignore_eos": True}
+            request = urllib.request.Request(
+                url + "/v1/audio/speech",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as response:
+                assert response.status == 200
+                with pytest.raises(http.client.IncompleteRead) as cut:
+                    response.read()
+            assert len(cut.value.partial) > 0  # the first chunk's audio arrived before the failure
+            _, _, health = get(url, "/health")  # and the gateway goes on serving
+            assert health["status"] == "ok"
+        finally:
+            stop_gateway(gateway)

@@ -133,6 +133,7 @@ class OpenAITarget:
         except ImportError:
             raise SystemExit("--target openai needs httpx: python -m pip install httpx") from None
         self.endpoint = endpoint
+        self.transfer_error = httpx.HTTPError
         # No pool limit: an open-loop probe holds one connection per stream in flight.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         # Straight to the endpoint: no proxy from the environment between the client and the server.
@@ -148,12 +149,15 @@ class OpenAITarget:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 return played(sent, [], f"HTTP {response.status_code}: {detail}", asked_s=utterance.seconds)
-            async for piece in response.aiter_bytes():
-                if not piece:
-                    continue
-                samples = received // 2
-                received += len(piece)
-                arrivals.append((time.perf_counter() - sent, (received // 2 - samples) / PCM_SAMPLE_RATE))
+            try:
+                async for piece in response.aiter_bytes():
+                    if not piece:
+                        continue
+                    samples = received // 2
+                    received += len(piece)
+                    arrivals.append((time.perf_counter() - sent, (received // 2 - samples) / PCM_SAMPLE_RATE))
+            except self.transfer_error as error:  # a body that ends without its last chunk: cut short
+                return played(sent, arrivals, f"stream cut short: {error!r}", asked_s=utterance.seconds)
         return played(sent, arrivals, None, asked_s=utterance.seconds)
 
     async def close(self) -> None:

@@ -237,6 +237,10 @@ def cut_short() -> SpeechError:
     return SpeechError(502, "The voxtriton server stopped answering mid-request.", kind="server_error")
 
 
+class StreamCutShort(Exception):
+    """A stream that failed after its audio began: the server aborts the response."""
+
+
 class SpeechStream:
     """One synthesis as it arrives. `start()` waits for the first chunk (raising the SpeechError
     that came instead), `chunks()` yields them all; `failure` says how a started stream failed."""
@@ -382,6 +386,10 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
                     yield pcm16(chunk.audio)
             finally:
                 stream.cancel()
+            if stream.failure is not None:
+                # The status line has gone out: ending the body without its last chunk is how HTTP
+                # tells the client the audio is incomplete.
+                raise StreamCutShort(stream.failure.message)
 
         async def events():
             header = streaming_wav_header() if response_format == "wav" else b""
