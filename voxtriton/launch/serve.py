@@ -110,7 +110,8 @@ def serve(args: argparse.Namespace) -> int:
         print(
             f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
             f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
-            f'  try: voxtriton-client speak "Hello from voxtriton" -o hello.wav --server {server.grpc_url}\n'
+            f'  try: voxtriton-client speak "Hello from voxtriton" -o hello.wav --max-frames 50 '
+            f"--server {server.grpc_url}\n"
             f"  log: {server.log_file}",
             flush=True,
         )
