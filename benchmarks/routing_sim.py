@@ -1,10 +1,10 @@
 """Routing policies over 8, 64 and 512 GPUs, simulated on the CPU from one H200's capacity curve.
 
 For each policy and GPU count: the goodput per GPU (bisection; p90 TTFA <= 200 ms and no stall) as
-a ratio to one GPU's measured goodput, and the p99 TTFA at a fixed share of it
+a ratio to one GPU's measured goodput, and the p99 TTFA at fixed shares of it
 (`voxtriton/bench/routing_sim.py` states the model).
 
-    python benchmarks/routing_sim.py [--gpus 8,64,512] [--load 0.9] [--json FILE]
+    python benchmarks/routing_sim.py [--gpus 8,64,512] [--loads 0.9,0.97] [--json FILE]
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--server-policy", default="voxserve", help="the capacity curve of this policy")
     parser.add_argument("--gpus", default="8,64,512")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--load", type=float, default=0.9, help="p99 TTFA at this share of the goodput")
+    parser.add_argument("--loads", default="0.9,0.97", help="p99 TTFA at these shares of the goodput")
+    parser.add_argument("--steps", type=int, default=8, help="bisection steps over 0.7-1.1x the goodput")
     parser.add_argument("--warm-up", type=float, default=6.0, help="seconds of arrivals not measured")
     parser.add_argument(
         "--gpu-seconds",
@@ -42,6 +43,7 @@ def main() -> None:
     args = parser.parse_args()
 
     capacity = read_capacity(args.goodput_json, args.single_stream_json, args.server_policy)
+    loads = [float(x) for x in args.loads.split(",")]
     rows = []
     for gpus in [int(n) for n in args.gpus.split(",")]:
         options = dict(
@@ -52,30 +54,37 @@ def main() -> None:
             scrape_s=args.scrape,
         )
         for policy in args.policies.split(","):
-            rate = goodput(capacity, policy, gpus, **options)
-            run = simulate(capacity, policy, gpus, args.load * capacity.goodput, **options)
-            rows.append(
-                {
-                    "gpus": gpus,
-                    "policy": policy,
-                    "goodput_per_gpu": round(rate, 2),
-                    "goodput_ratio": round(rate / capacity.goodput, 3),
-                    "ttfa_p99_ms": round(run.ttfa_p99_ms, 1),
-                    "excess_p99": round(run.excess_p99, 1),
-                    "stalled": run.stalled,
-                    "requests": run.requests,
-                }
-            )
+            rate = goodput(capacity, policy, gpus, args.steps, **options)
+            row = {
+                "gpus": gpus,
+                "policy": policy,
+                "goodput_per_gpu": round(rate, 2),
+                "goodput_ratio": round(rate / capacity.goodput, 3),
+                "at_load": [],
+            }
+            for load in loads:
+                run = simulate(capacity, policy, gpus, load * capacity.goodput, **options)
+                row["at_load"].append(
+                    {
+                        "load": load,
+                        "ttfa_p99_ms": round(run.ttfa_p99_ms, 1),
+                        "excess_p99": round(run.excess_p99, 1),
+                        "stalled": run.stalled,
+                        "requests": run.requests,
+                    }
+                )
+            rows.append(row)
             print(rows[-1], flush=True)
-    load_rate = args.load * capacity.goodput
-    print(f"\none GPU measured: {capacity.goodput:g} req/s; p99 TTFA at {load_rate:g} req/s per GPU")
-    print("\n| policy | GPUs | goodput/GPU (req/s) | vs one GPU | p99 TTFA (ms) | excess p99 | stalled |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\none GPU measured: {capacity.goodput:g} req/s")
+    at = " | ".join(f"p99 TTFA, excess p99, stalled at {x:g}x" for x in loads)
+    print(f"\n| policy | GPUs | goodput/GPU (req/s) | vs one GPU | {at} |")
+    print("|---|---|---|---|" + "---|" * len(loads))
     for r in sorted(rows, key=lambda r: (POLICIES.index(r["policy"]), r["gpus"])):
-        print(
-            f"| {r['policy']} | {r['gpus']} | {r['goodput_per_gpu']:.1f} | {r['goodput_ratio']:.3f} "
-            f"| {r['ttfa_p99_ms']:.1f} | {r['excess_p99']:.1f} | {r['stalled']} of {r['requests']} |"
+        cells = " | ".join(
+            f"{a['ttfa_p99_ms']:.1f} ms, {a['excess_p99']:.1f}, {a['stalled']}" for a in r["at_load"]
         )
+        rate = f"{r['goodput_per_gpu']:.1f} | {r['goodput_ratio']:.3f}"
+        print(f"| {r['policy']} | {r['gpus']} | {rate} | {cells} |")
     if args.json:
         meta = {
             "capacity": {
