@@ -94,7 +94,7 @@ def main() -> None:
                 "stall_streams": capacity.stall_streams,
                 "goodput": capacity.goodput,
             },
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": {k: v.name if isinstance(v, Path) else v for k, v in vars(args).items()},
         }
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
