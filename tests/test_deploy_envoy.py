@@ -281,7 +281,8 @@ def test_a_killed_server_ends_its_streams_and_new_ones_go_to_the_other(proxy):
 @pytest.mark.server
 def test_a_frozen_last_server_ends_its_streams_and_new_ones_fail_fast(proxy):
     """After the kill above: the one server left stops answering (SIGSTOP). Envoy's keepalive ends
-    its stream in bounded time, and with no server left a new request fails at once."""
+    its stream in bounded time, its health checks mark the server down, and with no server left a
+    new request fails at once."""
     envoy, url, _, first, second = proxy
     assert first.process is None or first.process.poll() is not None  # the test above killed it
     stream = Listener(url)
@@ -294,9 +295,11 @@ def test_a_frozen_last_server_ends_its_streams_and_new_ones_fail_fast(proxy):
             time.sleep(0.05)
         assert stream.ended_at is not None, "the frozen server's stream did not end within 25 s"
         assert stream.error is not None and "RST_STREAM" in stream.error
+        frozen = f"127.0.0.1:{second.grpc_port}"
+        envoy.wait_until(lambda hosts: not healthy(hosts[frozen]), "the frozen server marked unhealthy")
         asked_at = time.monotonic()
         synthesis = TTSClient(url).synthesize("Anyone?", speaker="ryan", max_frames=4, timeout=30)
-        assert not synthesis.completed and "no healthy upstream" in synthesis.error
+        assert not synthesis.completed and "no healthy upstream" in synthesis.error, synthesis.error
         assert time.monotonic() - asked_at < 5
     finally:
         os.killpg(second.process.pid, signal.SIGCONT)

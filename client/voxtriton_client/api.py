@@ -146,15 +146,24 @@ class TTSClient:
         synthesis = Synthesis()
         try:
             sent_at = time.perf_counter()
-            client.async_stream_infer(
-                self.model,
-                request_inputs(grpcclient, text, **options),
-                request_id=uuid.uuid4().hex,
-                outputs=requested_outputs(grpcclient, codes, info),
-                enable_empty_final_response=True,
-            )
+            try:
+                client.async_stream_infer(
+                    self.model,
+                    request_inputs(grpcclient, text, **options),
+                    request_id=uuid.uuid4().hex,
+                    outputs=requested_outputs(grpcclient, codes, info),
+                    enable_empty_final_response=True,
+                )
+            except InferenceServerException as refused:
+                # The stream failed before the request went out (say, a proxy with no server behind
+                # it): the cause comes through the callback.
+                try:
+                    _, cause = responses.get(timeout=1.0)
+                except queue.Empty:
+                    cause = None
+                _consume(synthesis, None, cause or refused, sent_at)
             deadline = sent_at + timeout
-            while True:
+            while synthesis.error is None:
                 try:
                     result, error = responses.get(timeout=max(0.0, deadline - time.perf_counter()))
                 except queue.Empty:
