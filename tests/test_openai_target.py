@@ -45,8 +45,9 @@ def test_grpc_and_the_gateway_give_the_same_figures(stack):
     request: max_frames with ignore_eos, and the gateway's 16-bit PCM keeps every sample). Within
     noise: through the gateway a request takes an HTTP hop and a second process on this shared CPU,
     so its p50 TTFA may be higher, but by less than 150 ms. Stalls here come from other processes
-    taking the CPU, so their counts differ from probe to probe; the bound (a quarter of the requests,
-    at least 2) catches a path that counts audio or time wrongly, which would stall all or none."""
+    taking the CPU, so their counts differ from probe to probe (by up to 7 of 14 on a loaded 2-core
+    machine); the bound (half the requests, at least 2) still catches a path that counts audio or time
+    wrongly, which would stall all or none."""
     server, url = stack
     paths = {"direct": lambda: TritonTarget([server.grpc_url]), "gateway": Endpoint(url, "tts").make_target}
     for name, make_target in paths.items():  # warm both (the server's first requests, the connections)
@@ -66,7 +67,7 @@ def test_grpc_and_the_gateway_give_the_same_figures(stack):
         direct["ttfa_p50_ms"],
         gateway["ttfa_p50_ms"],
     )
-    bound = max(2, direct["requests"] // 4)
+    bound = max(2, direct["requests"] // 2)
     assert abs(gateway["stalled_requests"] - direct["stalled_requests"]) <= bound, (direct, gateway)
     assert gateway["slo_attained"] + gateway["stalled_requests"] <= gateway["requests"]
 
