@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from voxtriton_client import TTSClient
 
+from voxtriton.bench.fleet import hardware
 from voxtriton.serving.launcher import TritonServer, parse_params
 
 
@@ -34,12 +34,6 @@ def git_commit() -> str:
         ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
     return done.stdout.strip() or "unknown"
-
-
-def device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
 
 
 def main() -> None:
@@ -87,7 +81,7 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d"),
-        "device": device_name(),
+        "device": hardware(),
         "policy": args.policy,
         "params": args.param,
         "ready_s": round(ready_s, 1),

@@ -36,14 +36,13 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import random
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from voxtriton.bench.fleet import TERMINATION, Fleet, GaugeSampler, settled_metrics
+from voxtriton.bench.fleet import TERMINATION, Fleet, GaugeSampler, hardware, settled_metrics
 from voxtriton.bench.goodput import same_rate, search_goodput
 from voxtriton.bench.server_metrics import server_side
 from voxtriton.bench.summary import TTFA_TARGET_S, summarize, verdicts
@@ -458,17 +457,6 @@ def plot(results: list[dict], out: Path) -> None:
         figure.tight_layout()
         figure.savefig(out / "frame_step_vs_streams.png", dpi=120)
         plt.close(figure)
-
-
-def hardware() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    except ImportError:
-        pass
-    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
 def main() -> None:

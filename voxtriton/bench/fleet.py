@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import re
 import shutil
 import signal
@@ -190,3 +192,15 @@ class Termination:
 
 
 TERMINATION = Termination()
+
+
+def hardware() -> str:
+    """The measuring host in a few words: the GPU and torch build, else the CPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    except ImportError:
+        pass
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
