@@ -438,9 +438,11 @@ def plot(results: list[dict], out: Path) -> None:
         figure.tight_layout()
         figure.savefig(out / "ttfa_stalls_vs_rate.png", dpi=120)
         plt.close(figure)
-    if any(r["concurrency"] for r in results):
+    # The frame step is a server-side figure: a peer behind --target openai reports none.
+    stepped = [r for r in results if r["concurrency"] and all(row["server"] for row in r["concurrency"])]
+    if stepped:
         figure, axis = plt.subplots(figsize=(6, 4))
-        for r in results:
+        for r in stepped:
             axis.plot(
                 [row["streams"] for row in r["concurrency"]],
                 [row["server"]["frame_step_ms_mean"] for row in r["concurrency"]],
