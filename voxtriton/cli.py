@@ -11,13 +11,22 @@ from pathlib import Path
 def make_checkpoint_command(args: argparse.Namespace) -> int:
     from .models.random_checkpoint import make_checkpoint
 
-    out = make_checkpoint(
-        args.preset,
-        Path(args.out_dir),
-        seed=args.seed,
-        shard_mb=args.shard_mb,
-        tokenizer=not args.no_tokenizer,
-    )
+    if args.preset.startswith("csm-"):
+        from .models.csm.checkpoint import make_csm_checkpoint
+
+        if args.shard_mb:
+            raise SystemExit("--shard-mb: CSM checkpoints are written as one model.safetensors")
+        out = make_csm_checkpoint(
+            args.preset, Path(args.out_dir), seed=args.seed, tokenizer=not args.no_tokenizer
+        )
+    else:
+        out = make_checkpoint(
+            args.preset,
+            Path(args.out_dir),
+            seed=args.seed,
+            shard_mb=args.shard_mb,
+            tokenizer=not args.no_tokenizer,
+        )
     print(f"wrote a random-weight {args.preset} checkpoint (it produces noise, not speech) to {out}")
     return 0
 
@@ -41,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     make = commands.add_parser(
         "make-checkpoint", help="write a random-weight checkpoint in the official layout"
     )
-    make.add_argument("--preset", choices=("tiny", "0.6b", "1.7b"), required=True)
+    make.add_argument("--preset", choices=("tiny", "0.6b", "1.7b", "csm-tiny", "csm-1b"), required=True)
     make.add_argument("out_dir")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument(
