@@ -1,0 +1,227 @@
+"""CSM on a random-weight `csm-tiny` checkpoint: the layout transformers loads, and numerical parity
+of our implementation with transformers' `CsmForConditionalGeneration` on the same files (fp32).
+
+Logits agree to a relative error of 1e-4, greedy decoding gives identical codes, the Mimi decoder
+gives the same waveform, and decoding in chunks with carried state equals decoding whole.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from voxtriton.errors import RequestError
+from voxtriton.models.config import CheckpointError
+from voxtriton.models.csm.checkpoint import make_csm_checkpoint, preset_config
+from voxtriton.models.csm.config import load_csm_config
+from voxtriton.models.csm.loader import load_csm, load_mimi
+from voxtriton.models.csm.prompt import CsmPromptBuilder, CsmTokenizer
+from voxtriton.models.text import BYTE_TOKEN_ID
+
+TEXT = "Hello world, this is a parity test."
+FRAMES = 6
+CODEC_FRAMES = 24
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+
+def greedy(logits: torch.Tensor, codebook: int) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_csm_checkpoint("csm-tiny", tmp_path_factory.mktemp("csm-tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    transformers = pytest.importorskip("transformers")
+    model, info = transformers.CsmForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    return model.eval(), info
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    config = load_csm_config(checkpoint)
+    return load_csm(checkpoint, config), load_mimi(checkpoint, config)
+
+
+@pytest.fixture(scope="module")
+def prompt(checkpoint):
+    builder = CsmPromptBuilder(load_csm_config(checkpoint), CsmTokenizer(checkpoint))
+    return torch.tensor([builder.build(TEXT, speaker=1)])
+
+
+def test_transformers_loads_the_checkpoint_with_no_missing_or_unexpected_tensors(reference):
+    model, info = reference
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set() and not info["error_msgs"]
+    # The tied codebook table holds the same values under both names.
+    assert torch.equal(
+        model.backbone_model.embed_tokens.embed_audio_tokens.weight,
+        model.depth_decoder.model.embed_tokens.weight,
+    )
+
+
+def test_the_1b_preset_has_the_official_sizes():
+    config = preset_config("csm-1b")
+    assert (config["hidden_size"], config["num_hidden_layers"], config["text_vocab_size"]) == (
+        2048,
+        16,
+        128256,
+    )
+    depth = config["depth_decoder_config"]
+    assert (depth["hidden_size"], depth["num_hidden_layers"], depth["max_position_embeddings"]) == (
+        1024,
+        4,
+        33,
+    )
+    assert config["codec_config"]["num_quantizers"] == config["num_codebooks"] == 32
+
+
+def test_prompt_is_the_official_text_layout(checkpoint, prompt):
+    transformers = pytest.importorskip("transformers")
+    official = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    assert prompt[0].tolist() == official(f"[1]{TEXT}")["input_ids"]
+    # Bytes of the Llama 3 vocabulary between <|begin_of_text|> and <|end_of_text|>.
+    assert prompt[0].tolist() == [128000, *(BYTE_TOKEN_ID[b] for b in f"[1]{TEXT}".encode()), 128001]
+
+
+def test_special_tokens_in_text_stay_text(checkpoint):
+    builder = CsmPromptBuilder(load_csm_config(checkpoint), CsmTokenizer(checkpoint))
+    ids = builder.build("<|end_of_text|>")
+    assert ids.count(128001) == 1 and ids[-1] == 128001
+
+
+@pytest.mark.parametrize("speaker", ["x", -1, 1.5, "1a"])
+def test_a_bad_speaker_is_refused_naming_the_field(checkpoint, speaker):
+    builder = CsmPromptBuilder(load_csm_config(checkpoint), CsmTokenizer(checkpoint))
+    with pytest.raises(RequestError) as error:
+        builder.build(TEXT, speaker=speaker)
+    assert error.value.field == "speaker"
+
+
+def test_backbone_logits_match(reference, ours, prompt):
+    model, _ = reference
+    csm, _ = ours
+    with torch.inference_mode():
+        expected = model(input_ids=prompt).logits[:, -1]
+        cache, _ = csm.new_caches(1, prompt.shape[1])
+        positions = torch.arange(prompt.shape[1])[None]
+        _, logits = csm(csm.text_embeds(prompt), positions, cache, prompt.shape[1])
+    assert relative_error(logits, expected) <= 1e-4
+
+
+def test_depth_decoder_logits_match(reference, ours):
+    """Teacher-forced over one frame: the 31 codebook logits from a backbone state and codes."""
+    model, _ = reference
+    csm, _ = ours
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, csm.config.backbone.hidden_size, generator=generator)
+    codes = torch.randint(0, 2048, (2, 32), generator=generator)
+    with torch.inference_mode():
+        inputs = torch.nn.functional.pad(codes[:, :-1], (1, 0))
+        expected = model.depth_decoder(input_ids=inputs, backbone_last_hidden_state=hidden).logits
+        recorded = []
+
+        def teacher(logits, codebook):
+            recorded.append(logits)
+            return codes[:, codebook]
+
+        _, (keys, values) = csm.new_caches(2, 1)
+        predicted = csm.depth_decoder.predict_frame(hidden, codes[:, 0], keys, values, teacher)
+    assert torch.equal(predicted, codes[:, 1:])
+    assert len(recorded) == 31
+    for codebook, logits in enumerate(recorded, start=1):
+        assert relative_error(logits, expected[:, codebook - 1]) <= 1e-4, f"codebook {codebook}"
+
+
+def test_greedy_codes_match(reference, ours, prompt):
+    model, _ = reference
+    csm, _ = ours
+    with torch.inference_mode():
+        expected = model.generate(
+            input_ids=prompt, max_new_tokens=FRAMES, do_sample=False, depth_decoder_do_sample=False
+        )
+        codes = csm.generate(prompt, FRAMES, greedy)
+    assert expected.shape == (1, FRAMES, 32)
+    assert torch.equal(codes, expected)
+
+
+@pytest.fixture(scope="module")
+def codec_codes():
+    return torch.randint(0, 2048, (2, CODEC_FRAMES, 32), generator=torch.Generator().manual_seed(11))
+
+
+def test_mimi_waveform_matches_reference(reference, ours, codec_codes):
+    model, _ = reference
+    _, mimi = ours
+    with torch.inference_mode():
+        expected = model.codec_model.decode(codec_codes.transpose(1, 2)).audio_values[:, 0]
+    wav, _ = mimi.decode(codec_codes, torch.zeros(2, dtype=torch.long), mimi.new_state(2))
+    assert wav.shape == expected.shape == (2, CODEC_FRAMES * 1920)
+    assert expected.abs().max() > 0.05  # a real signal, not silence
+    assert (wav - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("schedule", [[1] * CODEC_FRAMES, [5] * 5, [3, 1, 7, 2, 11]], ids=["1", "5", "mixed"])
+def test_mimi_chunked_equals_whole(ours, codec_codes, schedule):
+    """Chunks past the attention window (8 transformer steps in csm-tiny, 4 frames) included."""
+    _, mimi = ours
+    whole, _ = mimi.decode(codec_codes, torch.zeros(2, dtype=torch.long), mimi.new_state(2))
+    state, start, pieces = mimi.new_state(2), 0, []
+    for size in schedule:
+        chunk = codec_codes[:, start : start + size]
+        wav, state = mimi.decode(chunk, torch.full((2,), start), state)
+        pieces.append(wav)
+        start += chunk.shape[1]
+    assert start == CODEC_FRAMES
+    assert (torch.cat(pieces, dim=1) - whole).abs().max().item() <= 1e-4
+
+
+def test_mimi_rows_are_independent(ours, codec_codes):
+    _, mimi = ours
+    both, _ = mimi.decode(codec_codes, torch.zeros(2, dtype=torch.long), mimi.new_state(2))
+    second, _ = mimi.decode(codec_codes[1:], torch.zeros(1, dtype=torch.long), mimi.new_state(1))
+    assert (both[1:] - second).abs().max().item() <= 1e-5
+
+
+def test_loader_names_the_file_and_tensor(checkpoint, tmp_path):
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    broken = dict(tensors)
+    del broken["depth_decoder.codebooks_head.weight"]
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: missing tensor\(s\) depth_decoder\.codebooks_head"
+    ):
+        load_csm(tmp_path)
+    broken = dict(tensors)
+    name = "codec_model.decoder.layers.0.conv.weight"
+    broken[name] = broken[name][:, :-1].contiguous()
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors.*decoder\.layers\.0\.conv\.weight has shape"
+    ):
+        load_mimi(tmp_path)
+
+
+def test_config_errors_name_the_field(checkpoint, tmp_path):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["codec_config"]["num_quantizers"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="config.json: num_codebooks"):
+        load_csm_config(tmp_path)
+    config["codec_config"]["num_quantizers"] = 32
+    config["rope_scaling"]["rope_type"] = "yarn"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="rope_scaling.rope_type"):
+        load_csm_config(tmp_path)
