@@ -8,6 +8,7 @@ gives the same waveform, and decoding in chunks with carried state equals decodi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from voxtriton.errors import RequestError
 from voxtriton.models.config import CheckpointError
-from voxtriton.models.csm.checkpoint import make_csm_checkpoint, preset_config
+from voxtriton.models.csm.checkpoint import TIED, checkpoint_shapes, make_csm_checkpoint, preset_config
 from voxtriton.models.csm.config import load_csm_config
+from voxtriton.models.csm.family import csm_family
 from voxtriton.models.csm.loader import load_csm, load_mimi
 from voxtriton.models.csm.prompt import CsmPromptBuilder, CsmTokenizer
 from voxtriton.models.text import BYTE_TOKEN_ID
@@ -85,6 +87,19 @@ def test_the_1b_preset_has_the_official_sizes():
         33,
     )
     assert config["codec_config"]["num_quantizers"] == config["num_codebooks"] == 32
+
+
+def test_the_1b_layout_is_what_transformers_builds(tmp_path):
+    """Names and shapes of every tensor csm-1b writes, against transformers' model for the same config
+    (built on the meta device: no weights are made)."""
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(preset_config("csm-1b")))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        model = transformers.CsmForConditionalGeneration(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert {name: tuple(shape) for name, shape in checkpoint_shapes(tmp_path).items()} == expected
+    assert 1.5e9 < sum(math.prod(shape) for name, shape in expected.items() if name not in TIED) < 1.7e9
 
 
 def test_prompt_is_the_official_text_layout(checkpoint, prompt):
@@ -225,3 +240,26 @@ def test_config_errors_name_the_field(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="rope_scaling.rope_type"):
         load_csm_config(tmp_path)
+
+
+def test_family_describes_the_checkpoint(checkpoint):
+    family = csm_family(checkpoint)
+    assert (family.sample_rate, family.frame_rate, family.samples_per_frame) == (24000, 12.5, 1920)
+    assert (family.codebooks, family.depth_steps, family.predictor_positions) == (32, 31, 32)
+    # generation_config.json: sampling with temperature 0.9 and top-k 50 on both transformers.
+    sampling = family.sampling
+    assert (sampling.temperature, sampling.top_k, sampling.depth_temperature, sampling.depth_top_k) == (
+        0.9,
+        50,
+        0.9,
+        50,
+    )
+    assert sampling.max_frames == 125
+    family.check_fields({"text", "speaker", "seed", "max_frames"})
+    with pytest.raises(RequestError) as error:
+        family.check_fields({"text", "language"})
+    assert error.value.field == "language"
+    end = torch.zeros(2, 32, dtype=torch.long)
+    end[1, 3] = 7
+    end[0, 31] = 5  # the last codebook does not count, as in transformers
+    assert family.is_end(end).tolist() == [True, False]

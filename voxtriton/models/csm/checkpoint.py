@@ -239,7 +239,7 @@ def tokenizer_files() -> dict[str, dict]:
     from tokenizers.models import BPE
 
     vocab = {chr(_BYTE_TO_UNICODE[byte]): index for byte, index in BYTE_TOKEN_ID.items()}
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=[], ignore_merges=True))
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
