@@ -25,16 +25,10 @@ class Llama3Rope:
 
     @staticmethod
     def parse(f: _Fields) -> "Llama3Rope | None":
-        """From `rope_scaling` (the official file) or `rope_parameters` (transformers 5 writes it)."""
-        key = "rope_scaling" if f.data.get("rope_scaling") is not None else "rope_parameters"
-        if f.data.get(key) is None:
+        if f.data.get("rope_scaling") is None:
             return None
-        rope = f.child(key)
-        kind = rope.data.get("rope_type", rope.data.get("type"))
-        if kind == "default":
-            return None
-        if kind != "llama3":
-            raise rope._fail("rope_type", "'llama3' or 'default'")
+        rope = f.child("rope_scaling")
+        rope.equals("rope_type", "llama3")
         return Llama3Rope(
             factor=rope.float("factor"),
             low_freq_factor=rope.float("low_freq_factor"),
@@ -43,32 +37,9 @@ class Llama3Rope:
         )
 
 
-def _rope_theta(f: _Fields) -> float:
-    if "rope_theta" in f.data:
-        return f.float("rope_theta")
-    return f.child("rope_parameters").float("rope_theta")
-
-
-def _llama(f: _Fields, hidden_key: str = "hidden_size") -> TransformerConfig:
-    f.equals("hidden_act", "silu")
-    f.equals("attention_bias", False, default=False)
+def _llama(f: _Fields) -> TransformerConfig:
     f.equals("mlp_bias", False, default=False)
-    heads, kv_heads = f.int("num_attention_heads"), f.int("num_key_value_heads")
-    if heads % kv_heads:
-        raise f._fail("num_key_value_heads", f"a divisor of num_attention_heads={heads}")
-    hidden = f.int(hidden_key)
-    return TransformerConfig(
-        hidden_size=hidden,
-        intermediate_size=f.int("intermediate_size"),
-        num_layers=f.int("num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=f.data.get("head_dim") or hidden // heads,
-        rms_norm_eps=f.float("rms_norm_eps"),
-        rope_theta=_rope_theta(f),
-        max_positions=f.int("max_position_embeddings"),
-        qk_norm=False,
-    )
+    return TransformerConfig.parse(f, qk_norm=False)
 
 
 @dataclass(frozen=True)
@@ -125,9 +96,7 @@ class MimiConfig:
             num_kv_heads=kv_heads,
             head_dim=f.data.get("head_dim") or hidden // heads,
             rms_norm_eps=f.float("norm_eps", default=1e-5),
-            rope_theta=f.float("rope_theta", default=10000.0)
-            if "rope_parameters" not in f.data
-            else _rope_theta(f),
+            rope_theta=f.float("rope_theta", default=10000.0),
             max_positions=f.int("max_position_embeddings", default=8000),
             qk_norm=False,
             sliding_window=f.int("sliding_window", default=250),

@@ -55,25 +55,22 @@ class CheckpointView:
         return self.checkpoint.tensor(self.prefix + name)
 
 
+def _load(checkpoint_dir: Path, build, view: dict, device, dtype):
+    model = _materialize(build, torch.device(device), dtype)
+    load_weights(model, CheckpointView(SafetensorsCheckpoint(Path(checkpoint_dir)), **view))
+    return model
+
+
 def load_csm(
     checkpoint_dir: Path, config: CsmConfig | None = None, device="cpu", dtype=torch.float32
 ) -> CsmModel:
-    checkpoint_dir = Path(checkpoint_dir)
-    config = config or load_csm_config(checkpoint_dir)
-    model = _materialize(lambda: CsmModel(config), torch.device(device), dtype)
-    checkpoint = SafetensorsCheckpoint(checkpoint_dir)
-    load_weights(model, CheckpointView(checkpoint, exclude=(CODEC_PREFIX,)))
-    return model
+    config = config or load_csm_config(Path(checkpoint_dir))
+    return _load(checkpoint_dir, lambda: CsmModel(config), dict(exclude=(CODEC_PREFIX,)), device, dtype)
 
 
 def load_mimi(
     checkpoint_dir: Path, config: CsmConfig | None = None, device="cpu", dtype=torch.float32
 ) -> MimiCodec:
-    checkpoint_dir = Path(checkpoint_dir)
-    config = config or load_csm_config(checkpoint_dir)
-    model = _materialize(lambda: MimiCodec(config.codec), torch.device(device), dtype)
-    checkpoint = SafetensorsCheckpoint(checkpoint_dir)
-    load_weights(
-        model, CheckpointView(checkpoint, CODEC_PREFIX, CODEC_ENCODER_PREFIXES, CODEC_ENCODER_SUFFIXES)
-    )
-    return model
+    config = config or load_csm_config(Path(checkpoint_dir))
+    view = dict(prefix=CODEC_PREFIX, exclude=CODEC_ENCODER_PREFIXES, exclude_suffixes=CODEC_ENCODER_SUFFIXES)
+    return _load(checkpoint_dir, lambda: MimiCodec(config.codec), view, device, dtype)
