@@ -106,6 +106,10 @@ def test_prompt_is_the_official_text_layout(checkpoint, prompt):
     transformers = pytest.importorskip("transformers")
     official = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
     assert prompt[0].tolist() == official(f"[1]{TEXT}")["input_ids"]
+    ids = official.convert_tokens_to_ids(
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>"]
+    )
+    assert ids == [128000, 128001, 128002, 128003]
     # Bytes of the Llama 3 vocabulary between <|begin_of_text|> and <|end_of_text|>.
     assert prompt[0].tolist() == [128000, *(BYTE_TOKEN_ID[b] for b in f"[1]{TEXT}".encode()), 128001]
 

@@ -37,12 +37,19 @@ LLAMA3_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-BEGIN_OF_TEXT = 128000
+# Llama 3's special tokens, with the two CSM renames (<|AUDIO|>, <|audio_eos|>); the rest are reserved.
 SPECIAL_NAMES = {
     128000: "<|begin_of_text|>",
     128001: "<|end_of_text|>",
     128002: "<|AUDIO|>",
     128003: "<|audio_eos|>",
+    128004: "<|finetune_right_pad_id|>",
+    128005: "<|reserved_special_token_2|>",
+    128006: "<|start_header_id|>",
+    128007: "<|end_header_id|>",
+    128008: "<|eom_id|>",
+    128009: "<|eot_id|>",
+    128010: "<|python_tag|>",
 }
 
 MIMI = {
@@ -238,7 +245,12 @@ def tokenizer_files() -> dict[str, dict]:
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
+    names = {
+        i: SPECIAL_NAMES.get(i, f"<|reserved_special_token_{i - 128008}|>") for i in range(128000, 128256)
+    }
+    # Special tokens in the model's vocabulary too, so they keep their Llama 3 ids.
     vocab = {chr(_BYTE_TO_UNICODE[byte]): index for byte, index in BYTE_TOKEN_ID.items()}
+    vocab.update({name: i for i, name in names.items()})
     tokenizer = Tokenizer(BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -247,9 +259,6 @@ def tokenizer_files() -> dict[str, dict]:
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    names = {
-        i: SPECIAL_NAMES.get(i, f"<|reserved_special_token_{i - 128002}|>") for i in range(128000, 128256)
-    }
     tokenizer.add_special_tokens([names[i] for i in sorted(names)])
     bos, eos = names[128000], names[128001]
     tokenizer.post_processor = processors.TemplateProcessing(
