@@ -267,3 +267,39 @@ def test_family_describes_the_checkpoint(checkpoint):
     end[1, 3] = 7
     end[0, 31] = 5  # the last codebook does not count, as in transformers
     assert family.is_end(end).tolist() == [True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_cpu(checkpoint, ours, prompt, codec_codes):
+    """CUDA (Triton rotary and decode-attention kernels, cuDNN) against the CPU, both fp32: backbone
+    and depth-decoder logits, then the Mimi decoder chunked with carried state. cuDNN convolutions may
+    use TF32, hence the codec's tolerance."""
+    csm_cpu, mimi_cpu = ours
+    config = load_csm_config(checkpoint)
+    csm = load_csm(checkpoint, config, device="cuda")
+    mimi = load_mimi(checkpoint, config, device="cuda")
+    recorded = {"cpu": [], "cuda": []}
+
+    def recorder(side):
+        def sample(logits, codebook):
+            recorded[side].append(logits.float().cpu())
+            return logits.argmax(dim=-1)
+
+        return sample
+
+    with torch.inference_mode():
+        codes = csm_cpu.generate(prompt, FRAMES, recorder("cpu"))
+        csm.generate(prompt.cuda(), FRAMES, recorder("cuda"))
+    assert len(recorded["cuda"]) == FRAMES * 32
+    for step, (theirs, mine) in enumerate(zip(recorded["cpu"], recorded["cuda"])):
+        assert relative_error(mine, theirs) <= 1e-4, f"logits of frame {step // 32}, codebook {step % 32}"
+    assert codes.shape == (1, FRAMES, 32)
+    state_gpu, state_cpu, offset = mimi.new_state(2), mimi_cpu.new_state(2), 0
+    for size in (2, 5, 17):
+        chunk, start = codec_codes[:, offset : offset + size], torch.full((2,), offset)
+        audio_gpu, state_gpu = mimi.decode(chunk.cuda(), start.cuda(), state_gpu)
+        audio_cpu, state_cpu = mimi_cpu.decode(chunk, start, state_cpu)
+        error = (audio_gpu.cpu() - audio_cpu).norm() / audio_cpu.norm()
+        assert error < 1e-2, f"chunk of {size} frames: relative error {error:.2e}"
+        offset += size
