@@ -88,13 +88,15 @@ class MimiConfig:
         f.equals("attention_bias", False, default=False)
         hidden, heads = f.int("hidden_size", default=512), f.int("num_attention_heads", default=8)
         kv_heads = f.int("num_key_value_heads", default=heads)
+        if heads % kv_heads:
+            raise f._fail("num_key_value_heads", f"a divisor of num_attention_heads={heads}")
         transformer = TransformerConfig(
             hidden_size=hidden,
             intermediate_size=f.int("intermediate_size", default=2048),
             num_layers=f.int("num_hidden_layers", default=8),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=f.data.get("head_dim") or hidden // heads,
+            head_dim=f.int("head_dim", default=hidden // heads),
             rms_norm_eps=f.float("norm_eps", default=1e-5),
             rope_theta=f.float("rope_theta", default=10000.0),
             max_positions=f.int("max_position_embeddings", default=8000),
@@ -128,6 +130,10 @@ class MimiConfig:
             sample_rate=f.int("sampling_rate", default=24000),
             frame_rate=f.float("frame_rate", default=12.5),
         )
+        if config.codebook_dim != config.projection_dim:
+            raise f._fail("codebook_dim", f"vector_quantization_hidden_dimension = {config.projection_dim}")
+        if hidden % config.upsample_groups:
+            raise f._fail("upsample_groups", f"a divisor of hidden_size={hidden}")
         # Mimi upsamples frames to the SEANet rate with a stride-2 transposed convolution.
         if config.samples_per_frame != 2 * config.hop:
             raise f._fail("frame_rate", f"sampling_rate / (2 * {config.hop}), half the SEANet frame rate")

@@ -14,6 +14,7 @@ the checkpoint but never runs when serving, so it is not built here.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +68,10 @@ class MimiTransformer(nn.Module):
         """x [B, T, hidden]; start [B]: absolute step index of x[:, 0] (RoPE positions)."""
         positions, mask = window_mask(start, x.shape[1], self.window)
         cos, sin = self.rotary(positions, x.dtype)
-        bias = attention_bias(mask, self.group, x.dtype)
+        attend = partial(grouped_attention, bias=attention_bias(mask, self.group, x.dtype))
         kv = self.kv.begin(state)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, lambda q, k, v, scale: grouped_attention(q, k, v, bias, scale))
+            x = layer(x, cos, sin, kv, attend)
         self.kv.end()
         return x
 
