@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from voxtriton.cli import main
 from voxtriton.errors import RequestError
 from voxtriton.models.config import CheckpointError
 from voxtriton.models.csm.checkpoint import TIED, checkpoint_shapes, make_csm_checkpoint, preset_config
@@ -303,3 +304,12 @@ def test_cuda_matches_the_cpu(checkpoint, ours, prompt, codec_codes):
         error = (audio_gpu.cpu() - audio_cpu).norm() / audio_cpu.norm()
         assert error < 1e-2, f"chunk of {size} frames: relative error {error:.2e}"
         offset += size
+
+
+def test_cli_writes_csm_tiny_and_the_byte_fallback_gives_the_tokenizer_ids(checkpoint, tmp_path, prompt):
+    assert main(["make-checkpoint", "--preset", "csm-tiny", str(tmp_path), "--no-tokenizer"]) == 0
+    assert (tmp_path / "model.safetensors").is_file() and not (tmp_path / "tokenizer.json").exists()
+    builder = CsmPromptBuilder(load_csm_config(tmp_path), CsmTokenizer(tmp_path))
+    assert builder.build(TEXT, speaker="1") == prompt[0].tolist()
+    with pytest.raises(SystemExit, match="--shard-mb"):
+        main(["make-checkpoint", "--preset", "csm-tiny", str(tmp_path), "--shard-mb", "10"])
