@@ -8,25 +8,30 @@ import sys
 from pathlib import Path
 
 
+def make_csm_checkpoint_command(args: argparse.Namespace) -> int:
+    from .models.csm.checkpoint import make_csm_checkpoint
+
+    if args.shard_mb:
+        raise SystemExit("--shard-mb: CSM checkpoints are written as one model.safetensors")
+    out = make_csm_checkpoint(
+        args.preset, Path(args.out_dir), seed=args.seed, tokenizer=not args.no_tokenizer
+    )
+    print(f"wrote a random-weight {args.preset} checkpoint (it produces noise, not speech) to {out}")
+    return 0
+
+
 def make_checkpoint_command(args: argparse.Namespace) -> int:
     from .models.random_checkpoint import make_checkpoint
 
     if args.preset.startswith("csm-"):
-        from .models.csm.checkpoint import make_csm_checkpoint
-
-        if args.shard_mb:
-            raise SystemExit("--shard-mb: CSM checkpoints are written as one model.safetensors")
-        out = make_csm_checkpoint(
-            args.preset, Path(args.out_dir), seed=args.seed, tokenizer=not args.no_tokenizer
-        )
-    else:
-        out = make_checkpoint(
-            args.preset,
-            Path(args.out_dir),
-            seed=args.seed,
-            shard_mb=args.shard_mb,
-            tokenizer=not args.no_tokenizer,
-        )
+        return make_csm_checkpoint_command(args)
+    out = make_checkpoint(
+        args.preset,
+        Path(args.out_dir),
+        seed=args.seed,
+        shard_mb=args.shard_mb,
+        tokenizer=not args.no_tokenizer,
+    )
     print(f"wrote a random-weight {args.preset} checkpoint (it produces noise, not speech) to {out}")
     return 0
 
