@@ -1,0 +1,131 @@
+"""Input streaming through a real tritonserver (tiny random-weight checkpoint): text pieces of one
+Triton sequence on one gRPC stream, audio back on the first piece's request."""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from server_helpers import start_server
+from voxtriton_client import TTSClient
+from voxtriton_client.api import request_inputs
+
+pytestmark = pytest.mark.server
+
+TEXT = "Text that streams in, a few words at a time, is spoken before it ends."
+OPTIONS = {"seed": 11, "max_frames": 30, "ignore_eos": True}
+IDLE_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    parameters = {
+        "tts": {"text_layout": "interleaved", "text_idle_timeout_s": str(IDLE_S), "max_streams": "2"}
+    }
+    with start_server(tiny_checkpoint, parameters=parameters) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return TTSClient(server.grpc_url)
+
+
+def words(text=TEXT):
+    parts = text.split(" ")
+    return [parts[0]] + [" " + p for p in parts[1:]]
+
+
+def slowly(pieces, pause_s):
+    for piece in pieces:
+        yield piece
+        time.sleep(pause_s)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        lambda: [TEXT],
+        lambda: words(),
+        lambda: slowly(words(), 0.15),  # slower than the tiny model speaks: the stream pauses
+        lambda: slowly([TEXT[i : i + 3] for i in range(0, len(TEXT), 3)], 0.02),
+    ],
+    ids=["one-piece", "words", "slow-words", "characters"],
+)
+def test_pieces_give_the_codes_of_the_whole_text(client, pieces):
+    whole = client.synthesize(TEXT, codes=True, **OPTIONS).raise_for_error()
+    streamed = client.synthesize_text_stream(pieces(), codes=True, **OPTIONS).raise_for_error()
+    assert streamed.completed and streamed.codes.shape == (30, 16)
+    np.testing.assert_array_equal(streamed.codes, whole.codes)
+    assert streamed.first_audio_after_first_piece_s > 0
+    assert streamed.last_audio_after_last_piece_s is not None
+
+
+class RawStream:
+    """One gRPC stream to `tts`, every event (result or error) kept with its request id."""
+
+    def __init__(self, url):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.events: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
+
+    def piece(self, sequence_id, text, request_id, start=False, end=False, **options):
+        self.client.async_stream_infer(
+            "tts",
+            request_inputs(grpcclient, text, **options),
+            request_id=request_id,
+            sequence_id=sequence_id,
+            sequence_start=start,
+            sequence_end=end,
+        )
+
+    def next_error(self, timeout=30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            result, error = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            if error is not None:
+                return error.message()
+
+    def close(self):
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+
+
+def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, client):
+    raw = RawStream(server.grpc_url)
+    try:
+        unknown = uuid.uuid4().hex
+        raw.piece(unknown, "no start", "a")
+        assert f"unknown sequence {unknown}: its first piece must carry sequence_start" in raw.next_error()
+        sequence = uuid.uuid4().hex
+        raw.piece(sequence, "First piece, ", "b", start=True, **OPTIONS)
+        raw.piece(sequence, "started again", "c", start=True)
+        assert f"sequence {sequence} is already open" in raw.next_error()
+        raw.piece(sequence, "and the end.", "d", end=True)
+        raw.piece(sequence, " One more.", "e")
+        assert f"sequence {sequence} has ended (its last piece arrived): a piece after its end" in (
+            raw.next_error()
+        )
+        empty = uuid.uuid4().hex
+        raw.piece(empty, " ", "f", start=True, end=True)
+        assert f"sequence {empty}: the text is empty" in raw.next_error()
+        raw.piece(uuid.uuid4().hex, "x", "g", start=True, speaker="nobody")
+        assert "unknown speaker 'nobody'" in raw.next_error()
+    finally:
+        raw.close()
+    assert client.synthesize("Still serving.", max_frames=6, ignore_eos=True).raise_for_error().completed
+    assert client.synthesize_text_stream(words(), **OPTIONS).raise_for_error().completed
+
+
+def test_a_stream_whose_text_stops_ends_after_the_idle_time(server, client):
+    synthesis = client.synthesize_text_stream(
+        slowly(["Hello there, this stream goes ", "silent"], IDLE_S * 3)
+    )
+    assert synthesis.error is not None and "text_idle_timeout_s" in synthesis.error
+    # Its row is free again: both rows serve (max_streams 2).
+    results = [client.synthesize_text_stream(words(), **OPTIONS) for _ in range(2)]
+    assert all(r.raise_for_error().completed for r in results)
