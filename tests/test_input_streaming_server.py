@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from server_helpers import start_server
+from server_helpers import start_server, wait_for_metric
 from voxtriton_client import TTSClient
 from voxtriton_client.api import request_inputs
 
@@ -24,7 +24,12 @@ IDLE_S = 1.5
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     parameters = {
-        "tts": {"text_layout": "interleaved", "text_idle_timeout_s": str(IDLE_S), "max_streams": "2"}
+        "tts": {
+            "text_layout": "interleaved",
+            "text_idle_timeout_s": str(IDLE_S),
+            "max_streams": "2",
+            "max_text_bytes": "256",
+        }
     }
     with start_server(tiny_checkpoint, parameters=parameters) as running:
         yield running
@@ -63,6 +68,12 @@ def test_pieces_give_the_codes_of_the_whole_text(client, pieces):
     np.testing.assert_array_equal(streamed.codes, whole.codes)
     assert streamed.first_audio_after_first_piece_s > 0
     assert streamed.last_audio_after_last_piece_s is not None
+
+
+def test_the_server_times_the_last_piece_to_the_last_audio(server, client):
+    before = server.metrics().get("voxtriton_text_end_to_audio_end_seconds_count", 0)
+    client.synthesize_text_stream(words(), **OPTIONS).raise_for_error()
+    wait_for_metric(server, "voxtriton_text_end_to_audio_end_seconds_count", lambda n: n == before + 1)
 
 
 class RawStream:
@@ -115,6 +126,12 @@ def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, cli
         assert f"sequence {empty}: the text is empty" in raw.next_error()
         raw.piece(uuid.uuid4().hex, "x", "g", start=True, speaker="nobody")
         assert "unknown speaker 'nobody'" in raw.next_error()
+        long = uuid.uuid4().hex
+        for index in range(3):  # 300 bytes in all, over max_text_bytes (256): the piece and the audio fail
+            first = {"max_frames": 200} if index == 0 else {}
+            raw.piece(long, "word " * 20, f"h{index}", start=index == 0, **first)
+        errors = [raw.next_error(), raw.next_error()]
+        assert errors == [f"text: sequence {long}: too long: over 256 bytes in all"] * 2
     finally:
         raw.close()
     assert client.synthesize("Still serving.", max_frames=6, ignore_eos=True).raise_for_error().completed

@@ -36,9 +36,11 @@ class Sequence:
     params: GenerationParams
     sink: ResponseSink  # the first piece's: carries the audio
     text: TextStream
+    started_at: float  # its first piece (the stream's arrival, for TTFA and the first chunk's due time)
     last_piece_at: float
     known: list[int] = field(default_factory=list)  # text ids settled before the stream was submitted
     has_words: bool = False  # a piece held more than white space (the stream starts after one)
+    text_bytes: int = 0  # of all its pieces, held to max_text_bytes like a whole request's text
     submitted: bool = False
 
 
@@ -53,7 +55,8 @@ class TextSequences:
         clock: Callable[[], float] = time.monotonic,
         interval_s: float | None = None,
     ):
-        """service: the TTSService (`submit`, `add_text`, `end_stream`). A thread ends idle sequences,
+        """service: the TTSService (`submit`, `add_text`, `end_stream`; `clock` must be its clock). A
+        thread ends idle sequences,
         checking every `interval_s` (a quarter of the timeout, at most a second, by default)."""
         self.parser, self.service, self.idle_timeout_s, self.clock = parser, service, idle_timeout_s, clock
         self.lock = threading.Lock()
@@ -92,6 +95,7 @@ class TextSequences:
                     sink(),
                     TextStream(self.parser.prompts.tokenizer),
                     self.clock(),
+                    self.clock(),
                 )
                 self.open[sequence_id] = sequence
                 self.ended.pop(sequence_id, None)
@@ -107,15 +111,19 @@ class TextSequences:
                 text = self.parser.piece_text(inputs)
                 sequence.last_piece_at = self.clock()
             sequence.has_words |= bool(text.strip())
-            ids = sequence.text.feed(text) + (sequence.text.finish() if end else [])
-            if end:
-                self._close(sequence, "its last piece arrived")
+            sequence.text_bytes += len(text.encode("utf-8"))
+            limit = self.parser.settings.max_text_bytes
             try:
+                if sequence.text_bytes > limit:
+                    raise RequestError("text", f"sequence {sequence_id}: too long: over {limit} bytes in all")
+                ids = sequence.text.feed(text) + (sequence.text.finish() if end else [])
+                if end:
+                    self._close(sequence, "its last piece arrived")
                 self._feed(sequence, ids, end)
             except Exception as error:
                 self._close(sequence, f"failed: {error}")
-                if not start:  # the first piece's caller answers the first piece's sender itself
-                    sequence.sink.fail(str(error))
+                if sequence.submitted or not start:  # else the caller answers the first piece's sender
+                    self._fail(sequence, str(error))
                 raise
 
     def _feed(self, sequence: Sequence, ids: list[int], end: bool) -> None:
@@ -133,7 +141,7 @@ class TextSequences:
             return
         prompt = sequence.head.prompt(sequence.known, interleaved=True, text_ended=end)
         request = Request(sequence.request_id, prompt, sequence.params, text_open=not end)
-        self.service.submit(request, sequence.sink)
+        self.service.submit(request, sequence.sink, opened_at=sequence.started_at)
         sequence.submitted = True
 
     def _close(self, sequence: Sequence, how: str) -> None:
@@ -155,10 +163,14 @@ class TextSequences:
                 f"sequence {sequence.sequence_id}: no text piece for {self.idle_timeout_s:g} s "
                 "(text_idle_timeout_s); send sequence_end with the last piece"
             )
-            if sequence.submitted:
-                self.service.end_stream(sequence.request_id, message)
-            else:
-                sequence.sink.fail(message)
+            self._fail(sequence, message)
+
+    def _fail(self, sequence: Sequence, message: str) -> None:
+        """End a sequence's audio with an error: through its stream once submitted, else at its sink."""
+        if sequence.submitted:
+            self.service.end_stream(sequence.request_id, message)
+        else:
+            sequence.sink.fail(message)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(self.interval_s):

@@ -273,7 +273,9 @@ class TTSTritonModel:
             max_draining=settings.max_draining,
             cancellation_lock_share=settings.cancellation_lock_share,
         )
-        self.sequences = TextSequences(self.parser, self.service, settings.text_idle_timeout_s)
+        self.sequences = TextSequences(
+            self.parser, self.service, settings.text_idle_timeout_s, clock=self.service.clock
+        )
         self.ids = itertools.count()
         self.loading = True  # until Triton's warm-up sample (model_warmup in config.pbtxt) was answered
 

@@ -32,6 +32,7 @@ class Stream(StreamTimeline):
     # text has ended (the engine thread hands both to the engine between steps).
     new_text: list[int] = field(default_factory=list)
     text_ended: bool = False
+    text_ended_at: float | None = None  # when its last piece arrived
 
 
 class WarmupSink:
@@ -72,8 +73,11 @@ class StreamRegistry:
     """Part of `TTSService`: the streams it holds (`streams`, `incoming`) and their codec state rows,
     under the service lock."""
 
-    def submit(self, request: Request, sink: ResponseSink, lane: str | None = None) -> None:
-        """Queue a request; its chunks stream to `sink`. `lane` pins them to one lane (warm-up)."""
+    def submit(
+        self, request: Request, sink: ResponseSink, lane: str | None = None, opened_at: float | None = None
+    ) -> None:
+        """Queue a request; its chunks stream to `sink`. `lane` pins them to one lane (warm-up).
+        `opened_at`: when it arrived, if before now (an input stream's first piece)."""
         with self.lock:
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
@@ -103,7 +107,7 @@ class StreamRegistry:
                 raise ServerBusy(f"server busy: {busy}; retry later")
             stream = Stream(
                 request.request_id,
-                self.clock(),
+                self.clock() if opened_at is None else opened_at,
                 lane=lane,
                 request=request,
                 sink=sink,
@@ -121,6 +125,8 @@ class StreamRegistry:
                 return False
             stream.new_text += ids
             stream.text_ended = end
+            if end:
+                stream.text_ended_at = self.clock()
             self.text_arrived[request_id] = stream
             self.lock.notify_all()
             return True
