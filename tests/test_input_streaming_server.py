@@ -3,6 +3,7 @@ Triton sequence on one gRPC stream, audio back on the first piece's request."""
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 import uuid
@@ -146,3 +147,53 @@ def test_a_stream_whose_text_stops_ends_after_the_idle_time(server, client):
     # Its row is free again: both rows serve (max_streams 2).
     results = [client.synthesize_text_stream(words(), **OPTIONS) for _ in range(2)]
     assert all(r.raise_for_error().completed for r in results)
+
+
+def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client):
+    """The gateway's WebSocket endpoint, driven by Starlette's WebSocket test client (in process: the
+    environment has no WebSocket library for uvicorn), against the real tritonserver."""
+    from starlette.testclient import TestClient
+
+    from voxtriton.serving.gateway import create_app, pcm16
+
+    whole = client.synthesize(TEXT, speaker="vivian", **OPTIONS).raise_for_error()
+    options = {"voice": "vivian", "seed": 11, "max_frames": 30, "ignore_eos": True}
+    with TestClient(create_app([server.grpc_url])) as gateway:
+        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
+            pieces = words()
+            socket.send_json({"input": pieces[0], **options})
+            for piece in pieces[1:-1]:
+                socket.send_json({"input": piece})
+            socket.send_json({"input": pieces[-1], "end": True})
+            audio, message = b"", socket.receive()
+            while "bytes" in message:
+                audio += message["bytes"]
+                message = socket.receive()
+            done = json.loads(message["text"])
+        assert done["type"] == "speech.audio.done", done
+        assert done["first_audio_after_first_piece_s"] > 0 and done["last_audio_after_last_piece_s"] > 0
+        # The whole text's codes, so its audio (up to rounding, were codec batches shared).
+        got, expected = np.frombuffer(audio, "<i2"), np.frombuffer(pcm16(whole.audio), "<i2")
+        assert got.shape == expected.shape and len(got) > 0
+        assert np.abs(got.astype(np.int32) - expected).max() <= 1
+
+        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
+            socket.send_json({"input": "Hello", "voice": "nobody"})
+            socket.send_json({"input": " there.", "end": True})
+            error = socket.receive_json()
+        assert error["type"] == "error" and error["error"]["param"] == "voice", error
+        assert "unknown speaker 'nobody'" in error["error"]["message"]
+
+        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
+            socket.send_json({"input": "Hello", "speed": 2})
+            error = socket.receive_json()
+        assert (
+            error["error"]["param"] == "speed"
+            and "unknown field in the first message" in (error["error"]["message"])
+        )
+
+        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
+            socket.send_json({"input": "Hello there, ", **options})
+            socket.send_json({"input": "again", "voice": "ryan"})
+            error = socket.receive_json()
+        assert error["error"]["param"] == "voice" and "options go in the first" in error["error"]["message"]

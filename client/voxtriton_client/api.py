@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterable, Iterator
+from typing import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -118,6 +118,25 @@ def requested_outputs(client_module, codes: bool, info: bool) -> list:
     return [client_module.InferRequestedOutput(name) for name in names]
 
 
+def piece_request(
+    client_module, model: str, sequence_id: str, index: int, text: str, end: bool, codes, info, options
+) -> dict:
+    """Input streaming: the request of a sequence's text piece `index`, as keyword arguments of
+    `async_stream_infer` (and the dict `stream_infer` takes). The first carries the options and asks
+    for the outputs: the audio comes back on it."""
+    first = index == 0
+    return {
+        "model_name": model,
+        "inputs": request_inputs(client_module, text, **(options if first else {})),
+        "request_id": f"{sequence_id}-{index}",
+        "sequence_id": sequence_id,
+        "sequence_start": first,
+        "sequence_end": end,
+        "outputs": requested_outputs(client_module, codes, info) if first else None,
+        "enable_empty_final_response": first,
+    }
+
+
 def _chunk_from(result, sent_at: float) -> Chunk:
     names = {output.name for output in result.get_response().outputs}
     return Chunk(
@@ -186,14 +205,9 @@ class TTSClient:
         def send(client, synthesis, sent_at):
             def piece(text, index, end=False):
                 client.async_stream_infer(
-                    self.model,
-                    request_inputs(grpcclient, text, **(options if index == 0 else {})),
-                    request_id=f"{sequence_id}-{index}",
-                    sequence_id=sequence_id,
-                    sequence_start=index == 0,
-                    sequence_end=end,
-                    outputs=requested_outputs(grpcclient, codes, info) if index == 0 else None,
-                    enable_empty_final_response=index == 0,
+                    **piece_request(
+                        grpcclient, self.model, sequence_id, index, text, end, codes, info, options
+                    )
                 )
 
             sent = 0
@@ -315,10 +329,57 @@ class AsyncTTSClient:
             }
 
         sent_at = time.perf_counter()
-        async for result, error in self.client.stream_infer(requests()):
-            chunk, over = _consume(synthesis, result, error, sent_at)
+        return await self._read(requests(), synthesis, sent_at, on_chunk)
+
+    async def synthesize_text_stream(
+        self,
+        pieces: AsyncIterable[str] | Iterable[str],
+        *,
+        codes: bool = False,
+        info: bool = False,
+        on_chunk: Callable[[Chunk], None] | None = None,
+        **options,
+    ) -> Synthesis:
+        """Input streaming (`TTSClient.stream_text`): the pieces, as they come, go out as one Triton
+        sequence; chunks reach `on_chunk` as they arrive. Times count from the first piece."""
+        synthesis = Synthesis()
+        sequence_id = uuid.uuid4().hex
+        sent_at = time.perf_counter()
+
+        async def requests() -> AsyncIterator[dict]:
+            nonlocal sent_at
+            index = 0
+            async for text in _async_iter(pieces):
+                if index == 0:
+                    sent_at = time.perf_counter()
+                yield piece_request(
+                    aioclient, self.model, sequence_id, index, text, False, codes, info, options
+                )
+                synthesis.last_piece_s = time.perf_counter() - sent_at
+                index += 1
+            if index == 0:
+                sent_at = time.perf_counter()
+            yield piece_request(aioclient, self.model, sequence_id, index, "", True, codes, info, options)
+
+        return await self._read(requests(), synthesis, lambda: sent_at, on_chunk)
+
+    async def _read(self, requests, synthesis: Synthesis, sent_at, on_chunk) -> Synthesis:
+        """Send `requests` on one stream and apply its responses; `sent_at`: the clock's zero (or a
+        function giving it, when the first request goes out later)."""
+        async for result, error in self.client.stream_infer(requests):
+            zero = sent_at() if callable(sent_at) else sent_at
+            chunk, over = _consume(synthesis, result, error, zero)
             if chunk is not None and on_chunk is not None:
                 on_chunk(chunk)
             if over:
                 break
         return synthesis
+
+
+async def _async_iter(pieces):
+    if hasattr(pieces, "__aiter__"):
+        async for piece in pieces:
+            yield piece
+    else:
+        for piece in pieces:
+            yield piece
