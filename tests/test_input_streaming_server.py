@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,3 +200,25 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
             socket.send_json({"input": "again", "voice": "ryan"})
             error = socket.receive_json()
         assert error["error"]["param"] == "voice" and "options go in the first" in error["error"]["message"]
+
+
+def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_checkpoint):
+    """--text-rate: every request's text arrives as words at 30 per second; the same playback
+    accounting, plus the last piece to the last audio."""
+    out = tmp_path / "bench"
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "benchmarks" / "serving_bench.py"), "--smoke", "--text-rate", "30"]
+    completed = subprocess.run(
+        command + ["--checkpoint", str(tiny_checkpoint), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["text_rate"] == 30
+    [row] = results["policies"][0]["rates"]
+    assert row["requests"] >= 2 and row["failed"] == 0 and row["completed"] == row["requests"]
+    assert 0 < row["ttfa_p50_ms"] < 5000 and row["text_end_to_audio_end_p50_ms"] > 0
+    assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)
+    assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
