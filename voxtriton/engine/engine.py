@@ -75,6 +75,8 @@ class Engine:
         self.runner = runner
         self.text_lookahead = text_lookahead
         self.holds: list[bool] = []  # per running row, what the runner was last told (`set_holds`)
+        # Running requests whose text may still change their row: text still arriving, or paused.
+        self.streaming: set[Request] = set()
         self.max_running = max_running
         self.overlap = overlap
         self.eos = runner.config.talker.codec_eos_id
@@ -130,6 +132,7 @@ class Engine:
         self.running.clear()
         self.waiting.clear()
         self.holds.clear()
+        self.streaming.clear()
         self.in_flight = None
 
     def _leave_batch(self, request: Request) -> None:
@@ -142,6 +145,7 @@ class Engine:
             self.holds[row] = self.holds[last]  # the move copied the row's hold flag too
         self.running.pop()
         self.holds.pop()
+        self.streaming.discard(request)
         request.row = None
 
     @staticmethod
@@ -153,19 +157,19 @@ class Engine:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             self._finish(request, "cancelled")
-        admitted = []
-        for request in list(self.waiting):  # in arrival order; streams short of text stay waiting
-            if len(self.running) + len(admitted) >= self.max_running:
-                break
-            if self._may_start(request):
-                self.waiting.remove(request)
-                admitted.append(request)
+        admitted, short_of_text = [], []
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
+            request = self.waiting.popleft()
+            (admitted if self._may_start(request) else short_of_text).append(request)
+        self.waiting.extendleft(reversed(short_of_text))  # they keep their places
         if admitted:
             first_row = len(self.running)
             self.runner.prefill(admitted, first_row)
             for offset, request in enumerate(admitted):
                 request.status, request.row = Status.RUNNING, first_row + offset
                 request.text_written = len(request.text)
+                if request.text_open:
+                    self.streaming.add(request)
             self.running.extend(admitted)
             self.holds.extend([False] * len(admitted))
         return len(admitted)
@@ -173,21 +177,23 @@ class Engine:
     def _sync_text(self) -> list[bool]:
         """Write running requests' new text ids into their rows, decide which rows pause, and tell the
         runner what changed; returns the pauses by row."""
-        rows, columns, ids = [], [], []
-        for row, request in enumerate(self.running):
-            for column in range(request.text_written, len(request.text)):
-                rows.append(row)
-                columns.append(column)
-                ids.append(request.text[column])
-            request.text_written = len(request.text)
+        rows, columns, ids, changed = [], [], [], False
+        for request in list(self.streaming):
+            written, known = request.text_written, len(request.text)
+            rows += [request.row] * (known - written)
+            columns += range(written, known)
+            ids += request.text[written:]
+            request.text_written = known
             request.paused = not self._may_generate(request)
+            if self.holds[request.row] != request.paused:
+                self.holds[request.row], changed = request.paused, True
+            if not (request.text_open or request.paused):  # all its text is in its row
+                self.streaming.discard(request)
         if ids:
             self.runner.write_text(rows, columns, ids)
-        holds = [request.paused for request in self.running]
-        if holds != self.holds:
-            self.runner.set_holds(holds)
-            self.holds = holds
-        return holds
+        if changed:
+            self.runner.set_holds(self.holds)
+        return self.holds
 
     def step(self) -> list[FrameOutput]:
         """Launch the next frame of every running request (admitting waiting ones first) and return
@@ -234,7 +240,10 @@ class Engine:
         codes = self.runner.decode(len(self.running), span)
         after = self._event()
         codes, ready = self.runner.stash_codes(codes)
-        requests = [None if held else request for request, held in zip(self.running, holds)]
+        if True in holds:
+            requests = [None if held else request for request, held in zip(self.running, holds)]
+        else:
+            requests = list(self.running)
         generating = [request for request in requests if request is not None]
         for request in generating:  # all first: a row's move copies its positions up to this frame
             request.frames += 1
