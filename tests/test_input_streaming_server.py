@@ -147,6 +147,17 @@ def test_a_stream_whose_text_stops_ends_after_the_idle_time(server, client):
         slowly(["Hello there, this stream goes ", "silent"], IDLE_S * 3)
     )
     assert synthesis.error is not None and "text_idle_timeout_s" in synthesis.error
+    # Empty pieces do not keep a sequence whose text stopped open.
+    raw = RawStream(server.grpc_url)
+    try:
+        sequence = uuid.uuid4().hex
+        raw.piece(sequence, "Kept alive by ", "k0", start=True, **OPTIONS)
+        for index in range(1, 8):
+            time.sleep(IDLE_S / 2)
+            raw.piece(sequence, "", f"k{index}")
+        assert "text_idle_timeout_s" in raw.next_error(timeout=0.1 + IDLE_S)
+    finally:
+        raw.close()
     # Its row is free again: both rows serve (max_streams 2).
     results = [client.synthesize_text_stream(words(), **OPTIONS) for _ in range(2)]
     assert all(r.raise_for_error().completed for r in results)

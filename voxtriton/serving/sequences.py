@@ -5,8 +5,8 @@ flag on the first and the end flag on the last. The first piece names the voice 
 parameters (later pieces' other inputs are ignored), and its response sender carries the audio; every
 later piece is answered at once with an empty final response (or an error), its text passed on. The
 stream is submitted once the tokenizer has settled its first text id (the prompt holds it); the engine
-then waits for `text_lookahead` ids (`Engine`). A sequence that sends no piece for
-`text_idle_timeout_s` ends with an error; one that never ends is held by max_text_tokens and max_frames.
+then waits for `text_lookahead` ids (`Engine`). A sequence that sends no text for `text_idle_timeout_s`
+ends with an error (empty pieces do not count); all its pieces together are held to max_text_bytes.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class TextSequences:
                         else f"unknown sequence {sequence_id}: its first piece must carry sequence_start",
                     )
                 text = self.parser.piece_text(inputs)
-                sequence.last_piece_at = self.clock()
+                if text:  # empty pieces do not keep an idle sequence open
+                    sequence.last_piece_at = self.clock()
             sequence.has_words |= bool(text.strip())
             sequence.text_bytes += len(text.encode("utf-8"))
             limit = self.parser.settings.max_text_bytes
