@@ -176,3 +176,16 @@ def test_text_pieces_tokenize_as_the_whole_text(setup):
         stream = TextStream(tokenizer)
         ids = [i for piece in pieces for i in stream.feed(piece)] + stream.finish()
         assert ids == tokenizer.encode("".join(pieces)), pieces
+
+
+def test_text_beyond_the_rows_capacity_or_after_its_end_is_refused(setup):
+    engine = new_engine(setup)  # max_text_tokens 64
+    request = Request("long", setup[2].head("vivian").prompt([1000], True, text_ended=False), params(setup))
+    request.text_open = True
+    engine.add(request)
+    engine.add_text(request, [1000] * 64, end=False)
+    with pytest.raises(ValueError, match=r"text: too long: 65 tokens \(limit 64\)"):
+        engine.add_text(request, [1000], end=False)
+    done = whole(setup)
+    with pytest.raises(ValueError, match="takes no more text"):
+        engine.add_text(done, [1000], end=True)

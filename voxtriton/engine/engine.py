@@ -114,7 +114,9 @@ class Engine:
 
     def _check_text_length(self, request: Request) -> None:
         if len(request.text) > self.runner.max_text_tokens:
-            raise ValueError(f"text has {len(request.text)} tokens, limit {self.runner.max_text_tokens}")
+            raise ValueError(
+                f"text: too long: {len(request.text)} tokens (limit {self.runner.max_text_tokens})"
+            )
 
     def _may_start(self, request: Request) -> bool:
         return not request.text_open or len(request.text) >= self.text_lookahead

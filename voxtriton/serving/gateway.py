@@ -574,7 +574,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    import importlib.util
+
     import uvicorn
+
+    if not any(importlib.util.find_spec(name) for name in ("websockets", "wsproto")):
+        log.warning(
+            "uvicorn has no WebSocket library here, so WS /v1/audio/speech/stream refuses connections: "
+            "pip install websockets to serve it"
+        )
 
     app = create_app(args.backend or ["127.0.0.1:8001"], args.checkpoint)
     base = f"http://{args.host}:{args.port}"
