@@ -78,6 +78,14 @@ def test_the_server_times_the_last_piece_to_the_last_audio(server, client):
     before = server.metrics().get("voxtriton_text_end_to_audio_end_seconds_count", 0)
     client.synthesize_text_stream(words(), **OPTIONS).raise_for_error()
     wait_for_metric(server, "voxtriton_text_end_to_audio_end_seconds_count", lambda n: n == before + 1)
+    raw = RawStream(server.grpc_url)  # a sequence of one piece, start and end at once
+    try:
+        raw.piece(
+            uuid.uuid4().hex, "Whole at once.", "w", start=True, end=True, max_frames=8, ignore_eos=True
+        )
+        wait_for_metric(server, "voxtriton_text_end_to_audio_end_seconds_count", lambda n: n == before + 2)
+    finally:
+        raw.close()
 
 
 class RawStream:

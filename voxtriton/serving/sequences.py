@@ -128,22 +128,24 @@ class TextSequences:
                 raise
 
     def _feed(self, sequence: Sequence, ids: list[int], end: bool) -> None:
-        if sequence.submitted:
-            if not self.service.add_text(sequence.request_id, ids, end):
-                self._close(sequence, "its stream ended")
-                raise RequestError(
-                    "sequence_id", f"sequence {sequence.sequence_id}: its stream has ended; text dropped"
-                )
-            return
-        sequence.known += ids
-        if not (sequence.known and sequence.has_words):
-            if end:
-                raise RequestError("text", f"sequence {sequence.sequence_id}: the text is empty")
-            return
-        prompt = sequence.head.prompt(sequence.known, interleaved=True, text_ended=end)
-        request = Request(sequence.request_id, prompt, sequence.params, text_open=not end)
-        self.service.submit(request, sequence.sink, opened_at=sequence.started_at)
-        sequence.submitted = True
+        if not sequence.submitted:
+            sequence.known += ids
+            if not (sequence.known and sequence.has_words):
+                if end:
+                    raise RequestError("text", f"sequence {sequence.sequence_id}: the text is empty")
+                return
+            # Its end, if it came already, goes the way of every end (`add_text`), which times it.
+            prompt = sequence.head.prompt(sequence.known, interleaved=True, text_ended=False)
+            request = Request(sequence.request_id, prompt, sequence.params, text_open=True)
+            self.service.submit(request, sequence.sink, opened_at=sequence.started_at)
+            sequence.submitted, ids = True, []
+            if not end:
+                return
+        if not self.service.add_text(sequence.request_id, ids, end):
+            self._close(sequence, "its stream ended")
+            raise RequestError(
+                "sequence_id", f"sequence {sequence.sequence_id}: its stream has ended; text dropped"
+            )
 
     def _close(self, sequence: Sequence, how: str) -> None:
         if self.open.get(sequence.sequence_id) is sequence:
