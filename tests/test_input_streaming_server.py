@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+import wave
 from pathlib import Path
 
 import numpy as np
@@ -241,3 +242,19 @@ def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_check
     assert 0 < row["ttfa_p50_ms"] < 5000 and row["text_end_to_audio_end_p50_ms"] > 0
     assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)
     assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
+
+
+def test_the_client_command_speaks_stdin_as_it_comes(server, tmp_path):
+    output = tmp_path / "lines.wav"
+    command = [sys.executable, "-m", "voxtriton_client.cli", "speak", "-", "-o", str(output)]
+    completed = subprocess.run(
+        command + ["--server", server.grpc_url, "--max-frames", "12", "--seed", "3"],
+        input="Hello there,\nthis came on a second line.\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "last audio" in completed.stdout and "after the last line" in completed.stdout
+    with wave.open(str(output)) as wav:
+        assert wav.getnframes() == 12 * 1920
