@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,10 +103,39 @@ class TextTokenizer:
             return self.bpe.encode(text, add_special_tokens=False).ids
         return [BYTE_TOKEN_ID[b] for b in text.encode("utf-8")]
 
+    def settled_length(self, text: str) -> int:
+        """How many leading characters of `text` tokenize the same whatever text follows: up to the
+        start of its last pre-token (BPE merges stay within one), or all of it for the byte fallback."""
+        if self.bpe is None:
+            return len(text)
+        words = self.bpe.pre_tokenizer.pre_tokenize_str(text)
+        return words[-1][1][0] if words else 0
+
     def decode(self, ids: list[int]) -> str:
         if self.bpe is not None:
             return self.bpe.decode(ids)
         return bytes(_gpt2_byte_order()[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class TextStream:
+    """Text that arrives in pieces, tokenized as the whole text would be: a piece's ids are given out
+    once no later piece can change them (see `TextTokenizer.settled_length`), the rest at `finish`."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer, self.pending = tokenizer, ""
+        self.normalize = tokenizer.bpe is not None  # the checkpoint tokenizer's NFC, on the joined text
+
+    def feed(self, piece: str) -> list[int]:
+        self.pending += piece
+        if self.normalize:
+            self.pending = unicodedata.normalize("NFC", self.pending)
+        cut = self.tokenizer.settled_length(self.pending)
+        settled, self.pending = self.pending[:cut], self.pending[cut:]
+        return self.tokenizer.encode(settled) if settled else []
+
+    def finish(self) -> list[int]:
+        rest, self.pending = self.pending, ""
+        return self.tokenizer.encode(rest) if rest else []
 
 
 @dataclass(frozen=True)
@@ -137,10 +167,16 @@ class PromptBuilder:
         instruct: str | None = None,
         interleaved: bool = False,
     ) -> Prompt:
-        cfg, talker = self.config, self.config.talker
         text_ids = self.tokenizer.encode(text)
         if not text_ids:
             raise RequestError("text", "is empty")
+        return self.head(speaker, language, instruct).prompt(text_ids, interleaved)
+
+    def head(
+        self, speaker: str | None = None, language: str | None = None, instruct: str | None = None
+    ) -> "PromptHead":
+        """The prompt up to the text (role tokens and codec prefix), after checking the voice options."""
+        cfg, talker = self.config, self.config.talker
         language = (language or "auto").lower()
         if language not in self.languages:
             raise RequestError(
@@ -189,12 +225,27 @@ class PromptBuilder:
         prefix_text += self._role([cfg.assistant_token_id])
         text_side = prefix_text + [cfg.tts_pad_token_id] * (len(codec_prefix) - 1) + [cfg.tts_bos_token_id]
         codec_side = [NO_CODEC] * len(prefix_text) + codec_prefix
+        return PromptHead(cfg, text_side, codec_side)
+
+
+@dataclass(frozen=True)
+class PromptHead:
+    """A prompt's text and codec ids up to the text itself."""
+
+    config: Qwen3TTSConfig
+    text_side: list[int]
+    codec_side: list[int]
+
+    def prompt(self, text_ids: list[int], interleaved: bool, text_ended: bool = True) -> Prompt:
+        """The prompt for `text_ids`. In the interleaved layout they may be the text known so far (at
+        least its first token; `text_ended` False): tts_eos follows the rest when the text ends."""
+        cfg, talker = self.config, self.config.talker
         if interleaved:
             return Prompt(
-                text_side + text_ids[:1],
-                codec_side + [talker.codec_bos_id],
-                text_ids[1:] + [cfg.tts_eos_token_id],
+                self.text_side + text_ids[:1],
+                self.codec_side + [talker.codec_bos_id],
+                text_ids[1:] + ([cfg.tts_eos_token_id] if text_ended else []),
             )
-        text_side += text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
-        codec_side += [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
+        text_side = self.text_side + text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
+        codec_side = self.codec_side + [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
         return Prompt(text_side, codec_side, [])
