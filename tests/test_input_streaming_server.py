@@ -173,26 +173,33 @@ def test_a_stream_whose_text_stops_ends_after_the_idle_time(server, client):
 
 
 def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client):
-    """The gateway's WebSocket endpoint, driven by Starlette's WebSocket test client (in process: the
-    environment has no WebSocket library for uvicorn), against the real tritonserver."""
-    from starlette.testclient import TestClient
+    """The gateway's WebSocket endpoint: a gateway process (uvicorn) in front of the real tritonserver,
+    driven by the `websockets` client library."""
+    from test_gateway import start_gateway, stop_gateway
+    from websockets.sync.client import connect
 
-    from voxtriton.serving.gateway import create_app, pcm16
+    from voxtriton.serving.gateway import pcm16
+
+    def speak(url: str, messages: list[dict]) -> tuple[bytes, dict]:
+        """Send every message, then read binary audio until the text message that ends the stream."""
+        with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=10) as socket:
+            for message in messages:
+                socket.send(json.dumps(message))
+            audio = b""
+            while isinstance(message := socket.recv(timeout=60), bytes):
+                audio += message
+            return audio, json.loads(message)
 
     whole = client.synthesize(TEXT, speaker="vivian", **OPTIONS).raise_for_error()
     options = {"voice": "vivian", "seed": 11, "max_frames": 30, "ignore_eos": True}
-    with TestClient(create_app([server.grpc_url])) as gateway:
-        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
-            pieces = words()
-            socket.send_json({"input": pieces[0], **options})
-            for piece in pieces[1:-1]:
-                socket.send_json({"input": piece})
-            socket.send_json({"input": pieces[-1], "end": True})
-            audio, message = b"", socket.receive()
-            while "bytes" in message:
-                audio += message["bytes"]
-                message = socket.receive()
-            done = json.loads(message["text"])
+    gateway, url = start_gateway([server.grpc_url])
+    try:
+        pieces = words()
+        first, *middle, last = pieces
+        audio, done = speak(
+            url,
+            [{"input": first, **options}] + [{"input": p} for p in middle] + [{"input": last, "end": True}],
+        )
         assert done["type"] == "speech.audio.done", done
         assert done["first_audio_after_first_piece_s"] > 0 and done["last_audio_after_last_piece_s"] > 0
         # The whole text's codes, so its audio (up to rounding, were codec batches shared).
@@ -200,26 +207,18 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
         assert got.shape == expected.shape and len(got) > 0
         assert np.abs(got.astype(np.int32) - expected).max() <= 1
 
-        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
-            socket.send_json({"input": "Hello", "voice": "nobody"})
-            socket.send_json({"input": " there.", "end": True})
-            error = socket.receive_json()
+        _, error = speak(url, [{"input": "Hello", "voice": "nobody"}, {"input": " there.", "end": True}])
         assert error["type"] == "error" and error["error"]["param"] == "voice", error
         assert "unknown speaker 'nobody'" in error["error"]["message"]
 
-        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
-            socket.send_json({"input": "Hello", "speed": 2})
-            error = socket.receive_json()
-        assert (
-            error["error"]["param"] == "speed"
-            and "unknown field in the first message" in (error["error"]["message"])
-        )
+        _, error = speak(url, [{"input": "Hello", "speed": 2}])
+        assert error["error"]["param"] == "speed"
+        assert "unknown field in the first message" in error["error"]["message"]
 
-        with gateway.websocket_connect("/v1/audio/speech/stream") as socket:
-            socket.send_json({"input": "Hello there, ", **options})
-            socket.send_json({"input": "again", "voice": "ryan"})
-            error = socket.receive_json()
+        _, error = speak(url, [{"input": "Hello there, ", **options}, {"input": "again", "voice": "ryan"}])
         assert error["error"]["param"] == "voice" and "options go in the first" in error["error"]["message"]
+    finally:
+        stop_gateway(gateway)
 
 
 def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_checkpoint):
