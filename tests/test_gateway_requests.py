@@ -11,7 +11,7 @@ from voxtriton_client import Synthesis
 from voxtriton.serving.gateway import (
     MODEL_ALIASES,
     REQUEST_FIELDS,
-    BackendsUnreachable,
+    BackendUnreachable,
     SpeechError,
     SpeechStream,
     error_from_server,
@@ -100,7 +100,7 @@ def test_how_a_stream_ended_becomes_the_callers_error():
     assert (early.status, early.message) == (502, "The voxtriton server stopped answering mid-request.")
     dropped = SpeechStream.ending(ConnectionResetError("Socket closed"))
     assert (dropped.status, dropped.message) == (early.status, early.message)
-    down = SpeechStream.ending(BackendsUnreachable("127.0.0.1:1"))
+    down = SpeechStream.ending(BackendUnreachable("127.0.0.1:1"))
     assert (down.status, down.kind) == (503, "service_unavailable")
     assert down.message == "No voxtriton server is ready; retry when one is up."
     assert SpeechStream.ending(Synthesis(error="seed: must be >= 0")).param == "seed"

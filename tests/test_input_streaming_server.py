@@ -192,7 +192,7 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
 
     whole = client.synthesize(TEXT, speaker="vivian", **OPTIONS).raise_for_error()
     options = {"voice": "vivian", "seed": 11, "max_frames": 30, "ignore_eos": True}
-    gateway, url = start_gateway([server.grpc_url])
+    gateway, url = start_gateway(server.grpc_url)
     try:
         pieces = words()
         first, *middle, last = pieces

@@ -27,7 +27,7 @@ RATE, BURSTINESS, SECONDS = 1.0, 0.1, (0.4, 0.8)
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint):
     with start_server(tiny_checkpoint) as server:
-        gateway, url = start_gateway([server.grpc_url], tiny_checkpoint)
+        gateway, url = start_gateway(server.grpc_url, tiny_checkpoint)
         try:
             yield server, url
         finally:

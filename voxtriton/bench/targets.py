@@ -5,6 +5,7 @@ accounting, so the figures of either path mean the same thing."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from voxtriton_client import simulate_playback
 
 from voxtriton.bench.summary import LANES, RequestResult
-from voxtriton.serving.gateway import Router
+from voxtriton.serving.gateway import Backend
 
 FRAME_RATE = 12.5  # codec frames per second of audio
 PCM_SAMPLE_RATE = 24000  # OpenAI's `pcm`: 16-bit little-endian mono samples at 24 kHz
@@ -68,21 +69,28 @@ async def words_at(text: str, rate: float):
 
 
 class TritonTarget:
-    """voxtriton's tritonservers, least-loaded over `urls` as the gateway routes; a fixed length is
-    max_frames with ignore_eos. With `text_rate`, each text streams in (input streaming) as words at
-    that many per second; TTFA then counts from the first word."""
+    """voxtriton's tritonservers over gRPC; with several, each request goes to the one with the fewest
+    requests in flight, ties taking turns, as a proxy's least-request balancing does. A fixed length
+    is max_frames with ignore_eos. With `text_rate`, each text streams in (input streaming) as words
+    at that many per second; TTFA then counts from the first word."""
 
     def __init__(self, urls: list[str], text_rate: float = 0.0):
-        self.router = Router(urls)
+        self.backends = [Backend(url) for url in urls]
         self.text_rate = text_rate
+        self._turn = itertools.count()
+
+    def least_loaded(self) -> Backend:
+        turn = next(self._turn) % len(self.backends)
+        return min(self.backends[turn:] + self.backends[:turn], key=lambda b: b.in_flight)
 
     async def request(self, utterance: Utterance, speaker: str | None, sent: float) -> RequestResult:
         options = dict(speaker=speaker, seed=utterance.seed, max_frames=utterance.frames, ignore_eos=True)
+        backend = self.least_loaded()
         if self.text_rate:
             pieces = words_at(utterance.text, self.text_rate)
-            synthesis = await self.router.synthesize_text_stream(pieces, info=True, **options)
+            synthesis = await backend.synthesize_text_stream(pieces, info=True, **options)
         else:
-            synthesis = await self.router.synthesize(utterance.text, info=True, **options)
+            synthesis = await backend.synthesize(utterance.text, info=True, **options)
         error = synthesis.error or (
             None if synthesis.completed else "stream ended without its final response"
         )
@@ -93,7 +101,8 @@ class TritonTarget:
         )
 
     async def close(self) -> None:
-        await self.router.close()
+        for backend in self.backends:
+            await backend.close()
 
 
 @dataclass

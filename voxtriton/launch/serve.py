@@ -30,7 +30,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu",
         type=int,
         help="pin the server and its MPS daemon to this GPU (one server per "
-        "GPU, each on its own ports, behind `voxtriton gateway --backend ...`)",
+        "GPU, each on its own ports, behind a proxy such as Envoy: docs/deploy.md)",
     )
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
     parser.add_argument(

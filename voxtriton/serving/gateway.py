@@ -1,9 +1,9 @@
-"""`voxtriton gateway`: an OpenAI-compatible HTTP front end for one or more voxtriton servers.
+"""`voxtriton gateway`: an OpenAI-compatible HTTP front end for a voxtriton server or a proxy.
 
     POST /v1/audio/speech   OpenAI's speech request: audio streams back as it is generated
     WS   /v1/audio/speech/stream   input streaming: text pieces in, PCM chunks out, on one WebSocket
     GET  /v1/models         the served model, its aliases and its voices
-    GET  /health            200 while a backend is ready, 503 when none is
+    GET  /health            200 while the backend is ready, 503 while it is not
     GET  /                  the browser playground
 
 Audio streams from Triton over gRPC (Triton's own HTTP endpoint cannot stream decoupled models).
@@ -17,7 +17,6 @@ with the chunk's index, frames and codec lane. docs/gateway.md lists the fields 
 import argparse
 import asyncio
 import base64
-import itertools
 import json
 import logging
 import struct
@@ -167,12 +166,15 @@ def parse_text_piece(message, first: bool) -> tuple[str, bool, dict]:
     return text, end, voice_options(message)
 
 
-class BackendsUnreachable(ConnectionError):
-    """No backend accepted the connection."""
+class BackendUnreachable(ConnectionError):
+    """The backend did not accept the connection."""
 
 
 @dataclass
 class Backend:
+    """The one gRPC address every stream goes to: a voxtriton server, or the proxy that balances
+    several (docs/deploy.md). The gateway holds no routing state of its own."""
+
     url: str
     in_flight: int = 0
     clients: dict = field(default_factory=dict)  # one client per event loop
@@ -200,47 +202,21 @@ class Backend:
         configured = config["config"]["parameters"]["checkpoint_dir"]["string_value"]
         return Path(configured) if configured else default_checkpoint_dir()
 
-
-class Router:
-    """Least-loaded routing over backends by the streams this gateway has in flight on each."""
-
-    def __init__(self, urls: list[str]):
-        self.backends = [Backend(url) for url in urls]
-        self._order = itertools.count()
-
-    def ranked(self) -> list[Backend]:
-        """Backends by streams in flight, fewest first; ties go round-robin."""
-        turn = next(self._order) % len(self.backends)
-        rotated = self.backends[turn:] + self.backends[:turn]
-        return sorted(rotated, key=lambda b: b.in_flight)
-
     async def synthesize(self, text: str, on_chunk=None, **options) -> Synthesis:
-        """One synthesis on the least-loaded backend that accepts the connection, the next one when
-        it refuses (`AsyncTTSClient.synthesize`'s arguments); BackendsUnreachable when none does."""
-        return await self._on_a_backend(
+        """`AsyncTTSClient.synthesize` on this backend; BackendUnreachable when it refuses the connection
+        before any audio came back."""
+        return await self._call(
             lambda client, deliver: client.synthesize(text, on_chunk=deliver, **options), on_chunk
         )
 
     async def synthesize_text_stream(self, pieces, on_chunk=None, **options) -> Synthesis:
-        """`synthesize` for text that arrives in pieces (an async iterator): the next backend is tried
-        only while no piece has been taken."""
-        taken = False
-
-        async def tracked():
-            nonlocal taken
-            async for piece in pieces:
-                taken = True
-                yield piece
-
-        return await self._on_a_backend(
-            lambda client, deliver: client.synthesize_text_stream(tracked(), on_chunk=deliver, **options),
+        """`synthesize` for text that arrives in pieces (an async iterator)."""
+        return await self._call(
+            lambda client, deliver: client.synthesize_text_stream(pieces, on_chunk=deliver, **options),
             on_chunk,
-            lambda: taken,
         )
 
-    async def _on_a_backend(self, call, on_chunk, started=lambda: False) -> Synthesis:
-        """`call(client, deliver)` on the least-loaded backend that accepts the connection, the next one
-        when it refuses before any chunk came back (or `started()`); BackendsUnreachable when none does."""
+    async def _call(self, call, on_chunk) -> Synthesis:
         delivered = 0
 
         def deliver(chunk: Chunk) -> None:
@@ -249,29 +225,22 @@ class Router:
             if on_chunk is not None:
                 on_chunk(chunk)
 
-        for backend in self.ranked():
-            backend.in_flight += 1
-            try:
-                return await call(backend.client(), deliver)
-            except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or delivered or started():
-                    raise
-                log.warning("voxtriton server %s unreachable: %s", backend.url, error.details())
-            finally:
-                backend.in_flight -= 1
-        raise BackendsUnreachable(", ".join(b.url for b in self.backends))
-
-    async def ready_backends(self) -> list[Backend]:
-        states = await asyncio.gather(*(backend.ready() for backend in self.backends))
-        return [backend for backend, ready in zip(self.backends, states) if ready]
+        self.in_flight += 1
+        try:
+            return await call(self.client(), deliver)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or delivered:
+                raise  # a stream cut after its audio began: the caller sees it end early
+            log.warning("voxtriton server %s unreachable: %s", self.url, error.details())
+            raise BackendUnreachable(self.url) from error
+        finally:
+            self.in_flight -= 1
 
     async def close(self) -> None:
-        """Close this event loop's clients."""
-        loop = asyncio.get_running_loop()
-        for backend in self.backends:
-            client = backend.clients.pop(loop, None)
-            if client is not None:
-                await client.close()
+        """Close this event loop's client."""
+        client = self.clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.close()
 
 
 def error_from_server(message: str) -> SpeechError:
@@ -301,7 +270,7 @@ class SpeechStream:
     that came instead), `chunks()` yields them all; `failure` says how a started stream failed."""
 
     def __init__(self, synthesize):
-        """synthesize(on_chunk): the Router call that makes the audio (awaitable of a Synthesis)."""
+        """synthesize(on_chunk): the Backend call that makes the audio (awaitable of a Synthesis)."""
         self.items: asyncio.Queue = asyncio.Queue()
         self.head: Chunk | None = None
         self.failure: SpeechError | None = None
@@ -319,7 +288,7 @@ class SpeechStream:
     @staticmethod
     def ending(item: Synthesis | Exception) -> SpeechError | None:
         """How the stream ended: None when it completed, else the caller's error."""
-        if isinstance(item, BackendsUnreachable):
+        if isinstance(item, BackendUnreachable):
             return unreachable()
         if isinstance(item, Exception):
             log.warning("voxtriton stream failed: %r", item)
@@ -371,12 +340,12 @@ def chunk_description(chunk: Chunk) -> dict:
     return {"index": index, "first_frame": first_frame, "frames": frames, "lane": LANES.get(lane, str(lane))}
 
 
-def create_app(backend_urls: list[str], checkpoint: str | None = None):
+def create_app(backend_url: str, checkpoint: str | None = None):
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     app = FastAPI(title="voxtriton gateway")
-    router = Router(backend_urls)
+    backend = Backend(backend_url)
 
     @app.exception_handler(SpeechError)
     async def speech_error(request: Request, error: SpeechError):
@@ -389,23 +358,20 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
 
     @app.get("/health")
     async def health():
-        ready = await router.ready_backends()
+        ready = await backend.ready()
         body = {
             "status": "ok" if ready else "unavailable",
-            "backends": [
-                {"url": b.url, "ready": b in ready, "in_flight": b.in_flight} for b in router.backends
-            ],
+            "backend": {"url": backend.url, "ready": ready, "in_flight": backend.in_flight},
         }
         if ready:
             return body
         return JSONResponse({**body, **unreachable().body()}, status_code=503, headers={"Retry-After": "1"})
 
     async def model_card() -> dict:
-        ready = await router.ready_backends()
-        if not ready:
+        if not await backend.ready():
             raise unreachable()
         try:
-            directory = Path(checkpoint) if checkpoint else await ready[0].checkpoint()
+            directory = Path(checkpoint) if checkpoint else await backend.checkpoint()
         except InferenceServerException:  # it went down since
             raise unreachable() from None
         try:
@@ -443,7 +409,7 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
         options = parse_speech_request(body)
         response_format, sse, text = options.pop("format"), options.pop("sse"), options.pop("text")
         stream = SpeechStream(
-            lambda on_chunk: router.synthesize(text, on_chunk=on_chunk, info=sse, **options)
+            lambda on_chunk: backend.synthesize(text, on_chunk=on_chunk, info=sse, **options)
         )
         await stream.start()
 
@@ -533,7 +499,7 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None):
         times["first_piece"] = loop.time()
         pieces.put_nowait((piece, end))
         stream = SpeechStream(
-            lambda on_chunk: router.synthesize_text_stream(text(), on_chunk=on_chunk, **options)
+            lambda on_chunk: backend.synthesize_text_stream(text(), on_chunk=on_chunk, **options)
         )
         reader = asyncio.create_task(read_rest(end, stream))
         try:
@@ -562,7 +528,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="HOST:PORT",
-        help="voxtriton Triton gRPC address (repeat for several servers; default 127.0.0.1:8001)",
+        help="the voxtriton server's Triton gRPC address, or a proxy's in front of several "
+        "(default 127.0.0.1:8001)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
@@ -584,7 +551,12 @@ def run_gateway(args: argparse.Namespace) -> int:
             "pip install websockets to serve it"
         )
 
-    app = create_app(args.backend or ["127.0.0.1:8001"], args.checkpoint)
+    if len(args.backend) > 1:
+        raise SystemExit(
+            "voxtriton gateway: give one --backend; to use several servers, put a proxy in front of them "
+            "(deploy/envoy/, docs/deploy.md) and give its address"
+        )
+    app = create_app(args.backend[0] if args.backend else "127.0.0.1:8001", args.checkpoint)
     base = f"http://{args.host}:{args.port}"
     print(
         f"voxtriton gateway: {base}/ (playground), POST {base}/v1/audio/speech, GET {base}/v1/models",
