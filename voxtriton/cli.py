@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     make = commands.add_parser(
         "make-checkpoint", help="write a random-weight checkpoint in the official layout"
     )
-    make.add_argument("--preset", choices=("tiny", "0.6b", "1.7b"), required=True)
+    make.add_argument(
+        "--preset", choices=("tiny", "0.6b", "1.7b", "tiny-base", "0.6b-base", "1.7b-base"), required=True
+    )
     make.add_argument("out_dir")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument(

@@ -190,9 +190,10 @@ class ModelRunner:
         count, longest = len(requests), max(len(r.prompt.text_ids) for r in requests)
         batch = self._bucket(count, self.prefill_batch_buckets)
         length = self._bucket(longest, self.prefill_length_buckets)
-        if batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
+        cloned = self._cloned_voice_embeds(requests, longest)
+        if cloned is None and batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
             self._prefill_padded_group(requests, first_row, batch, length)
-        else:  # no bucket fits: eager, exact shapes, straight into the rows
+        else:  # cloned voices, or no bucket fits: eager, exact shapes, straight into the rows
             layout = AdmissionLayout(count, self.state.trailing.shape[1])
             flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, longest)))
             inputs = layout.views(flat, count, count, longest)
@@ -202,8 +203,27 @@ class ModelRunner:
                 inputs.codec,
                 inputs.last_index,
                 StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]),
+                cloned,
             )
             self._write_admitted(inputs, last, None)
+
+    def _cloned_voice_embeds(self, requests: list[Request], length: int) -> torch.Tensor | None:
+        """What cloned voices add to their prompts' embeddings [count, length, D] (x-vectors and
+        reference frames), or None when no prompt has a cloned voice."""
+        if all(r.prompt.speaker_embedding is None for r in requests):
+            return None
+        extra = torch.zeros(len(requests), length, self.talker.config.transformer.hidden_size)
+        extra = extra.to(self.device, self.dtype)
+        for row, request in enumerate(requests):
+            prompt = request.prompt
+            if prompt.speaker_embedding is not None:
+                vector = torch.from_numpy(prompt.speaker_embedding)
+                extra[row, prompt.speaker_position] = vector.to(self.device, self.dtype)
+            if prompt.reference_codes is not None:
+                codes = torch.from_numpy(prompt.reference_codes).to(self.device)
+                start = prompt.reference_position
+                extra[row, start : start + len(codes)] = self.talker.frame_embeds(codes)
+        return extra
 
     def _prefill_padded_group(self, requests: list[Request], first_row: int, batch: int, length: int) -> None:
         """Prompts padded to a prefill bucket: one upload into the admission buffer, the prefill (beside
@@ -277,12 +297,21 @@ class ModelRunner:
         caller.wait_stream(self.prefill_stream)
 
     def _prompt_last_hidden(
-        self, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor, cache: StaticKV
+        self,
+        text: torch.Tensor,
+        codec: torch.Tensor,
+        last_index: torch.Tensor,
+        cache: StaticKV,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Prompts [B, L] into `cache`; returns each prompt's final hidden state [B, D]."""
+        """Prompts [B, L] (plus `extra` embeddings [B, L, D]) into `cache`; returns each prompt's final
+        hidden state [B, D]."""
         batch, length = text.shape
         positions = torch.arange(length, device=self.device).expand(batch, length)
-        hidden = self.talker(self.talker.prompt_embeds(text, codec), positions, cache, length)
+        embeds = self.talker.prompt_embeds(text, codec)
+        if extra is not None:
+            embeds = embeds + extra
+        hidden = self.talker(embeds, positions, cache, length)
         return hidden[torch.arange(batch, device=self.device), last_index]
 
     def _prefill_padded(self, batch: int, length: int) -> torch.Tensor:

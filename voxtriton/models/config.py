@@ -327,7 +327,10 @@ class Qwen3TTSConfig:
     @property
     def supports_instruct(self) -> bool:
         # The official wrapper drops `instruct` for the 0.6B CustomVoice model; we refuse it instead.
-        return self.model_type == "voice_design" or self.model_size != "0b6"
+        # Base models take none: their voice comes from the reference audio.
+        return self.model_type == "voice_design" or (
+            self.model_type == "custom_voice" and self.model_size != "0b6"
+        )
 
 
 def parse_talker(f: _Fields) -> TalkerConfig:

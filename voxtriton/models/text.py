@@ -15,6 +15,12 @@ front (the official default for CustomVoice and VoiceDesign, `non_streaming_mode
 tokens and tts_eos follow over codec_pad, then codec_bos; every generated frame is then fed with
 tts_pad. In the interleaved layout (`non_streaming_mode=False`) only the first text token goes in
 the prompt (over codec_bos) and the rest, then tts_eos, are fed one per generated frame.
+
+A Base model's cloned voice (`Voice`) puts its x-vector where a preset speaker's codec token goes.
+In-context, the codec prefix ends at codec_pad and what follows is the reference text, the text and
+tts_eos beside codec_bos and the reference frames: with the whole text known, the text over
+codec_pad and then the frames over tts_pad; interleaved, side by side, the longer side's tail (text)
+fed one per frame. Vectors and frames are added to the positions' embeddings by the model runner.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import RequestError
 from .config import Qwen3TTSConfig
+from .voice import Voice
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +124,10 @@ class Prompt:
     text_ids: list[int]
     codec_ids: list[int]
     trailing_text_ids: list[int]  # fed one per frame after the prompt, then tts_pad forever
+    speaker_embedding: np.ndarray | None = None  # a cloned voice's x-vector, added at speaker_position
+    speaker_position: int = -1
+    reference_codes: np.ndarray | None = None  # [T, codebooks] frames, from reference_position on
+    reference_position: int = -1
 
 
 class PromptBuilder:
@@ -136,11 +149,20 @@ class PromptBuilder:
         language: str | None = None,
         instruct: str | None = None,
         interleaved: bool = False,
+        voice: Voice | None = None,
     ) -> Prompt:
         cfg, talker = self.config, self.config.talker
         text_ids = self.tokenizer.encode(text)
         if not text_ids:
             raise RequestError("text", "is empty")
+        if cfg.clones_voices and voice is None:
+            raise RequestError(
+                "reference_audio", "is required by this Base model (or a registered voice in 'speaker')"
+            )
+        if voice is not None and not cfg.clones_voices:
+            raise RequestError(
+                "reference_audio", f"voice cloning needs a Base checkpoint; this one is {cfg.model_type}"
+            )
         language = (language or "auto").lower()
         if language not in self.languages:
             raise RequestError(
@@ -158,7 +180,10 @@ class PromptBuilder:
                 )
         elif speaker is not None:
             raise RequestError(
-                "speaker", "this VoiceDesign model has no preset speakers; describe the voice in 'instruct'"
+                "speaker",
+                "this Base model has no preset speakers; give reference_audio or a registered voice"
+                if cfg.clones_voices
+                else "this VoiceDesign model has no preset speakers; describe the voice in 'instruct'",
             )
         if instruct and not cfg.supports_instruct:
             raise RequestError(
@@ -179,6 +204,8 @@ class PromptBuilder:
             ]
         if speaker is not None:
             codec_prefix.append(talker.speakers[speaker])
+        if voice is not None:
+            codec_prefix.append(NO_CODEC)  # the x-vector's position
         codec_prefix.append(talker.codec_pad_id)
 
         prefix_text: list[int] = []
@@ -189,12 +216,52 @@ class PromptBuilder:
         prefix_text += self._role([cfg.assistant_token_id])
         text_side = prefix_text + [cfg.tts_pad_token_id] * (len(codec_prefix) - 1) + [cfg.tts_bos_token_id]
         codec_side = [NO_CODEC] * len(prefix_text) + codec_prefix
+        if voice is not None:
+            clone = dict(speaker_embedding=voice.embedding, speaker_position=len(codec_side) - 2)
+            if voice.in_context:
+                return self._in_context(text_side, codec_side, text_ids, voice, interleaved, clone)
+        else:
+            clone = {}
         if interleaved:
             return Prompt(
                 text_side + text_ids[:1],
                 codec_side + [talker.codec_bos_id],
                 text_ids[1:] + [cfg.tts_eos_token_id],
+                **clone,
             )
         text_side += text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
         codec_side += [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
-        return Prompt(text_side, codec_side, [])
+        return Prompt(text_side, codec_side, [], **clone)
+
+    def _in_context(
+        self,
+        text_side: list[int],
+        codec_side: list[int],
+        text_ids: list[int],
+        voice: Voice,
+        interleaved: bool,
+        clone: dict,
+    ) -> Prompt:
+        cfg, talker = self.config, self.config.talker
+        texts = self.tokenizer.encode(voice.text) + text_ids + [cfg.tts_eos_token_id]
+        frames = len(voice.codes)
+        codecs = [talker.codec_bos_id] + [NO_CODEC] * frames
+        trailing: list[int] = []
+        if not interleaved:
+            texts, codecs = (
+                texts + [cfg.tts_pad_token_id] * len(codecs),
+                [talker.codec_pad_id] * len(texts) + codecs,
+            )
+        elif len(texts) > len(codecs):
+            texts, trailing = texts[: len(codecs)], texts[len(codecs) :]
+        else:
+            texts = texts + [cfg.tts_pad_token_id] * (len(codecs) - len(texts))
+        start = len(codec_side) + len(codecs) - frames
+        return Prompt(
+            text_side + texts,
+            codec_side + codecs,
+            trailing,
+            reference_codes=voice.codes,
+            reference_position=start,
+            **clone,
+        )

@@ -1,0 +1,204 @@
+"""Voice cloning with a Base checkpoint: parity with the official implementation (`qwen-tts-hf`).
+
+Both sides load the same random tiny-base checkpoint (random weights: the audio is noise). The
+x-vector and the reference codes must match, greedy generation must give identical codes and logits
+in both prompt modes (x-vector only; in-context with reference text and codes) and both text layouts,
+and the audio streamed chunk by chunk after the reference codes must equal the reference's decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import require_or_skip
+from test_parity import LogitRecorder, relative_error
+
+from voxtriton.engine.engine import Engine
+from voxtriton.engine.model_runner import ModelRunner
+from voxtriton.engine.request import GenerationParams, Request
+from voxtriton.models.config import load_config
+from voxtriton.models.loader import load_backbone, load_codec, load_speaker_encoder, load_speech_encoder
+from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.models.voice import Voice
+
+FRAMES = 20
+TEXT = "Hello world, this is a cloned voice."
+REFERENCE_TEXT = "This is the reference recording."
+
+
+def reference_audio(seconds: float = 2.0, seed: int = 0) -> np.ndarray:
+    """A voiced-like test signal: harmonics of a gliding pitch plus a little noise, 24 kHz."""
+    t = np.arange(int(24000 * seconds)) / 24000
+    pitch = 140 + 30 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(pitch) / 24000
+    wave = sum(np.sin(k * phase) / k for k in range(1, 6))
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    return (0.25 * wave + 0.01 * noise).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_base_checkpoint):
+    qwen_tts = require_or_skip("qwen_tts", "the parity tests need the official qwen-tts-hf package")
+    return qwen_tts.Qwen3TTSModel.from_pretrained(
+        str(tiny_base_checkpoint), dtype=torch.float32, attn_implementation="eager"
+    )
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_base_checkpoint):
+    config = load_config(tiny_base_checkpoint)
+    return (
+        config,
+        load_backbone(tiny_base_checkpoint, config),
+        PromptBuilder(config, TextTokenizer(tiny_base_checkpoint)),
+        load_speaker_encoder(tiny_base_checkpoint, config),
+        load_speech_encoder(tiny_base_checkpoint, config),
+    )
+
+
+def our_voice(ours, audio: np.ndarray, text: str | None) -> Voice:
+    *_, speaker_encoder, speech_encoder = ours
+    with torch.inference_mode():
+        embedding = speaker_encoder(torch.from_numpy(audio)[None])[0]
+        codes = speech_encoder(torch.from_numpy(audio)[None], [len(audio)])[0]
+    return Voice(embedding.numpy(), codes.numpy(), text)
+
+
+def test_reference_loads_every_tensor_we_write(reference, tiny_base_checkpoint):
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_base_checkpoint / "model.safetensors"), "pt") as talker_file:
+        for name, param in reference.model.speaker_encoder.named_parameters():
+            assert torch.equal(param, talker_file.get_tensor(f"speaker_encoder.{name}").float()), name
+    tokenizer = reference.model.speech_tokenizer.model
+    with safe_open(str(tiny_base_checkpoint / "speech_tokenizer" / "model.safetensors"), "pt") as speech:
+        state = tokenizer.encoder.state_dict()
+        assert len(state) > 100
+        for name, value in state.items():
+            assert torch.equal(value.float(), speech.get_tensor(f"encoder.{name}").float()), name
+
+
+@pytest.mark.parametrize("seconds", [1.0, 2.5])
+def test_speaker_embedding_and_reference_codes_match(reference, ours, seconds):
+    audio = reference_audio(seconds)
+    voice = our_voice(ours, audio, None)
+    theirs = reference.model.extract_speaker_embedding(audio, 24000)
+    assert theirs.abs().max() > 0.1  # a real vector, not zeros
+    assert relative_error(torch.from_numpy(voice.embedding), theirs) <= 1e-5
+    codes = reference.model.speech_tokenizer.encode(audio, sr=24000).audio_codes[0]
+    assert voice.codes.shape == (int(np.ceil(seconds * 12.5)), 16)
+    np.testing.assert_array_equal(voice.codes, codes.numpy())
+
+
+def test_batched_reference_codes_equal_one_by_one(ours):
+    *_, speech_encoder = ours
+    short, long = reference_audio(1.2, seed=1), reference_audio(2.0, seed=2)
+    padded = torch.zeros(2, len(long))
+    padded[0, : len(short)], padded[1] = torch.from_numpy(short), torch.from_numpy(long)
+    with torch.inference_mode():
+        together = speech_encoder(padded, [len(short), len(long)])
+        alone = [speech_encoder(torch.from_numpy(a)[None], [len(a)])[0] for a in (short, long)]
+    for mine, single in zip(together, alone):
+        assert torch.equal(mine, single)
+
+
+def run_reference(reference, audio, ref_text, interleaved):
+    """Greedy reference cloning: (generated codes, talker logits, predictor logits, waveform)."""
+    talker = reference.model.talker
+    talker_rec = LogitRecorder([talker])
+    predictor_rec = LogitRecorder([talker.code_predictor])
+    captured = {}
+    decode = reference.model.speech_tokenizer.decode
+
+    def keep_codes(encoded):
+        captured["codes"] = encoded[0]["audio_codes"].numpy()
+        return decode(encoded)
+
+    reference.model.speech_tokenizer.decode = keep_codes
+    try:
+        wavs, _ = reference.generate_voice_clone(
+            text=TEXT,
+            language="english",
+            ref_audio=(audio, 24000),
+            ref_text=ref_text,
+            x_vector_only_mode=ref_text is None,
+            non_streaming_mode=not interleaved,
+            do_sample=False,
+            subtalker_dosample=False,
+            max_new_tokens=FRAMES + 1,
+        )
+    finally:
+        reference.model.speech_tokenizer.decode = decode
+        talker_rec.close()
+        predictor_rec.close()
+    return captured["codes"], talker_rec.calls, predictor_rec.calls, wavs[0]
+
+
+def run_ours(ours, voice, interleaved):
+    config, backbone, prompts, *_ = ours
+    talker = backbone.talker
+    talker_rec = LogitRecorder([talker.codec_head])
+    predictor_rec = LogitRecorder(list(talker.code_predictor.lm_head))
+    engine = Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2)
+    params = GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=FRAMES, seed=0)
+    prompt = prompts.build(TEXT, None, "english", interleaved=interleaved, voice=voice)
+    engine.add(Request("clone", prompt, params))
+    frames = []
+    while engine.has_work:
+        frames += [output.codes for output in engine.step()]
+    talker_rec.close()
+    predictor_rec.close()
+    return np.stack(frames), talker_rec.calls, predictor_rec.calls
+
+
+def stream_audio(codec, codes: np.ndarray, prime: np.ndarray | None, schedule=(2, 2, 4, 4, 8)) -> np.ndarray:
+    """Decode like the server: the reference codes first (their audio dropped), then chunk by chunk."""
+    state, start, pieces = codec.new_state(1), 0, []
+    if prime is not None:
+        _, state = codec.decode(torch.from_numpy(prime)[None], torch.zeros(1, dtype=torch.long), state)
+        start = len(prime)
+    done = 0
+    for size in list(schedule) + [len(codes)]:
+        chunk = torch.from_numpy(codes[done : done + size])[None]
+        if chunk.shape[1] == 0:
+            break
+        wav, state = codec.decode(chunk, torch.tensor([start + done]), state)
+        pieces.append(wav[0])
+        done += chunk.shape[1]
+    return torch.cat(pieces).numpy()
+
+
+@pytest.mark.parametrize(
+    "ref_text,interleaved,seconds",
+    [
+        (None, False, 2.0),
+        (None, True, 2.0),
+        (REFERENCE_TEXT, False, 2.0),
+        (REFERENCE_TEXT, True, 2.0),  # more reference frames than text: the text is padded
+        (REFERENCE_TEXT + " " + TEXT, True, 1.0),  # more text than frames: its tail trails
+    ],
+    ids=["x-vector", "x-vector-interleaved", "in-context", "in-context-interleaved", "in-context-long-text"],
+)
+def test_greedy_cloning_matches_reference(
+    reference, ours, tiny_base_checkpoint, ref_text, interleaved, seconds
+):
+    audio = reference_audio(seconds)
+    voice = our_voice(ours, audio, ref_text)
+    ref_codes, ref_talker, ref_predictor, ref_wav = run_reference(reference, audio, ref_text, interleaved)
+    if voice.in_context:  # the reference decodes its prompt's codes in front of the generated ones
+        np.testing.assert_array_equal(ref_codes[: len(voice.codes)], voice.codes)
+        ref_codes = ref_codes[len(voice.codes) :]
+    our_codes, our_talker, our_predictor = run_ours(ours, voice, interleaved)
+    assert ref_codes.shape == (FRAMES, 16)
+    np.testing.assert_array_equal(our_codes, ref_codes)
+    assert len(our_talker) >= FRAMES and len(our_predictor) == 15 * FRAMES
+    for step, (mine, theirs) in enumerate(zip(our_talker, ref_talker)):
+        assert relative_error(mine, theirs) <= 1e-4, f"talker logits differ at step {step}"
+    for step, (mine, theirs) in enumerate(zip(our_predictor, ref_predictor)):
+        assert relative_error(mine, theirs) <= 1e-4, f"code-predictor logits differ at call {step}"
+
+    streamed = stream_audio(load_codec(tiny_base_checkpoint), our_codes, voice.prime_codes)
+    assert streamed.shape == ref_wav.shape == (FRAMES * 1920,)
+    assert np.abs(ref_wav).max() > 0.05
+    assert np.abs(streamed - ref_wav).max() <= 1e-4
