@@ -80,6 +80,11 @@ class TTSSettings:
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
+    # Base checkpoints: registered voices ("" = <cache>/voices), how many, and the largest reference
+    # recording a request may bring (bytes of its file).
+    voices_dir: str = ""
+    max_voices: int = 1000
+    max_reference_bytes: int = 16 << 20
     # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (`lane_sms`).
     background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
@@ -260,6 +265,10 @@ def int_list(text: str) -> list[int]:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("VOXTRITON_CACHE", Path.home() / ".cache" / "voxtriton"))
+
+
+def voices_dir(setting: str) -> Path:
+    return Path(setting) if setting else cache_dir() / "voices"
 
 
 def default_checkpoint_dir() -> Path:
