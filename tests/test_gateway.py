@@ -27,10 +27,12 @@ from voxtriton.serving.launcher import free_port
 pytestmark = pytest.mark.server
 
 
-def start_gateway(backends: list[str], checkpoint=None, healthy: bool = True) -> tuple[subprocess.Popen, str]:
+def start_gateway(
+    backends: list[str], checkpoint=None, healthy: bool = True, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     """A gateway on a free port, once it answers /health: with 200 when `healthy`, with anything else not."""
     port = free_port()
-    command = [sys.executable, "-m", "voxtriton.cli", "gateway", "--port", str(port)]
+    command = [sys.executable, "-m", "voxtriton.cli", "gateway", "--port", str(port), *extra]
     if checkpoint is not None:
         command += ["--checkpoint", str(checkpoint)]
     for backend in backends:

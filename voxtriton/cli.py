@@ -1,4 +1,4 @@
-"""`voxtriton` command line: make-checkpoint, serve, gateway."""
+"""`voxtriton` command line: make-checkpoint, serve, gateway, voices."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_gateway_arguments(gateway)
     gateway.set_defaults(run=gateway_command)
+
+    from .serving.voices_cli import add_voices_arguments, voices_command
+
+    voices = commands.add_parser("voices", help="register, list and delete cloned voices (Base checkpoints)")
+    add_voices_arguments(voices)
+    voices.set_defaults(run=voices_command)
     return parser
 
 

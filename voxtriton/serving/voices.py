@@ -143,6 +143,24 @@ class EncodingQueue:
                 job.fail(str(error))
 
 
+def register_voice(
+    store: "VoiceStore",
+    encoder: VoiceEncoder,
+    name: str,
+    audio: bytes,
+    text: str | None,
+    replace: bool = False,
+) -> dict:
+    """Encode a recording (file bytes) once and store it as `name`; returns its description."""
+    check_name(name)
+    text = (text or "").strip() or None
+    if text is not None and len(text.encode("utf-8")) > MAX_TRANSCRIPT_BYTES:
+        raise RequestError("text", f"too long (at most {MAX_TRANSCRIPT_BYTES} bytes)")
+    voice = encoder.encode([read_reference_audio(audio, "audio")], [text])[0]
+    store.add(name, voice, replace=replace)
+    return store.describe(name)
+
+
 class VoiceStore:
     """Registered voices of one checkpoint in `directory`, at most `max_voices` of them."""
 
@@ -162,8 +180,6 @@ class VoiceStore:
     def add(self, name: str, voice: Voice, replace: bool = False) -> None:
         path = self._path(name)
         self._check(name, voice)
-        if voice.text is not None and len(voice.text.encode("utf-8")) > MAX_TRANSCRIPT_BYTES:
-            raise RequestError("text", f"too long (at most {MAX_TRANSCRIPT_BYTES} bytes)")
         exists = path.exists()
         if exists and not replace:
             raise RequestError("name", f"voice {name!r} exists; delete it first")
