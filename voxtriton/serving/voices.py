@@ -19,6 +19,7 @@ import os
 import re
 import tempfile
 import threading
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -225,7 +226,7 @@ class VoiceStore:
             with np.load(path, allow_pickle=False) as data:
                 text = bytes(data["text"]).decode("utf-8") or None
                 voice = Voice(data["embedding"].astype(np.float32), data["codes"].astype(np.int64), text)
-        except (OSError, KeyError, ValueError) as error:
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as error:
             raise RequestError("speaker", f"registered voice {name!r} cannot be read ({error})") from None
         self._check(name, voice, "speaker")
         return voice

@@ -1,0 +1,65 @@
+"""The voices directory: safe names, limits, voices that outlive the process, edits seen at once."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from voxtriton.errors import RequestError
+from voxtriton.models.config import load_config
+from voxtriton.models.voice import Voice
+from voxtriton.serving.voices import VoiceStore
+
+
+@pytest.fixture(scope="module")
+def config(tiny_base_checkpoint):
+    return load_config(tiny_base_checkpoint)
+
+
+def voice(seed: int, text: str | None = "Some words.") -> Voice:
+    generator = np.random.default_rng(seed)
+    return Voice(
+        generator.standard_normal(64).astype(np.float32), generator.integers(0, 2048, (20, 16)), text
+    )
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "A", "x" * 65, "naïve", "a b"])
+def test_names_that_could_be_paths_are_refused(tmp_path, config, name):
+    store = VoiceStore(tmp_path, config)
+    with pytest.raises(RequestError, match="is not a voice name"):
+        store.add(name, voice(0))
+    with pytest.raises(RequestError, match="is not a voice name"):
+        store.get(name)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_voice_outlives_its_store_and_a_change_is_seen_at_the_next_lookup(tmp_path, config):
+    VoiceStore(tmp_path, config).add("anna", voice(1))
+    reader = VoiceStore(tmp_path, config)  # another process, or the same after a restart
+    first = reader.get("anna")
+    np.testing.assert_array_equal(first.codes, voice(1).codes)
+    assert first.text == "Some words." and reader.get("anna") is first  # cached
+    VoiceStore(tmp_path, config).add("anna", voice(2, None), replace=True)
+    os.utime(tmp_path / "anna.npz", ns=(1, 1))  # a different stamp even within the clock's resolution
+    second = reader.get("anna")
+    np.testing.assert_array_equal(second.embedding, voice(2).embedding)
+    assert not second.in_context
+    assert reader.delete("anna") and reader.get("anna") is None and not reader.delete("anna")
+
+
+def test_limits_and_foreign_voices(tmp_path, config):
+    store = VoiceStore(tmp_path, config, max_voices=2)
+    store.add("one", voice(1))
+    with pytest.raises(RequestError, match="exists"):
+        store.add("one", voice(1))
+    store.add("two", voice(2))
+    with pytest.raises(RequestError, match="full"):
+        store.add("three", voice(3))
+    with pytest.raises(RequestError, match="not made for this checkpoint"):
+        store.add("one", Voice(np.zeros(32, np.float32), voice(1).codes), replace=True)
+    (tmp_path / "broken.npz").write_bytes(b"not a voice")
+    with pytest.raises(RequestError, match="speaker: registered voice 'broken' cannot be read"):
+        store.get("broken")
+    assert store.names() == ["broken", "one", "two"]
