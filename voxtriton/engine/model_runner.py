@@ -190,10 +190,9 @@ class ModelRunner:
         count, longest = len(requests), max(len(r.prompt.text_ids) for r in requests)
         batch = self._bucket(count, self.prefill_batch_buckets)
         length = self._bucket(longest, self.prefill_length_buckets)
-        cloned = self._cloned_voice_embeds(requests, longest)
-        if cloned is None and batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
+        if batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
             self._prefill_padded_group(requests, first_row, batch, length)
-        else:  # cloned voices, or no bucket fits: eager, exact shapes, straight into the rows
+        else:  # no bucket fits: eager, exact shapes, straight into the rows
             layout = AdmissionLayout(count, self.state.trailing.shape[1])
             flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, longest)))
             inputs = layout.views(flat, count, count, longest)
@@ -203,7 +202,7 @@ class ModelRunner:
                 inputs.codec,
                 inputs.last_index,
                 StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]),
-                cloned,
+                self._cloned_voice_embeds(requests, longest),
             )
             self._write_admitted(inputs, last, None)
 
@@ -227,17 +226,25 @@ class ModelRunner:
 
     def _prefill_padded_group(self, requests: list[Request], first_row: int, batch: int, length: int) -> None:
         """Prompts padded to a prefill bucket: one upload into the admission buffer, the prefill (beside
-        the step in flight) into the scratch cache, then the rows written: two graph replays on a GPU."""
+        the step in flight) into the scratch cache, then the rows written: two graph replays on a GPU.
+        Cloned voices' embeddings go into the prefill's extra-embedding buffer for this prefill only,
+        so the buffer holds zeros for every other admission."""
         count = len(requests)
         host = torch.from_numpy(self._pack(self.admission_layout, requests, first_row, batch, length))
         with self._beside_the_step():
             self.admission[: host.numel()].copy_(self._upload(host))
+            longest = max(len(r.prompt.text_ids) for r in requests)
+            cloned = self._cloned_voice_embeds(requests, longest)
+            if cloned is not None:
+                self.prefill_extra[:count, :longest].copy_(cloned)
             entry = self.prefill_graphs.get((batch, length))
             if entry is not None:
                 entry[0].replay()
                 last = entry[1]
             else:
                 last = self._prefill_padded(batch, length)
+            if cloned is not None:
+                self.prefill_extra[:count, :longest].zero_()
         graph = self.admission_graphs.get((count, length))
         if graph is not None:
             graph.replay()
@@ -319,7 +326,8 @@ class ModelRunner:
         (what its graph replays)."""
         cache = StaticKV(self.prefill_kv.keys[:, :batch], self.prefill_kv.values[:, :batch])
         inputs = self._admission_inputs(batch, batch, length)
-        return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache)
+        extra = self.prefill_extra[:batch, :length]
+        return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache, extra)
 
     def set_buckets(
         self,
@@ -353,6 +361,11 @@ class ModelRunner:
             self.admission_layout = AdmissionLayout(batch, self.state.trailing.shape[1])
             self.admission = torch.zeros(
                 self.admission_layout.size(batch, length), device=self.device, dtype=torch.long
+            )
+            # What cloned voices add to their prompts' embeddings (x-vectors, reference frames): zeros
+            # except during a cloned voice's prefill (`_prefill_padded_group`).
+            self.prefill_extra = torch.zeros(
+                batch, length, t.hidden_size, device=self.device, dtype=self.dtype
             )
         else:
             self.prefill_batch_buckets, self.prefill_length_buckets = [], []
