@@ -11,15 +11,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import require_or_skip
-from test_parity import LogitRecorder, relative_error
+from test_parity import (
+    assert_same_generation,
+    load_ours,
+    load_reference,
+    record_ours,
+    record_reference,
+    relative_error,
+)
 
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
-from voxtriton.models.config import load_config
-from voxtriton.models.loader import load_backbone, load_codec, load_speaker_encoder, load_speech_encoder
-from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.models.loader import load_codec, load_speaker_encoder, load_speech_encoder
 from voxtriton.models.voice import Voice
 
 FRAMES = 20
@@ -39,22 +43,17 @@ def reference_audio(seconds: float = 2.0, seed: int = 0) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def reference(tiny_base_checkpoint):
-    qwen_tts = require_or_skip("qwen_tts", "the parity tests need the official qwen-tts-hf package")
-    return qwen_tts.Qwen3TTSModel.from_pretrained(
-        str(tiny_base_checkpoint), dtype=torch.float32, attn_implementation="eager"
-    )
+    return load_reference(tiny_base_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def ours(tiny_base_checkpoint):
-    config = load_config(tiny_base_checkpoint)
-    return (
-        config,
-        load_backbone(tiny_base_checkpoint, config),
-        PromptBuilder(config, TextTokenizer(tiny_base_checkpoint)),
+    config, backbone, prompts = load_ours(tiny_base_checkpoint)
+    encoders = (
         load_speaker_encoder(tiny_base_checkpoint, config),
         load_speech_encoder(tiny_base_checkpoint, config),
     )
+    return config, backbone, prompts, *encoders
 
 
 def our_voice(ours, audio: np.ndarray, text: str | None) -> Voice:
@@ -104,20 +103,10 @@ def test_batched_reference_codes_equal_one_by_one(ours):
 
 
 def run_reference(reference, audio, ref_text, interleaved):
-    """Greedy reference cloning: (generated codes, talker logits, predictor logits, waveform)."""
-    talker = reference.model.talker
-    talker_rec = LogitRecorder([talker])
-    predictor_rec = LogitRecorder([talker.code_predictor])
-    captured = {}
-    decode = reference.model.speech_tokenizer.decode
-
-    def keep_codes(encoded):
-        captured["codes"] = encoded[0]["audio_codes"].numpy()
-        return decode(encoded)
-
-    reference.model.speech_tokenizer.decode = keep_codes
-    try:
-        wavs, _ = reference.generate_voice_clone(
+    """Greedy reference cloning: (decoded codes, talker logits, predictor logits, waveform)."""
+    codes, talker_calls, predictor_calls, (wavs, _) = record_reference(
+        reference,
+        lambda: reference.generate_voice_clone(
             text=TEXT,
             language="english",
             ref_audio=(audio, 24000),
@@ -127,29 +116,15 @@ def run_reference(reference, audio, ref_text, interleaved):
             do_sample=False,
             subtalker_dosample=False,
             max_new_tokens=FRAMES + 1,
-        )
-    finally:
-        reference.model.speech_tokenizer.decode = decode
-        talker_rec.close()
-        predictor_rec.close()
-    return captured["codes"], talker_rec.calls, predictor_rec.calls, wavs[0]
+        ),
+    )
+    return codes, talker_calls, predictor_calls, wavs[0]
 
 
 def run_ours(ours, voice, interleaved):
     config, backbone, prompts, *_ = ours
-    talker = backbone.talker
-    talker_rec = LogitRecorder([talker.codec_head])
-    predictor_rec = LogitRecorder(list(talker.code_predictor.lm_head))
-    engine = Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2)
-    params = GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=FRAMES, seed=0)
     prompt = prompts.build(TEXT, None, "english", interleaved=interleaved, voice=voice)
-    engine.add(Request("clone", prompt, params))
-    frames = []
-    while engine.has_work:
-        frames += [output.codes for output in engine.step()]
-    talker_rec.close()
-    predictor_rec.close()
-    return np.stack(frames), talker_rec.calls, predictor_rec.calls
+    return record_ours(config, backbone, prompt, FRAMES)
 
 
 def stream_audio(codec, codes: np.ndarray, prime: np.ndarray | None, schedule=(2, 2, 4, 4, 8)) -> np.ndarray:
@@ -189,14 +164,9 @@ def test_greedy_cloning_matches_reference(
     if voice.in_context:  # the reference decodes its prompt's codes in front of the generated ones
         np.testing.assert_array_equal(ref_codes[: len(voice.codes)], voice.codes)
         ref_codes = ref_codes[len(voice.codes) :]
-    our_codes, our_talker, our_predictor = run_ours(ours, voice, interleaved)
-    assert ref_codes.shape == (FRAMES, 16)
-    np.testing.assert_array_equal(our_codes, ref_codes)
-    assert len(our_talker) >= FRAMES and len(our_predictor) == 15 * FRAMES
-    for step, (mine, theirs) in enumerate(zip(our_talker, ref_talker)):
-        assert relative_error(mine, theirs) <= 1e-4, f"talker logits differ at step {step}"
-    for step, (mine, theirs) in enumerate(zip(our_predictor, ref_predictor)):
-        assert relative_error(mine, theirs) <= 1e-4, f"code-predictor logits differ at call {step}"
+    ours_generated = run_ours(ours, voice, interleaved)
+    assert_same_generation(ours_generated, (ref_codes, ref_talker, ref_predictor), FRAMES)
+    our_codes = ours_generated[0]
 
     streamed = stream_audio(load_codec(tiny_base_checkpoint), our_codes, voice.prime_codes)
     assert streamed.shape == ref_wav.shape == (FRAMES * 1920,)
