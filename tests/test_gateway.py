@@ -345,6 +345,8 @@ def browser():
             args=[
                 "--no-sandbox",
                 "--autoplay-policy=no-user-gesture-required",
+                "--use-fake-ui-for-media-stream",  # a microphone (a test tone) the page may record
+                "--use-fake-device-for-media-stream",
                 "--disable-background-networking",
                 "--disable-component-update",
                 "--disable-sync",

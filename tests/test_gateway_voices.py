@@ -12,7 +12,16 @@ import pytest
 from server_helpers import start_server
 from test_clone_parity import reference_audio
 from test_clone_server import REFERENCE_TEXT, audio_file
-from test_gateway import fetch, get, post, start_gateway, stop_gateway
+from test_gateway import (
+    browser,  # noqa: F401 (a fixture)
+    fetch,
+    get,
+    open_playground,
+    post,
+    screenshot,
+    start_gateway,
+    stop_gateway,
+)
 from voxtriton_client import TTSClient
 
 pytestmark = pytest.mark.server
@@ -110,3 +119,49 @@ def test_a_name_is_registered_once_unless_replaced(stack):
     assert status == 400 and "exists" in json.loads(payload)["error"]["message"]
     assert post(url, {**first, "replace": True}, "/v1/audio/voices")[0] == 201
     assert delete(url, "twice")[0] == 200
+
+
+def wait_for_clone_status(page, start: str) -> str:
+    page.wait_for_function(
+        f"document.getElementById('clone-status').textContent.startsWith({json.dumps(start)})", timeout=60_000
+    )
+    return page.inner_text("#clone-status")
+
+
+def test_playground_registers_an_upload_and_a_recording_and_speaks_with_them(stack, browser, tmp_path):  # noqa: F811
+    url, _ = stack
+    upload = tmp_path / "reference.wav"
+    upload.write_bytes(audio_file(reference_audio(2.0, seed=11)[::3], rate=8000))
+    page = open_playground(browser, url, ignore_eos=True, seed=3)
+    page.click("#clone summary")
+    page.click("#register")
+    assert wait_for_clone_status(page, "Error") == "Error: record or choose a file first"
+
+    page.fill("#clone-name", "uploaded")
+    page.set_input_files("#clone-file", str(upload))
+    assert wait_for_clone_status(page, "reference.wav") == "reference.wav: 2.00 s, ready to register."
+    page.fill("#clone-transcript", REFERENCE_TEXT)
+    page.click("#register")
+    assert wait_for_clone_status(page, "Registered") == "Registered uploaded (2.0 s, in context)."
+    assert page.input_value("#voice") == "uploaded"
+    page.fill("#seconds", "1.6")
+    page.click("#speak")
+    page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
+    stats = page.evaluate("window.voxtritonStats")
+    assert stats["error"] is None and stats["samples"] == 20 * 1920, stats
+
+    page.fill("#clone-name", "recorded")
+    page.fill("#clone-transcript", "")
+    page.click("#record")
+    wait_for_clone_status(page, "Recording…")
+    page.wait_for_timeout(1800)
+    page.click("#record")
+    assert wait_for_clone_status(page, "Recording:").endswith("ready to register.")
+    page.click("#register")
+    assert wait_for_clone_status(page, "Registered").endswith("x-vector only).")
+    screenshot(page, "playground-clone.png")
+    page.close()
+    names = [voice["name"] for voice in get(url, "/v1/audio/voices")[2]["data"]]
+    assert {"uploaded", "recorded"} <= set(names)
+    for name in ("uploaded", "recorded"):
+        assert delete(url, name)[0] == 200
