@@ -142,7 +142,7 @@ def test_playground_registers_an_upload_and_a_recording_and_speaks_with_them(sta
     assert wait_for_clone_status(page, "reference.wav") == "reference.wav: 2.00 s, ready to register."
     page.fill("#clone-transcript", REFERENCE_TEXT)
     page.click("#register")
-    assert wait_for_clone_status(page, "Registered") == "Registered uploaded (2.0 s, in context)."
+    assert wait_for_clone_status(page, "Registered") == "Registered uploaded (2.00 s, in context)."
     assert page.input_value("#voice") == "uploaded"
     page.fill("#seconds", "1.6")
     page.click("#speak")
