@@ -9,6 +9,7 @@ import pytest
 
 from voxtriton.errors import RequestError
 from voxtriton.models.config import load_config
+from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.models.voice import Voice
 from voxtriton.serving.voices import VoiceStore
 
@@ -63,3 +64,24 @@ def test_limits_and_foreign_voices(tmp_path, config):
     with pytest.raises(RequestError, match="speaker: registered voice 'broken' cannot be read"):
         store.get("broken")
     assert store.names() == ["broken", "one", "two"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(), "reference_audio: is required by this Base model"),
+        (dict(speaker="ryan", voice=voice(0)), "speaker: this Base model has no preset speakers"),
+        (dict(instruct="Whisper.", voice=voice(0)), "instruct: not supported by Base checkpoints"),
+    ],
+    ids=["no-voice", "preset-speaker", "instruct"],
+)
+def test_base_prompts_need_a_voice_and_nothing_else(tiny_base_checkpoint, kwargs, message):
+    builder = PromptBuilder(load_config(tiny_base_checkpoint), TextTokenizer(tiny_base_checkpoint))
+    with pytest.raises(RequestError, match=message):
+        builder.build("Hello.", **kwargs)
+
+
+def test_a_voice_on_a_custom_voice_checkpoint_is_refused(tiny_checkpoint):
+    builder = PromptBuilder(load_config(tiny_checkpoint), TextTokenizer(tiny_checkpoint))
+    with pytest.raises(RequestError, match="reference_audio: voice cloning needs a Base checkpoint"):
+        builder.build("Hello.", "ryan", voice=voice(0))

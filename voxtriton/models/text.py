@@ -187,7 +187,10 @@ class PromptBuilder:
             )
         if instruct and not cfg.supports_instruct:
             raise RequestError(
-                "instruct", f"not supported by this checkpoint (tts_model_size {cfg.model_size!r})"
+                "instruct",
+                "not supported by Base checkpoints (the voice comes from the reference)"
+                if cfg.clones_voices
+                else f"not supported by this checkpoint (tts_model_size {cfg.model_size!r})",
             )
 
         language_id = None if language == "auto" else talker.languages[language]
