@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
+from test_clone_parity import reference_audio
+from test_clone_server import audio_file
 
-from voxtriton.errors import RequestError
+from voxtriton.errors import RequestError, ServerBusy
 from voxtriton.models.config import load_config
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.models.voice import Voice
-from voxtriton.serving.voices import VoiceStore
+from voxtriton.serving.voices import EncodingQueue, VoiceEncoder, VoiceStore
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +88,32 @@ def test_a_voice_on_a_custom_voice_checkpoint_is_refused(tiny_checkpoint):
     builder = PromptBuilder(load_config(tiny_checkpoint), TextTokenizer(tiny_checkpoint))
     with pytest.raises(RequestError, match="reference_audio: voice cloning needs a Base checkpoint"):
         builder.build("Hello.", "ryan", voice=voice(0))
+
+
+def test_the_encoding_queue_answers_every_request_once(tiny_base_checkpoint):
+    answers: dict[str, list] = {}
+    finished = threading.Semaphore(0)
+
+    def answer(name, kind, value):
+        answers.setdefault(name, []).append((kind, value))
+        finished.release()
+
+    def busy(voice):
+        raise ServerBusy("server busy: full")
+
+    queue = EncodingQueue(VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint)))
+    jobs = {
+        "good": (audio_file(reference_audio(1.5)), lambda voice: answer("good", "voice", voice)),
+        "not-audio": (b"nothing", lambda voice: answer("not-audio", "voice", voice)),
+        "busy": (audio_file(reference_audio(1.2)), busy),
+    }
+    for name, (audio, done) in jobs.items():
+        queue.submit(audio, "Words.", done, lambda message, name=name: answer(name, "error", message))
+    for _ in jobs:
+        assert finished.acquire(timeout=60)
+    queue.shutdown()
+    assert {name: len(values) for name, values in answers.items()} == {"good": 1, "not-audio": 1, "busy": 1}
+    kind, voice = answers["good"][0]
+    assert kind == "voice" and voice.in_context and voice.codes.shape == (19, 16)
+    assert answers["not-audio"][0][1].startswith("reference_audio: not a WAV or FLAC file")
+    assert answers["busy"][0] == ("error", "server busy: full")

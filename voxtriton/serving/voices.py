@@ -108,7 +108,10 @@ class EncodingQueue:
     def shutdown(self) -> None:
         with self.lock:
             self.running = False
+            jobs, self.jobs = self.jobs, []
             self.lock.notify()
+        for job in jobs:
+            job.fail("server shutting down")
         self.thread.join(5)
 
     def _run(self) -> None:
@@ -119,14 +122,10 @@ class EncodingQueue:
                 if not self.running:
                     return
                 jobs, self.jobs = self.jobs[: self.max_batch], self.jobs[self.max_batch :]
-            try:
-                self._encode(jobs)
-            except Exception as error:  # a bug or device fault: fail these requests, keep serving
-                log.exception("voice encoder failed")
-                for job in jobs:
-                    job.fail(f"internal error: reference_audio could not be encoded: {error}")
+            self._encode(jobs)
 
     def _encode(self, jobs: list[_Job]) -> None:
+        """Answer every job exactly once: its voice to `done`, or an error to `fail`."""
         ready, waveforms = [], []
         for job in jobs:
             try:
@@ -136,12 +135,21 @@ class EncodingQueue:
                 job.fail(str(error))
         if not ready:
             return
-        voices = self.encoder.encode(waveforms, [job.text for job in ready])
+        try:
+            voices = self.encoder.encode(waveforms, [job.text for job in ready])
+        except Exception as error:  # a bug or device fault: fail these requests, keep serving
+            log.exception("voice encoder failed")
+            for job in ready:
+                job.fail(f"internal error: reference_audio could not be encoded: {error}")
+            return
         for job, voice in zip(ready, voices):
             try:
                 job.done(voice)
             except (RequestError, ServerBusy) as error:
                 job.fail(str(error))
+            except Exception as error:  # never leave a request without its answer
+                log.exception("a request with a cloned voice failed before generation")
+                job.fail(f"internal error: {error}")
 
 
 def register_voice(
