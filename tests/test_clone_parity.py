@@ -8,9 +8,13 @@ and the audio streamed chunk by chunk after the reference codes must equal the r
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
+from conftest import require_or_skip
 from test_parity import (
     assert_same_generation,
     load_ours,
@@ -24,6 +28,7 @@ from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.loader import load_codec, load_speaker_encoder, load_speech_encoder
+from voxtriton.models.random_checkpoint import PRESET_DIR, checkpoint_shapes, preset_configs
 from voxtriton.models.voice import Voice
 
 FRAMES = 20
@@ -209,3 +214,28 @@ def test_cloned_prompts_prefill_through_the_padded_buckets(ours):
     assert padded.keys() == alone.keys()
     for name, codes in alone.items():
         np.testing.assert_array_equal(padded[name], codes, err_msg=name)
+
+
+@pytest.mark.parametrize("preset", ["0.6b-base", "1.7b-base"])
+def test_full_size_base_presets_have_the_reference_models_tensors(preset, tmp_path):
+    """Every tensor name and shape the reference's modules hold, built from the preset's config files
+    (on the meta device: no weights written), is what `make-checkpoint` writes."""
+    require_or_skip("qwen_tts", "the parity tests need the official qwen-tts-hf package")
+    from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSConfig
+    from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSForConditionalGeneration
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+
+    config, speech = preset_configs(preset)
+    (tmp_path / "speech_tokenizer").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "speech_tokenizer" / "config.json").write_text(json.dumps(speech))
+    shutil.copyfile(PRESET_DIR / "common" / "generation_config.json", tmp_path / "generation_config.json")
+    talker, speech_tokenizer = checkpoint_shapes(tmp_path)
+    with torch.device("meta"):
+        model = Qwen3TTSForConditionalGeneration(Qwen3TTSConfig(**config))
+        tokenizer = Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**speech))
+    for ours, module in ((talker, model), (speech_tokenizer, tokenizer)):
+        theirs = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+        assert {name: tuple(shape) for name, shape in ours.items()} == theirs
+    assert any(name.startswith("speaker_encoder.") for name in talker)
