@@ -7,6 +7,7 @@ codes followed by the generated codes, with the reference part cut off.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 
 import numpy as np
@@ -127,3 +128,20 @@ def test_reference_audio_of_the_wrong_type_is_refused(server, client):
     error = raw_request(server.grpc_url, request_inputs(grpcclient, TEXT, max_frames=4) + [wrong])
     assert error is not None and "reference_audio" in error, error
     assert clone(client, frames=4, reference_audio=audio_file(reference_audio(1.0))).error is None
+
+
+def test_concurrent_clones_match_their_solo_runs(client):
+    """Recordings that arrive together are encoded together and their streams share codec calls,
+    each primed with its own reference: nothing changes any one of them."""
+    recordings = [audio_file(reference_audio(1.0 + 0.4 * i, seed=20 + i)) for i in range(4)]
+
+    def run(i):
+        text = REFERENCE_TEXT if i % 2 else None
+        return clone(client, frames=12 + 2 * i, reference_audio=recordings[i], reference_text=text)
+
+    solo = [run(i).raise_for_error() for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = [synthesis.raise_for_error() for synthesis in pool.map(run, range(4))]
+    for alone, shared in zip(solo, together):
+        np.testing.assert_array_equal(shared.codes, alone.codes)
+        assert np.abs(shared.audio - alone.audio).max() <= 1e-4

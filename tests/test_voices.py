@@ -117,3 +117,16 @@ def test_the_encoding_queue_answers_every_request_once(tiny_base_checkpoint):
     assert kind == "voice" and voice.in_context and voice.codes.shape == (19, 16)
     assert answers["not-audio"][0][1].startswith("reference_audio: not a WAV or FLAC file")
     assert answers["busy"][0] == ("error", "server busy: full")
+
+
+def test_a_batch_of_recordings_gives_each_the_voice_it_gets_alone(tiny_base_checkpoint):
+    """Two recordings of one length share a batch; the others (1.0 s ends mid-frame) go alone."""
+    encoder = VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint))
+    audio = [reference_audio(1.0, seed=1), reference_audio(1.3, seed=2), reference_audio(1.0, seed=3)]
+    texts = [None, "Words.", "Other words."]
+    for wave, text, voice in zip(audio, texts, encoder.encode(audio, texts)):
+        alone = encoder.encode([wave], [text])[0]
+        assert alone.text == voice.text and voice.codes.shape == alone.codes.shape
+        np.testing.assert_array_equal(voice.codes, alone.codes)
+        # fp32 rounding of a batch of two against one
+        assert np.abs(voice.embedding - alone.embedding).max() <= 1e-5 * np.abs(alone.embedding).max()

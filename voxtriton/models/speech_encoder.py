@@ -4,8 +4,9 @@ A Mimi encoder, as the official tokenizer runs it: a causal SEANet convolution s
 sliding-window transformer, a strided convolution to 12.5 Hz and split residual vector quantizers
 (one semantic codebook, then acoustic ones). The codes of the in-context voice prompt come from
 here. Module names mirror the checkpoint (`encoder.encoder.layers.0.conv.weight`, ...) under the
-speech tokenizer's `encoder.` prefix. Everything is causal, so right-padding a batch of recordings
-to one length does not change any recording's codes.
+speech tokenizer's `encoder.` prefix. A batch holds recordings of one length: the last frame of a
+recording depends on where it ends (each strided layer pads its own end), so padding a shorter one
+to a batch's length would change its last frame's codes.
 """
 
 from __future__ import annotations
@@ -235,12 +236,12 @@ class SpeechEncoder(nn.Module):
         self.config = cfg
         self.encoder = MimiEncoder(cfg)
 
-    def forward(self, audio: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-        """Waveforms [B, samples] at 24 kHz, right-padded; each one's codes [frames, num_codes], one
-        frame per started `samples_per_frame` of its own length."""
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        """Waveforms [B, samples] at 24 kHz -> codes [B, frames, num_codes], one frame per started
+        `samples_per_frame`."""
         mimi = self.encoder
         x = mimi.encoder(audio[:, None].to(mimi.downsample.conv.weight.dtype))
         x = mimi.encoder_transformer(x.transpose(1, 2)).transpose(1, 2)
         codes = mimi.quantizer.encode(mimi.downsample(x), self.config.num_codes)
-        frame = self.config.samples_per_frame
-        return [codes[i, :, : -(-length // frame)].transpose(0, 1) for i, length in enumerate(lengths)]
+        frames = -(-audio.shape[1] // self.config.samples_per_frame)
+        return codes[:, :, :frames].transpose(1, 2)

@@ -1,10 +1,10 @@
 """Cloned voices for Base checkpoints: encoded from reference recordings, stored, looked up by name.
 
 - `VoiceEncoder` runs the checkpoint's speaker encoder (x-vector) and speech-tokenizer encoder
-  (reference codes) on one device, a batch of recordings at a time.
+  (reference codes) on one device, recordings of one length as one batch.
 - `EncodingQueue` is the `tts` model's encoder thread: requests that bring `reference_audio` wait
   there, not on Triton's execute thread nor on the engine thread, and go on to the engine once
-  their voice is encoded. Recordings that arrive together are encoded as one batch.
+  their voice is encoded. Recordings that arrive together are encoded together.
 - `VoiceStore` keeps registered voices in a directory, one `<name>.npz` per voice (x-vector,
   reference codes, transcript). A name is checked against NAME before it becomes a file name, so
   no request can name a path. Each lookup compares the file's size and modification time with the
@@ -60,22 +60,22 @@ class VoiceEncoder:
 
     @torch.inference_mode()
     def encode(self, waveforms: list[np.ndarray], texts: list[str | None]) -> list[Voice]:
+        """Recordings of one length go through both encoders as one batch. Padding would change a
+        recording's voice (the x-vector pools over every frame; the codes' last frame depends on
+        where the recording ends), so recordings of different lengths go in batches of their own."""
+        by_length: dict[int, list[int]] = {}
+        for index, waveform in enumerate(waveforms):
+            by_length.setdefault(len(waveform), []).append(index)
+        voices: list[Voice | None] = [None] * len(waveforms)
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
-            lengths = [len(w) for w in waveforms]
-            batch = torch.zeros(len(waveforms), max(lengths))
-            for row, waveform in enumerate(waveforms):
-                batch[row, : len(waveform)] = torch.from_numpy(waveform)
-            batch = batch.to(self.device)
-            codes = self.speech_encoder(batch, lengths)  # causal: right padding changes nothing
-            # The x-vector pools over every frame, padding included: one recording at a time.
-            embeddings = [
-                self.speaker_encoder(batch[row : row + 1, :length])[0] for row, length in enumerate(lengths)
-            ]
-            return [
-                Voice(embedding.float().cpu().numpy(), code.cpu().numpy().astype(np.int64), text or None)
-                for embedding, code, text in zip(embeddings, codes, texts)
-            ]
+            for indices in by_length.values():
+                batch = torch.from_numpy(np.stack([waveforms[i] for i in indices])).to(self.device)
+                embeddings = self.speaker_encoder(batch).float().cpu().numpy()
+                codes = self.speech_encoder(batch).cpu().numpy().astype(np.int64)
+                for row, index in enumerate(indices):
+                    voices[index] = Voice(embeddings[row], codes[row], texts[index] or None)
+        return voices
 
 
 @dataclass
