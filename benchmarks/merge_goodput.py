@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,8 +46,9 @@ def main() -> None:
             "|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {key.split()[0]} | {key.split()[1]} | {_rate(value['goodput'])} | {value['passes']} | "
-            f"{_rate(value['goodput_most'])} | {_rate(value['lowest_failed'])} | {value['listeners_peak']} |"
+            f"| {key.split()[0]} | {key.split()[1]} | {_rate(value['goodput'])} | {_cell(value['passes'])} | "
+            f"{_rate(value['goodput_most'])} | {_rate(value['lowest_failed'])} | "
+            f"{_cell(value['listeners_peak'])} |"
             for key, value in ((key, both[definition]) for key, both in summary.items())
         ]
         lines.append("")
@@ -58,7 +60,7 @@ def main() -> None:
     lines += [
         f"| {r['model']} | {r['policy']} | {r['run']} | {_rate(r['rate'])} | "
         f"{'yes' if r['passed'] else 'no'} | {_attained(r)} | {r['stalled']} / {r['requests']} | "
-        f"{r['ttfa_p90_ms']} | {r['frame_step_ms']} |"
+        f"{r['ttfa_p90_ms']} | {_cell(r['frame_step_ms'])} |"
         for r in sorted(rows, key=lambda r: (r["model"], r["policy"], r["rate"], r["run"]))
     ]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
@@ -68,6 +70,11 @@ def main() -> None:
 
 def _rate(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.2f}"
+
+
+def _cell(value) -> str:
+    """A table cell; "-" where a figure does not exist (no goodput, or a peer without server metrics)."""
+    return "-" if value is None else str(value)
 
 
 def _attained(row: dict) -> str:
@@ -89,10 +96,20 @@ def plot(groups: dict, path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for (model, policy), group in sorted(groups.items()):
-        group = sorted(group, key=lambda r: r["rate"])
-        label = f"{model} {policy}"
-        left.scatter([r["rate"] for r in group], [r["ttfa_p90_ms"] for r in group], label=label)
-        right.scatter([r["rate"] for r in group], [r["stalled"] / r["requests"] for r in group], label=label)
+        rates = sorted({r["rate"] for r in group})
+        at = {rate: [r for r in group if r["rate"] == rate] for rate in rates}
+        # One line per system through each rate's mean; every probe as a dot on it.
+        line = left.plot(rates, [statistics.mean(r["ttfa_p90_ms"] for r in at[x]) for x in rates], marker="o")
+        label, color = f"{model} {policy}", line[0].get_color()
+        line[0].set_label(label)
+        left.scatter([r["rate"] for r in group], [r["ttfa_p90_ms"] for r in group], color=color, s=12)
+        stalled = [statistics.mean(r["stalled"] / r["requests"] for r in at[x]) for x in rates]
+        right.plot(rates, stalled, marker="o", color=color, label=label)
+        right.scatter(
+            [r["rate"] for r in group], [r["stalled"] / r["requests"] for r in group], color=color, s=12
+        )
+    left.set_xscale("log")
+    right.set_xscale("log")
     left.axhline(200, color="gray", linestyle="--")
     left.set(xlabel="arrival rate (req/s)", ylabel="p90 TTFA (ms)", title="p90 TTFA (every probe)")
     right.set(

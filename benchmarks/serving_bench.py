@@ -261,6 +261,13 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
         "audio is noise).",
         "",
     ]
+    if meta.get("text_rate"):
+        streamed = [f"{row['text_end_to_audio_end_p90_ms']}" for r in results for row in r["rates"]]
+        lines += [
+            f"Input streaming: each text arrives as words at {meta['text_rate']:g}/s; TTFA counts from the "
+            f"first word. Last word to last audio, p90 ms per rate row: {', '.join(streamed) or '-'}.",
+            "",
+        ]
     if any(r["rates"] for r in results):
         lines += [
             "| policy | rate/s | done | failed | TTFA p50 ms | p90 | p99 | stalled | stall s | "
@@ -438,9 +445,11 @@ def plot(results: list[dict], out: Path) -> None:
         figure.tight_layout()
         figure.savefig(out / "ttfa_stalls_vs_rate.png", dpi=120)
         plt.close(figure)
-    if any(r["concurrency"] for r in results):
+    # The frame step is a server-side figure: a peer behind --target openai reports none.
+    stepped = [r for r in results if r["concurrency"] and all(row["server"] for row in r["concurrency"])]
+    if stepped:
         figure, axis = plt.subplots(figsize=(6, 4))
-        for r in results:
+        for r in stepped:
             axis.plot(
                 [row["streams"] for row in r["concurrency"]],
                 [row["server"]["frame_step_ms_mean"] for row in r["concurrency"]],
@@ -540,6 +549,13 @@ def main() -> None:
         help="codec state rows added for streams generated but still owed audio (about 5 MB "
         "each with Qwen3-TTS's codec); near a policy's goodput hundreds of streams drain at once",
     )
+    parser.add_argument(
+        "--text-rate",
+        type=float,
+        default=0.0,
+        help="input streaming: each text arrives as words at this many per second (an LLM's tokens, "
+        "about a word each; TTFA counts from the first); 0: the whole text at once",
+    )
     parser.add_argument("--speaker", "--voice", help="the voice (the request's speaker)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="MODEL:KEY=VALUE config.pbtxt parameter")
@@ -557,6 +573,8 @@ def main() -> None:
     if args.replot:
         plot(json.loads((Path(args.out) / "results.json").read_text())["policies"], Path(args.out))
         return
+    if args.text_rate < 0 or (args.text_rate and args.target == "openai"):
+        parser.error("--text-rate: a rate above 0, for --target triton (input streaming is voxtriton's)")
     if args.smoke and args.target == "openai":
         parser.error("--smoke starts a server: it is for --target triton")
     if args.smoke:
@@ -601,6 +619,7 @@ def main() -> None:
         "burstiness": args.burstiness,
         "utterance_seconds": [args.min_seconds, args.max_seconds],
         "ttfa_target_ms": TTFA_TARGET_S * 1e3,
+        "text_rate": args.text_rate or None,  # words per second of input streaming; None: whole texts
     }
     # A run cut short (`timeout` sends SIGTERM) still stops its servers, MPS daemons and Python stubs
     # (run_policy's `finally`), which would otherwise hold the GPU beside the next run's server, and

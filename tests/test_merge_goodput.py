@@ -81,7 +81,7 @@ def test_merging_runs_writes_the_tables_with_or_without_matplotlib(tmp_path):
     assert "| 1.7b | concurrent | 80.00 | 1 of 2 | 76.00 | 80.00 | 900 |" in table
     # (runs from before the harness counted SLO attainment: "-" there, and no attainment goodput)
     assert "| 1.7b | concurrent | b | 84.00 | no | - | 14 / 1600 | 150.0 | 20.0 |" in table
-    assert "| 1.7b | concurrent | - | None | - | - | None |" in table
+    assert "| 1.7b | concurrent | - | - | - | - | - |" in table
     assert (out / "ttfa_stalls_vs_rate.png").exists() or "matplotlib not installed" in completed.stderr
 
 
@@ -125,4 +125,4 @@ def test_both_definitions_for_a_system_without_server_metrics(tmp_path):
     assert (merged["attainment"]["goodput"], merged["attainment"]["passes"]) == (3, "1 of 1")
     assert merged["attainment"]["lowest_failed"] == 4
     table = (out / "results.md").read_text()
-    assert "| 1.7b | vllm-omni | peer | 3.00 | no | yes (99.5%) | 1 / 200 | 170.0 | None |" in table
+    assert "| 1.7b | vllm-omni | peer | 3.00 | no | yes (99.5%) | 1 / 200 | 170.0 | - |" in table

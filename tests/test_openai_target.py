@@ -74,7 +74,8 @@ def test_grpc_and_the_gateway_give_the_same_figures(stack):
 
 def test_the_openai_target_from_the_command_line(stack, tmp_path):
     """serving_bench --target openai measures the endpoint it is given and starts no server: the
-    report has the probe, both goodput verdicts' inputs, and null where server metrics would be."""
+    report has the probes (open and closed loop), both goodput verdicts' inputs, and null where
+    server metrics would be."""
     _, url = stack
     out = tmp_path / "bench"
     command = [
@@ -92,6 +93,8 @@ def test_the_openai_target_from_the_command_line(stack, tmp_path):
         "gateway",
         "--rates",
         "2",
+        "--concurrency",
+        "1",
         "--duration",
         "3",
         "--min-seconds",
@@ -107,7 +110,9 @@ def test_the_openai_target_from_the_command_line(stack, tmp_path):
     assert results["meta"]["target"] == "openai" and results["meta"]["url"] == url
     [system] = results["policies"]
     [row] = system["rates"]
-    assert system["policy"] == "gateway" and row["server"] is None
+    [single] = system["concurrency"]
+    assert system["policy"] == "gateway" and row["server"] is None and single["server"] is None
+    assert single["streams"] == 1 and single["completed"] >= 1
     assert row["requests"] >= 2 and row["completed"] == row["requests"] and row["failed"] == 0
     assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)
     assert 0 <= row["slo_attained"] <= row["requests"] and row["slo_attainment"] is not None

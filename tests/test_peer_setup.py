@@ -61,7 +61,7 @@ def test_the_deploy_config_gets_every_setting_where_it_lives():
     assert found == {"max_num_batched": 0}
 
 
-@pytest.mark.parametrize("script", ["install.sh", "serve.sh", "bench.sh"])
+@pytest.mark.parametrize("script", ["install.sh", "serve.sh", "bench.sh", "../compare.sh"])
 def test_the_scripts_parse(script):
     completed = subprocess.run(["bash", "-n", str(PEER / script)], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr

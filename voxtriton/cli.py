@@ -8,9 +8,23 @@ import sys
 from pathlib import Path
 
 
+def make_csm_checkpoint_command(args: argparse.Namespace) -> int:
+    from .models.csm.checkpoint import make_csm_checkpoint
+
+    if args.shard_mb:
+        raise SystemExit("--shard-mb: CSM checkpoints are written as one model.safetensors")
+    out = make_csm_checkpoint(
+        args.preset, Path(args.out_dir), seed=args.seed, tokenizer=not args.no_tokenizer
+    )
+    print(f"wrote a random-weight {args.preset} checkpoint (it produces noise, not speech) to {out}")
+    return 0
+
+
 def make_checkpoint_command(args: argparse.Namespace) -> int:
     from .models.random_checkpoint import make_checkpoint
 
+    if args.preset.startswith("csm-"):
+        return make_csm_checkpoint_command(args)
     out = make_checkpoint(
         args.preset,
         Path(args.out_dir),
@@ -42,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         "make-checkpoint", help="write a random-weight checkpoint in the official layout"
     )
     make.add_argument(
-        "--preset", choices=("tiny", "0.6b", "1.7b", "tiny-base", "0.6b-base", "1.7b-base"), required=True
+        "--preset",
+        choices=("tiny", "0.6b", "1.7b", "tiny-base", "0.6b-base", "1.7b-base", "csm-tiny", "csm-1b"),
+        required=True,
     )
     make.add_argument("out_dir")
     make.add_argument("--seed", type=int, default=0)

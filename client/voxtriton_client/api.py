@@ -7,10 +7,11 @@ their arrival times, the audio, and what a listener would have experienced.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -63,6 +64,21 @@ class Synthesis:
     chunks: list[Chunk] = field(default_factory=list)
     error: str | None = None
     completed: bool = False  # the final response arrived
+    # Input streaming (`TTSClient.stream_text`): when the last text piece went out, in seconds after
+    # the first (the clock `Chunk.arrived_s` counts on).
+    last_piece_s: float | None = None
+
+    @property
+    def first_audio_after_first_piece_s(self) -> float | None:
+        """Input streaming: from sending the first text piece to the first audio (as TTFA)."""
+        return self.chunks[0].arrived_s if self.chunks else None
+
+    @property
+    def last_audio_after_last_piece_s(self) -> float | None:
+        """Input streaming: from sending the last text piece to the last audio."""
+        if not self.chunks or self.last_piece_s is None:
+            return None
+        return self.chunks[-1].arrived_s - self.last_piece_s
 
     @property
     def audio(self) -> np.ndarray:
@@ -104,6 +120,25 @@ def requested_outputs(client_module, codes: bool, info: bool) -> list:
     return [client_module.InferRequestedOutput(name) for name in names]
 
 
+def piece_request(
+    client_module, model: str, sequence_id: str, index: int, text: str, end: bool, codes, info, options
+) -> dict:
+    """Input streaming: the request of a sequence's text piece `index`, as keyword arguments of
+    `async_stream_infer` (and the dict `stream_infer` takes). The first carries the options and asks
+    for the outputs: the audio comes back on it."""
+    first = index == 0
+    return {
+        "model_name": model,
+        "inputs": request_inputs(client_module, text, **(options if first else {})),
+        "request_id": f"{sequence_id}-{index}",
+        "sequence_id": sequence_id,
+        "sequence_start": first,
+        "sequence_end": end,
+        "outputs": requested_outputs(client_module, codes, info) if first else None,
+        "enable_empty_final_response": first,
+    }
+
+
 def _chunk_from(result, sent_at: float) -> Chunk:
     names = {output.name for output in result.get_response().outputs}
     return Chunk(
@@ -142,28 +177,84 @@ class TTSClient:
         self, text: str, *, codes: bool = False, info: bool = False, timeout: float = 300.0, **options
     ) -> Iterator[tuple[Chunk | None, Synthesis]]:
         """Yield (chunk, synthesis so far) as chunks arrive; the last item has chunk None."""
+
+        def send(client, synthesis, sent_at):
+            client.async_stream_infer(
+                self.model,
+                request_inputs(grpcclient, text, **options),
+                request_id=uuid.uuid4().hex,
+                outputs=requested_outputs(grpcclient, codes, info),
+                enable_empty_final_response=True,
+            )
+
+        yield from self._stream(send, timeout)
+
+    def stream_text(
+        self,
+        pieces: Iterable[str],
+        *,
+        codes: bool = False,
+        info: bool = False,
+        timeout: float = 300.0,
+        **options,
+    ) -> Iterator[tuple[Chunk | None, Synthesis]]:
+        """Input streaming: send text pieces as they come (from an LLM, say) and yield (chunk, synthesis
+        so far) as audio arrives, while later pieces are still being sent; the last item has chunk
+        None. The pieces go out as one Triton sequence on one gRPC stream, the options with the first,
+        and an empty piece with sequence_end after the last. `timeout` counts from the first piece."""
+        sequence_id = uuid.uuid4().hex
+
+        def send(client, synthesis, sent_at):
+            def piece(text, index, end=False):
+                client.async_stream_infer(
+                    **piece_request(
+                        grpcclient, self.model, sequence_id, index, text, end, codes, info, options
+                    )
+                )
+
+            sent = 0
+            for text in pieces:
+                if synthesis.error is not None or synthesis.completed:
+                    return
+                piece(text, sent)
+                sent += 1
+                synthesis.last_piece_s = time.perf_counter() - sent_at
+            piece("", sent, end=True)
+
+        yield from self._stream(send, timeout, in_background=True)
+
+    def _stream(
+        self, send, timeout: float, in_background: bool = False
+    ) -> Iterator[tuple[Chunk | None, Synthesis]]:
+        """Open a gRPC stream, `send(client, synthesis, sent_at)` on it (on a thread of its own if
+        `in_background`), and yield the chunks that come back."""
         client = grpcclient.InferenceServerClient(self.url)
         responses: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         synthesis = Synthesis()
+        sender = None
         try:
             sent_at = time.perf_counter()
-            try:
-                client.async_stream_infer(
-                    self.model,
-                    request_inputs(grpcclient, text, **options),
-                    request_id=uuid.uuid4().hex,
-                    outputs=requested_outputs(grpcclient, codes, info),
-                    enable_empty_final_response=True,
-                )
-            except InferenceServerException as refused:
-                # The stream failed before the request went out (say, a proxy with no server behind
-                # it): the cause comes through the callback.
+
+            def send_or_fail():
                 try:
-                    _, cause = responses.get(timeout=1.0)
-                except queue.Empty:
-                    cause = None
-                _consume(synthesis, None, cause or refused, sent_at)
+                    send(client, synthesis, sent_at)
+                except InferenceServerException as refused:
+                    # The stream failed before the request went out (say, a proxy with no server behind
+                    # it): the cause comes through the callback.
+                    try:
+                        _, cause = responses.get(timeout=1.0)
+                    except queue.Empty:
+                        cause = None
+                    responses.put((None, cause or refused))
+                except Exception as error:  # the pieces' iterator failed: end the synthesis with it
+                    responses.put((None, f"text pieces failed: {error!r}"))
+
+            if in_background:
+                sender = threading.Thread(target=send_or_fail, daemon=True)
+                sender.start()
+            else:
+                send_or_fail()
             deadline = sent_at + timeout
             while synthesis.error is None:
                 try:
@@ -177,16 +268,28 @@ class TTSClient:
                 if over:
                     break
         finally:  # a stream left early (an exception, or the caller stopped iterating) is cancelled
+            if sender is not None and synthesis.completed:
+                sender.join(timeout)  # the empty last piece may still be on its way
             client.stop_stream(cancel_requests=not synthesis.completed)
             client.close()
         yield None, synthesis
 
     def synthesize(self, text: str, on_chunk: Callable[[Chunk], None] | None = None, **kwargs) -> Synthesis:
-        synthesis = Synthesis()
-        for chunk, synthesis in self.stream(text, **kwargs):
-            if chunk is not None and on_chunk is not None:
-                on_chunk(chunk)
-        return synthesis
+        return _collect(self.stream(text, **kwargs), on_chunk)
+
+    def synthesize_text_stream(
+        self, pieces: Iterable[str], on_chunk: Callable[[Chunk], None] | None = None, **kwargs
+    ) -> Synthesis:
+        """`stream_text` to its end: the whole synthesis."""
+        return _collect(self.stream_text(pieces, **kwargs), on_chunk)
+
+
+def _collect(events: Iterator[tuple[Chunk | None, Synthesis]], on_chunk) -> Synthesis:
+    synthesis = Synthesis()
+    for chunk, synthesis in events:
+        if chunk is not None and on_chunk is not None:
+            on_chunk(chunk)
+    return synthesis
 
 
 class AsyncTTSClient:
@@ -228,10 +331,57 @@ class AsyncTTSClient:
             }
 
         sent_at = time.perf_counter()
-        async for result, error in self.client.stream_infer(requests()):
-            chunk, over = _consume(synthesis, result, error, sent_at)
+        return await self._read(requests(), synthesis, sent_at, on_chunk)
+
+    async def synthesize_text_stream(
+        self,
+        pieces: AsyncIterable[str] | Iterable[str],
+        *,
+        codes: bool = False,
+        info: bool = False,
+        on_chunk: Callable[[Chunk], None] | None = None,
+        **options,
+    ) -> Synthesis:
+        """Input streaming (`TTSClient.stream_text`): the pieces, as they come, go out as one Triton
+        sequence; chunks reach `on_chunk` as they arrive. Times count from the first piece."""
+        synthesis = Synthesis()
+        sequence_id = uuid.uuid4().hex
+        sent_at = time.perf_counter()
+
+        async def requests() -> AsyncIterator[dict]:
+            nonlocal sent_at
+            index = 0
+            async for text in _async_iter(pieces):
+                if index == 0:
+                    sent_at = time.perf_counter()
+                yield piece_request(
+                    aioclient, self.model, sequence_id, index, text, False, codes, info, options
+                )
+                synthesis.last_piece_s = time.perf_counter() - sent_at
+                index += 1
+            if index == 0:
+                sent_at = time.perf_counter()
+            yield piece_request(aioclient, self.model, sequence_id, index, "", True, codes, info, options)
+
+        return await self._read(requests(), synthesis, lambda: sent_at, on_chunk)
+
+    async def _read(self, requests, synthesis: Synthesis, sent_at, on_chunk) -> Synthesis:
+        """Send `requests` on one stream and apply its responses; `sent_at`: the clock's zero (or a
+        function giving it, when the first request goes out later)."""
+        async for result, error in self.client.stream_infer(requests):
+            zero = sent_at() if callable(sent_at) else sent_at
+            chunk, over = _consume(synthesis, result, error, zero)
             if chunk is not None and on_chunk is not None:
                 on_chunk(chunk)
             if over:
                 break
         return synthesis
+
+
+async def _async_iter(pieces):
+    if hasattr(pieces, "__aiter__"):
+        async for piece in pieces:
+            yield piece
+    else:
+        for piece in pieces:
+            yield piece

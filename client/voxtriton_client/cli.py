@@ -1,5 +1,6 @@
 """`voxtriton-client speak "Hello!" -o hello.wav --max-frames 50`: stream speech, write the WAV as it
-arrives, report each chunk, the TTFA and the stalls."""
+arrives, report each chunk, the TTFA and the stalls. With "-" as the text, each line read from stdin
+streams in as it comes (input streaming): speech starts before the text ends."""
 
 from __future__ import annotations
 
@@ -34,7 +35,11 @@ def speak(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        synthesis = client.synthesize(args.text, on_chunk=on_chunk, info=True, **options)
+        if args.text == "-":
+            lines = (line.replace("\n", " ") for line in sys.stdin)
+            synthesis = client.synthesize_text_stream(lines, on_chunk=on_chunk, info=True, **options)
+        else:
+            synthesis = client.synthesize(args.text, on_chunk=on_chunk, info=True, **options)
     if synthesis.error:
         print(f"error: {synthesis.error}", file=sys.stderr)
         return 1
@@ -44,6 +49,8 @@ def speak(args: argparse.Namespace) -> int:
         f"{len(synthesis.chunks)} chunks, {stall_summary(report)} under simulated playback; "
         f"wrote {args.output}"
     )
+    if synthesis.last_audio_after_last_piece_s is not None:
+        print(f"last audio {synthesis.last_audio_after_last_piece_s * 1000:.1f} ms after the last line")
     return 0
 
 
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voxtriton-client")
     commands = parser.add_subparsers(dest="command", required=True)
     say = commands.add_parser("speak", help="synthesize text to a WAV file, streaming")
-    say.add_argument("text")
+    say.add_argument("text", help='the text; "-": read it from stdin, speaking each line as it comes')
     say.add_argument("-o", "--output", required=True)
     say.add_argument("--server", default="127.0.0.1:8001", help="Triton gRPC address")
     say.add_argument("--speaker")

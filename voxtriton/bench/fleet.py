@@ -25,6 +25,7 @@ class Fleet:
 
     def __init__(self, args, spec: str):
         self.allow_kernel_fallback = args.allow_kernel_fallback
+        self.text_rate = args.text_rate
         spec, _, pinned = spec.partition("@")
         self.policy, _, count = spec.partition("*")
         self.label = f"{self.policy} x{count} GPUs" if count else self.policy
@@ -68,7 +69,7 @@ class Fleet:
             )
 
     def make_target(self) -> TritonTarget:
-        return TritonTarget(self.urls)
+        return TritonTarget(self.urls, self.text_rate)
 
     def metrics(self) -> dict[str, float]:
         """Counters summed over the servers."""

@@ -26,6 +26,7 @@ class RequestResult:
         tuple[int, str], ...
     ] = ()  # (chunk index, codec lane) of each chunk that arrived after the buffer ran dry
     asked_s: float | None = None  # the audio the request asked for (its fixed length)
+    text_end_to_audio_end_s: float | None = None  # input streaming: last text piece sent to last audio
 
     def attains_slo(self) -> bool:
         """Completed, first audio within TTFA_TARGET_S, and played without a stall."""
@@ -94,6 +95,7 @@ def summarize(results: list[RequestResult], lag: list[float]) -> dict:
     rtf = [r.rtf for r in ok if r.rtf is not None]
     stalled = [r for r in ok if r.stall_s > 0]
     attained = sum(r.attains_slo() for r in results)
+    text_end = [r.text_end_to_audio_end_s for r in ok if r.text_end_to_audio_end_s is not None]
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -102,6 +104,9 @@ def summarize(results: list[RequestResult], lag: list[float]) -> dict:
         "ttfa_p50_ms": _ms(percentile(ttfa, 50)),
         "ttfa_p90_ms": _ms(percentile(ttfa, 90)),
         "ttfa_p99_ms": _ms(percentile(ttfa, 99)),
+        # Input streaming (--text-rate): from the last text piece sent to the last audio received.
+        "text_end_to_audio_end_p50_ms": _ms(percentile(text_end, 50)),
+        "text_end_to_audio_end_p90_ms": _ms(percentile(text_end, 90)),
         "stalled_requests": len(stalled),
         "stalled_fraction": len(stalled) / len(ok) if ok else None,
         "stall_total_s": sum(r.stall_s for r in ok),

@@ -4,6 +4,7 @@ accounting, so the figures of either path mean the same thing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,14 @@ class Utterance:
         return self.frames / FRAME_RATE
 
 
-def played(sent: float, arrivals: list[tuple[float, float]], error: str | None, lanes=None, asked_s=None):
+def played(
+    sent: float,
+    arrivals: list[tuple[float, float]],
+    error: str | None,
+    lanes=None,
+    asked_s=None,
+    text_end_to_audio_end_s=None,
+):
     """A RequestResult from the audio's arrivals ((seconds after `sent`, audio seconds) per piece);
     `lanes[i]` names the codec lane of piece i where the server says it."""
     report = simulate_playback(0.0, arrivals)
@@ -45,31 +53,44 @@ def played(sent: float, arrivals: list[tuple[float, float]], error: str | None, 
         error,
         late,
         asked_s,
+        text_end_to_audio_end_s,
     )
+
+
+async def words_at(text: str, rate: float):
+    """The text's words (each with the space before it) at `rate` per second, the first at once: text
+    as an LLM produces it, about a token a word."""
+    words = text.split(" ")
+    for index, word in enumerate(words):
+        if index:
+            await asyncio.sleep(1.0 / rate)
+        yield word if index == 0 else " " + word
 
 
 class TritonTarget:
     """voxtriton's tritonservers, least-loaded over `urls` as the gateway routes; a fixed length is
-    max_frames with ignore_eos."""
+    max_frames with ignore_eos. With `text_rate`, each text streams in (input streaming) as words at
+    that many per second; TTFA then counts from the first word."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], text_rate: float = 0.0):
         self.router = Router(urls)
+        self.text_rate = text_rate
 
     async def request(self, utterance: Utterance, speaker: str | None, sent: float) -> RequestResult:
-        synthesis = await self.router.synthesize(
-            utterance.text,
-            speaker=speaker,
-            seed=utterance.seed,
-            max_frames=utterance.frames,
-            ignore_eos=True,
-            info=True,
-        )
+        options = dict(speaker=speaker, seed=utterance.seed, max_frames=utterance.frames, ignore_eos=True)
+        if self.text_rate:
+            pieces = words_at(utterance.text, self.text_rate)
+            synthesis = await self.router.synthesize_text_stream(pieces, info=True, **options)
+        else:
+            synthesis = await self.router.synthesize(utterance.text, info=True, **options)
         error = synthesis.error or (
             None if synthesis.completed else "stream ended without its final response"
         )
         arrivals = [(c.arrived_s, c.seconds) for c in synthesis.chunks]
         lanes = [LANES[int(c.info[3])] for c in synthesis.chunks]
-        return played(sent, arrivals, error, lanes, utterance.seconds)
+        return played(
+            sent, arrivals, error, lanes, utterance.seconds, synthesis.last_audio_after_last_piece_s
+        )
 
     async def close(self) -> None:
         await self.router.close()

@@ -109,7 +109,7 @@ class AdmissionLayout:
         codec[:] = no_codec
         for i, request in enumerate(requests):
             prompt = request.prompt
-            trailing[i, : len(prompt.trailing_text_ids)] = prompt.trailing_text_ids
+            trailing[i, : len(request.text)] = request.text
             text[i, : len(prompt.text_ids)] = prompt.text_ids
             codec[i, : len(prompt.codec_ids)] = prompt.codec_ids
             flat[self._last_index + i] = len(prompt.text_ids) - 1

@@ -9,6 +9,12 @@ admissions instead of waiting for them. Each frame step's inputs live on the GPU
 needs nothing from the previous step's frames, except knowing who finished: a request that ends by
 end-of-speech is seen one step late, and that step's frame for it is dropped. Ends by `max_frames`
 are known at launch, so those rows leave without a wasted frame.
+
+Input streaming: a request whose text is still arriving (`text_open`) feeds one text id per frame
+like the interleaved layout, and when it has used every id it knows, it pauses instead of feeding
+padding: it keeps its row, but its frame step is masked (its state stays as it was) and no frame
+comes back. It starts, and resumes from a pause, once `text_lookahead` ids wait ahead of it (or its
+text ended), so its codes are those of the same text sent whole, whatever the pieces' timing.
 """
 
 from __future__ import annotations
@@ -54,17 +60,23 @@ class StepTiming:
 class _Launched:
     """A frame step on its way: `requests[i]` owned row i when it was launched."""
 
-    requests: list[Request]
+    requests: list[Request | None]  # None: the row was paused
     codes: torch.Tensor  # [len(requests), groups + 1] (see `ModelRunner.stash_codes`)
     ready: torch.cuda.Event | None
     events: tuple | None  # CUDA timing events: (before the prefill or None, before the decode, after it)
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, max_running: int, overlap: bool = False):
+    def __init__(self, runner: ModelRunner, max_running: int, overlap: bool = False, text_lookahead: int = 1):
         if max_running > runner.max_rows:
             raise ValueError(f"max_running={max_running} exceeds the runner's {runner.max_rows} rows")
+        if text_lookahead < 1:
+            raise ValueError(f"text_lookahead must be at least 1, got {text_lookahead}")
         self.runner = runner
+        self.text_lookahead = text_lookahead
+        self.holds: list[bool] = []  # per running row, what the runner was last told (`set_holds`)
+        # Running requests whose text may still change their row: text still arriving, or paused.
+        self.streaming: set[Request] = set()
         self.max_running = max_running
         self.overlap = overlap
         self.eos = runner.config.talker.codec_eos_id
@@ -76,23 +88,53 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.in_flight)
+        """A step would do something: admit, generate, return frames in flight, or free a row."""
+        return bool(
+            self.in_flight
+            or any(self._may_start(r) or r.cancelled for r in self.waiting)
+            or any(self._may_generate(r) or r.cancelled for r in self.running)
+        )
 
     def add(self, request: Request) -> None:
         needed = request.position + request.params.max_frames
         if needed > self.runner.max_positions:
             raise ValueError(f"request needs {needed} positions, the cache holds {self.runner.max_positions}")
-        if len(request.prompt.trailing_text_ids) > self.runner.max_text_tokens:
-            raise ValueError(
-                f"text has {len(request.prompt.trailing_text_ids)} tokens, "
-                f"limit {self.runner.max_text_tokens}"
-            )
+        self._check_text_length(request)
         self.waiting.append(request)
+
+    def add_text(self, request: Request, ids: list[int], end: bool) -> None:
+        """More text of an input-streaming request (between steps); `end`: its text is complete."""
+        if not request.text_open:
+            raise ValueError(f"request {request.request_id} takes no more text")
+        request.text.extend(ids)
+        if end:
+            request.text.append(self.runner.config.tts_eos_token_id)
+            request.text_open = False
+        self._check_text_length(request)
+
+    def _check_text_length(self, request: Request) -> None:
+        if len(request.text) > self.runner.max_text_tokens:
+            raise ValueError(
+                f"text: too long: {len(request.text)} tokens (limit {self.runner.max_text_tokens})"
+            )
+
+    def _may_start(self, request: Request) -> bool:
+        return not request.text_open or len(request.text) >= self.text_lookahead
+
+    def _may_generate(self, request: Request) -> bool:
+        """Whether a running request's next frame can launch: its text id is known (after a pause,
+        `text_lookahead` of them), or its text has ended (then padding follows tts_eos)."""
+        if not request.text_open:
+            return True
+        ahead = len(request.text) - request.frames
+        return ahead >= (self.text_lookahead if request.paused else 1)
 
     def abort(self) -> None:
         """Forget every request, running, waiting or in flight (after a failed step)."""
         self.running.clear()
         self.waiting.clear()
+        self.holds.clear()
+        self.streaming.clear()
         self.in_flight = None
 
     def _leave_batch(self, request: Request) -> None:
@@ -102,7 +144,10 @@ class Engine:
             moved = self.running[last]
             self.runner.move_row(last, row, moved.position)
             self.running[row], moved.row = moved, row
+            self.holds[row] = self.holds[last]  # the move copied the row's hold flag too
         self.running.pop()
+        self.holds.pop()
+        self.streaming.discard(request)
         request.row = None
 
     @staticmethod
@@ -114,16 +159,43 @@ class Engine:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             self._finish(request, "cancelled")
-        admitted = []
+        admitted, short_of_text = [], []
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            admitted.append(self.waiting.popleft())
+            request = self.waiting.popleft()
+            (admitted if self._may_start(request) else short_of_text).append(request)
+        self.waiting.extendleft(reversed(short_of_text))  # they keep their places
         if admitted:
             first_row = len(self.running)
             self.runner.prefill(admitted, first_row)
             for offset, request in enumerate(admitted):
                 request.status, request.row = Status.RUNNING, first_row + offset
+                request.text_written = len(request.text)
+                if request.text_open:
+                    self.streaming.add(request)
             self.running.extend(admitted)
+            self.holds.extend([False] * len(admitted))
         return len(admitted)
+
+    def _sync_text(self) -> list[bool]:
+        """Write running requests' new text ids into their rows, decide which rows pause, and tell the
+        runner what changed; returns the pauses by row."""
+        rows, columns, ids, changed = [], [], [], False
+        for request in list(self.streaming):
+            written, known = request.text_written, len(request.text)
+            rows += [request.row] * (known - written)
+            columns += range(written, known)
+            ids += request.text[written:]
+            request.text_written = known
+            request.paused = not self._may_generate(request)
+            if self.holds[request.row] != request.paused:
+                self.holds[request.row], changed = request.paused, True
+            if not (request.text_open or request.paused):  # all its text is in its row
+                self.streaming.discard(request)
+        if ids:
+            self.runner.write_text(rows, columns, ids)
+        if changed:
+            self.runner.set_holds(self.holds)
+        return self.holds
 
     def step(self) -> list[FrameOutput]:
         """Launch the next frame of every running request (admitting waiting ones first) and return
@@ -134,9 +206,11 @@ class Engine:
         started = time.perf_counter()
         prefill_event = self._event() if self.waiting else None
         admitted = self._admit() if self.waiting else 0
-        timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=len(self.running))
+        holds = self._sync_text()
+        generating = holds.count(False)
+        timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=generating)
         started, cpu_started = time.perf_counter(), time.thread_time()
-        launched = self._launch(prefill_event if admitted else None) if self.running else None
+        launched = self._launch(prefill_event if admitted else None, holds) if generating else None
         if self.overlap:
             launched, self.in_flight = self.in_flight, launched
         if launched is not None:
@@ -160,17 +234,22 @@ class Engine:
         event.record()
         return event
 
-    def _launch(self, before_prefill: torch.cuda.Event | None) -> _Launched:
-        """Queue one frame step for rows 0..B-1 and the copy of its codes to the host."""
-        requests = list(self.running)
-        span = max(r.position for r in requests) + 1
+    def _launch(self, before_prefill: torch.cuda.Event | None, holds: list[bool]) -> _Launched:
+        """Queue one frame step for rows 0..B-1 (paused ones masked) and the copy of its codes to the
+        host."""
+        span = max(r.position for r in self.running) + 1
         before_decode = self._event()
-        codes = self.runner.decode(len(requests), span)
+        codes = self.runner.decode(len(self.running), span)
         after = self._event()
         codes, ready = self.runner.stash_codes(codes)
-        for request in requests:  # all first: a row's move copies its positions up to this frame
+        if True in holds:
+            requests = [None if held else request for request, held in zip(self.running, holds)]
+        else:
+            requests = list(self.running)
+        generating = [request for request in requests if request is not None]
+        for request in generating:  # all first: a row's move copies its positions up to this frame
             request.frames += 1
-        for request in requests:
+        for request in generating:
             if request.frames >= request.params.max_frames:  # its last frame is in this step
                 self._leave_batch(request)
         events = (before_prefill, before_decode, after) if self._cuda else None
@@ -180,7 +259,7 @@ class Engine:
         """The frames of a finished step, for the requests that have not ended since its launch."""
         outputs = []
         for row, request in enumerate(launched.requests):
-            if request.status is Status.FINISHED:
+            if request is None or request.status is Status.FINISHED:
                 continue  # ended by end-of-speech in the step before, or cancelled: a frame past its end
             if request.cancelled:  # cancelled with its last frame in flight: nobody wants it
                 self._finish(request, "cancelled")

@@ -136,6 +136,17 @@ class ModelRunner:
 
     # -- rows ----------------------------------------------------------------------------------
 
+    def write_text(self, rows: list[int], columns: list[int], ids: list[int]) -> None:
+        """Text that reached running requests (input streaming): `ids[i]` into row `rows[i]`'s trailing
+        text at `columns[i]`, in one upload."""
+        host = torch.tensor([rows, columns, ids], dtype=torch.long)
+        where = self._upload(host)
+        self.state.trailing.index_put_((where[0], where[1]), where[2])
+
+    def set_holds(self, holds: list[bool]) -> None:
+        """Which of rows 0..len(holds)-1 wait for text: a frame step leaves their state unchanged."""
+        self.state.hold[: len(holds)].copy_(self._upload(torch.tensor(holds, dtype=torch.bool)))
+
     def move_row(self, source: int, target: int, length: int) -> None:
         """Move a running request from row `source` to row `target` (its first `length` positions, up
         to their attention-span bucket). The rows go in as fills of a static index pair, so one graph
@@ -159,17 +170,24 @@ class ModelRunner:
     # -- codebook 0 --------------------------------------------------------------------------------
 
     def _sample_first_codebook(
-        self, logits: torch.Tensor, rows: slice | torch.Tensor, frames: torch.Tensor, keys: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        rows: slice | torch.Tensor,
+        frames: torch.Tensor,
+        keys: torch.Tensor,
+        hold: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Penalties, suppression and the official minimum of two frames, then sampling. rows: the
-        batch's (a slice) or admitted ones (row indices)."""
+        batch's (a slice) or admitted ones (row indices). Rows whose `hold` is set keep what they saw."""
         state = self.state
         logits = apply_repetition_penalty(logits.float(), state.seen[rows], state.penalty[rows])
         block_eos = (frames < 2) | state.ignore_eos[rows]
         logits = logits.masked_fill(self.suppressed | (block_eos[:, None] & self.is_eos), float("-inf"))
         code = sample(logits, state.main[rows], keys)
         if isinstance(rows, slice):
-            state.seen[rows].scatter_(1, code[:, None], True)
+            state.seen[rows].scatter_(
+                1, code[:, None], ~hold[:, None] | state.seen[rows].gather(1, code[:, None])
+            )
         else:  # indexing by a tensor reads a copy: write through the indices
             state.seen.index_put_((rows, code), self.true)
         return code
@@ -446,6 +464,7 @@ class ModelRunner:
     def _decode_into_output(self, batch: int, span: int) -> None:
         rows, state = slice(0, batch), self.state
         frames = state.frame_index[rows].clone()
+        hold = state.hold[rows].clone()
         talker = self.talker
         # Draw keys for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
         groups = self.code_groups
@@ -461,12 +480,15 @@ class ModelRunner:
         frame = torch.cat((state.last_code[rows, None], residual), dim=1)
         text = state.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
         embeds = (talker.frame_embeds(frame) + talker.text_embeds(text))[:, None]
+        # A held row writes its KV entry at its next position too: its next real frame overwrites it.
         hidden = talker(embeds, state.position[rows, None], self.cache, span)[:, 0]
-        state.frame_index[rows] += 1
-        state.position[rows] += 1
-        state.past_hidden[rows] = hidden
-        state.last_code[rows] = self._sample_first_codebook(
-            talker.codec_head(hidden), rows, state.frame_index[rows], keys[:, 0]
+        advance = (~hold).long()
+        state.frame_index[rows] += advance
+        state.position[rows] += advance
+        state.past_hidden[rows] = torch.where(hold[:, None], state.past_hidden[rows], hidden)
+        code = self._sample_first_codebook(
+            talker.codec_head(hidden), rows, state.frame_index[rows], keys[:, 0], hold
         )
+        state.last_code[rows] = torch.where(hold, state.last_code[rows], code)
         self.step_output[rows, :-1] = frame
         self.step_output[rows, -1] = state.last_code[rows]

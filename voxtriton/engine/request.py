@@ -110,6 +110,14 @@ class Request:
     emitted: int = 0  # frames returned by the engine
     finish_reason: str | None = None  # eos | max_frames | cancelled
     cancelled: bool = field(default=False, repr=False)
+    # Input streaming: more text may come (`Engine.add_text`); until it ends, frames wait for it.
+    text_open: bool = False
+    text: list[int] = field(init=False, repr=False)  # text ids fed one per frame: those known so far
+    text_written: int = 0  # of them, those in the request's row
+    paused: bool = False  # waits for text (its row kept, no frame generated)
+
+    def __post_init__(self):
+        self.text = list(self.prompt.trailing_text_ids)
 
     @property
     def position(self) -> int:

@@ -25,6 +25,7 @@ class RowState:
     seen: torch.Tensor  # [R, vocab] bool: codebook-0 tokens drawn so far (the repetition penalty's)
     penalty: torch.Tensor  # float32: repetition penalty
     ignore_eos: torch.Tensor  # bool
+    hold: torch.Tensor  # bool: the row waits for text; a frame step leaves its state as it was
     main: RowParams  # codebook 0's sampling
     sub: RowParams  # the code predictor's; its seeds are main's
 
@@ -59,6 +60,7 @@ class RowState:
             seen=zeros(rows, vocab, dtype=torch.bool),
             penalty=torch.ones(rows, device=device, dtype=torch.float32),
             ignore_eos=zeros(rows, dtype=torch.bool),
+            hold=zeros(rows, dtype=torch.bool),
             main=main,
             sub=params(main.seeds),
         )
@@ -101,6 +103,7 @@ class RowState:
             column.index_copy_(0, rows, inputs.scalars[:, index].to(column.dtype))
         self.trailing.index_copy_(0, rows, inputs.trailing)
         self.seen.index_fill_(0, rows, False)
+        self.hold.index_fill_(0, rows, False)
         self.frame_index.index_fill_(0, rows, 0)
 
     def move(self, source: torch.Tensor, target: torch.Tensor) -> None:

@@ -137,13 +137,23 @@ class CausalTransConv(StreamingModule):
     by k - s samples; the state is that previous frame.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int,
+        groups: int = 1,
+        bias: bool = True,
+    ):
         super().__init__()
         if not stride <= kernel_size <= 2 * stride:
             raise ValueError(
                 f"causal transposed conv needs stride <= kernel <= 2*stride, got k={kernel_size} s={stride}"
             )
-        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.conv = nn.ConvTranspose1d(
+            in_channels, out_channels, kernel_size, stride=stride, groups=groups, bias=bias
+        )
         self.stride = stride
         self.overlaps = kernel_size > stride
 
@@ -157,9 +167,10 @@ class CausalTransConv(StreamingModule):
         trimmed output in the same pass that makes it contiguous."""
         frames = x.shape[-1]
         x = self._input(x, state, 1 if self.overlaps else 0, activation)
-        y = F.conv_transpose1d(x, self.conv.weight, None, stride=self.stride)
+        y = F.conv_transpose1d(x, self.conv.weight, None, stride=self.stride, groups=self.conv.groups)
         first = self.stride if self.overlaps else 0
-        return kernels.add_channel_bias(y[..., first : first + self.stride * frames], self.conv.bias)
+        y = y[..., first : first + self.stride * frames]
+        return y.contiguous() if self.conv.bias is None else kernels.add_channel_bias(y, self.conv.bias)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -241,6 +252,17 @@ class WindowKV(StreamingModule):
         self.current = None
 
 
+def window_mask(start: torch.Tensor, frames: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, T] of `frames` new steps from `start` [B], and the mask [B, 1, T, window - 1 + T]
+    over the carried (window - 1) keys and the new ones: causal, within the window, none before 0."""
+    keep = window - 1
+    positions = start[:, None] + torch.arange(frames, device=start.device)
+    key_positions = start[:, None] - keep + torch.arange(keep + frames, device=start.device)
+    query, key = positions[:, :, None], key_positions[:, None, :]
+    mask = (key >= 0) & (key <= query) & (key > query - window)
+    return positions, mask[:, None]
+
+
 class PreTransformer(DecoderStack):
     def __init__(self, cfg: CodecConfig):
         t = cfg.transformer
@@ -252,13 +274,8 @@ class PreTransformer(DecoderStack):
 
     def stream(self, x: torch.Tensor, start: torch.Tensor, state: StreamState) -> torch.Tensor:
         """x [B, T, latent]; start [B]: absolute frame index of x[:, 0] (RoPE positions)."""
-        frames = x.shape[1]
-        keep = self.window - 1
-        positions = start[:, None] + torch.arange(frames, device=x.device)
-        key_positions = start[:, None] - keep + torch.arange(keep + frames, device=x.device)
-        query, key = positions[:, :, None], key_positions[:, None, :]
-        mask = (key >= 0) & (key <= query) & (key > query - self.window)
-        hidden = super().forward(self.input_proj(x), positions, self.kv.begin(state), mask[:, None])
+        positions, mask = window_mask(start, x.shape[1], self.window)
+        hidden = super().forward(self.input_proj(x), positions, self.kv.begin(state), mask)
         self.kv.end()
         return self.output_proj(hidden)
 
@@ -357,20 +374,11 @@ class CodecDecoder(nn.Module):
         return wav.squeeze(1).clamp(-1.0, 1.0)
 
 
-class CodecModel(nn.Module):
-    """Root module so parameter names match the checkpoint's `decoder.*` prefix."""
+class PackedState:
+    """A codec's per-stream state (its `slots`) packed into one [B, state_size] tensor and back, so
+    it travels between processes as a single tensor."""
 
-    def __init__(self, cfg: CodecConfig):
-        super().__init__()
-        self.config = cfg
-        self.decoder = CodecDecoder(cfg)
-        self.slots = self.decoder.state_slots()
-        self.state_size = sum(math.prod(slot.shape) for slot in self.slots)
-
-    def new_state(self, batch: int, device=None, dtype=None) -> torch.Tensor:
-        """A fresh stream's state, packed: [B, state_size] zeros (zero padding = silence before frame 0)."""
-        param = self.decoder.pre_conv.conv.weight
-        return torch.zeros(batch, self.state_size, device=device or param.device, dtype=dtype or param.dtype)
+    slots: list[StateSlot]
 
     def unpack(self, packed: torch.Tensor) -> StreamState:
         tensors, offset = {}, 0
@@ -385,6 +393,22 @@ class CodecModel(nn.Module):
             [state.updated[slot.name].reshape(state.updated[slot.name].shape[0], -1) for slot in self.slots],
             dim=1,
         )
+
+
+class CodecModel(PackedState, nn.Module):
+    """Root module so parameter names match the checkpoint's `decoder.*` prefix."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.config = cfg
+        self.decoder = CodecDecoder(cfg)
+        self.slots = self.decoder.state_slots()
+        self.state_size = sum(math.prod(slot.shape) for slot in self.slots)
+
+    def new_state(self, batch: int, device=None, dtype=None) -> torch.Tensor:
+        """A fresh stream's state, packed: [B, state_size] zeros (zero padding = silence before frame 0)."""
+        param = self.decoder.pre_conv.conv.weight
+        return torch.zeros(batch, self.state_size, device=device or param.device, dtype=dtype or param.dtype)
 
     @torch.inference_mode()
     def decode(

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import unicodedata
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -111,10 +112,39 @@ class TextTokenizer:
             return self.bpe.encode(text, add_special_tokens=False).ids
         return [BYTE_TOKEN_ID[b] for b in text.encode("utf-8")]
 
+    def settled_length(self, text: str) -> int:
+        """How many leading characters of `text` tokenize the same whatever text follows: up to the
+        start of its last pre-token (BPE merges stay within one), or all of it for the byte fallback."""
+        if self.bpe is None:
+            return len(text)
+        words = self.bpe.pre_tokenizer.pre_tokenize_str(text)
+        return words[-1][1][0] if words else 0
+
     def decode(self, ids: list[int]) -> str:
         if self.bpe is not None:
             return self.bpe.decode(ids)
         return bytes(_gpt2_byte_order()[i] for i in ids).decode("utf-8", errors="replace")
+
+
+class TextStream:
+    """Text that arrives in pieces, tokenized as the whole text would be: a piece's ids are given out
+    once no later piece can change them (see `TextTokenizer.settled_length`), the rest at `finish`."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer, self.pending = tokenizer, ""
+        self.normalize = tokenizer.bpe is not None  # the checkpoint tokenizer's NFC, on the joined text
+
+    def feed(self, piece: str) -> list[int]:
+        self.pending += piece
+        if self.normalize:
+            self.pending = unicodedata.normalize("NFC", self.pending)
+        cut = self.tokenizer.settled_length(self.pending)
+        settled, self.pending = self.pending[:cut], self.pending[cut:]
+        return self.tokenizer.encode(settled) if settled else []
+
+    def finish(self) -> list[int]:
+        rest, self.pending = self.pending, ""
+        return self.tokenizer.encode(rest) if rest else []
 
 
 @dataclass(frozen=True)
@@ -151,10 +181,20 @@ class PromptBuilder:
         interleaved: bool = False,
         voice: Voice | None = None,
     ) -> Prompt:
-        cfg, talker = self.config, self.config.talker
         text_ids = self.tokenizer.encode(text)
         if not text_ids:
             raise RequestError("text", "is empty")
+        return self.head(speaker, language, instruct, voice).prompt(text_ids, interleaved)
+
+    def head(
+        self,
+        speaker: str | None = None,
+        language: str | None = None,
+        instruct: str | None = None,
+        voice: Voice | None = None,
+    ) -> "PromptHead":
+        """The prompt up to the text (role tokens and codec prefix), after checking the voice options."""
+        cfg, talker = self.config, self.config.talker
         if cfg.clones_voices and voice is None:
             raise RequestError(
                 "reference_audio", "is required by this Base model (or a registered voice in 'speaker')"
@@ -219,35 +259,49 @@ class PromptBuilder:
         prefix_text += self._role([cfg.assistant_token_id])
         text_side = prefix_text + [cfg.tts_pad_token_id] * (len(codec_prefix) - 1) + [cfg.tts_bos_token_id]
         codec_side = [NO_CODEC] * len(prefix_text) + codec_prefix
-        if voice is not None:
-            clone = dict(speaker_embedding=voice.embedding, speaker_position=len(codec_side) - 2)
-            if voice.in_context:
-                return self._in_context(text_side, codec_side, text_ids, voice, interleaved, clone)
-        else:
-            clone = {}
+        reference_text = self.tokenizer.encode(voice.text) if voice is not None and voice.in_context else []
+        return PromptHead(cfg, text_side, codec_side, voice, reference_text)
+
+
+@dataclass(frozen=True)
+class PromptHead:
+    """A prompt's text and codec ids up to the text itself (and a cloned voice, with the ids of an
+    in-context voice's transcript)."""
+
+    config: Qwen3TTSConfig
+    text_side: list[int]
+    codec_side: list[int]
+    voice: Voice | None = None
+    reference_text_ids: list[int] = field(default_factory=list)
+
+    def prompt(self, text_ids: list[int], interleaved: bool, text_ended: bool = True) -> Prompt:
+        """The prompt for `text_ids`. In the interleaved layout they may be the text known so far (at
+        least its first token; `text_ended` False): tts_eos follows the rest when the text ends."""
+        cfg, talker = self.config, self.config.talker
+        clone = {}
+        if self.voice is not None:
+            clone = dict(speaker_embedding=self.voice.embedding, speaker_position=len(self.codec_side) - 2)
+            if self.voice.in_context:
+                if not text_ended:
+                    raise RequestError(
+                        "speaker", "an in-context voice (one with a transcript) needs the whole text at once"
+                    )
+                return self._in_context(text_ids, interleaved, clone)
         if interleaved:
             return Prompt(
-                text_side + text_ids[:1],
-                codec_side + [talker.codec_bos_id],
-                text_ids[1:] + [cfg.tts_eos_token_id],
+                self.text_side + text_ids[:1],
+                self.codec_side + [talker.codec_bos_id],
+                text_ids[1:] + ([cfg.tts_eos_token_id] if text_ended else []),
                 **clone,
             )
-        text_side += text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
-        codec_side += [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
+        text_side = self.text_side + text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
+        codec_side = self.codec_side + [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
         return Prompt(text_side, codec_side, [], **clone)
 
-    def _in_context(
-        self,
-        text_side: list[int],
-        codec_side: list[int],
-        text_ids: list[int],
-        voice: Voice,
-        interleaved: bool,
-        clone: dict,
-    ) -> Prompt:
+    def _in_context(self, text_ids: list[int], interleaved: bool, clone: dict) -> Prompt:
         cfg, talker = self.config, self.config.talker
-        texts = self.tokenizer.encode(voice.text) + text_ids + [cfg.tts_eos_token_id]
-        frames = len(voice.codes)
+        texts = self.reference_text_ids + text_ids + [cfg.tts_eos_token_id]
+        frames = len(self.voice.codes)
         codecs = [talker.codec_bos_id] + [NO_CODEC] * frames
         trailing: list[int] = []
         if not interleaved:
@@ -259,12 +313,12 @@ class PromptBuilder:
             texts, trailing = texts[: len(codecs)], texts[len(codecs) :]
         else:
             texts = texts + [cfg.tts_pad_token_id] * (len(codecs) - len(texts))
-        start = len(codec_side) + len(codecs) - frames
+        start = len(self.codec_side) + len(codecs) - frames
         return Prompt(
-            text_side + texts,
-            codec_side + codecs,
+            self.text_side + texts,
+            self.codec_side + codecs,
             trailing,
-            reference_codes=voice.codes,
+            reference_codes=self.voice.codes,
             reference_position=start,
             **clone,
         )

@@ -1,6 +1,7 @@
 """`voxtriton gateway`: an OpenAI-compatible HTTP front end for one or more voxtriton servers.
 
     POST /v1/audio/speech   OpenAI's speech request: audio streams back as it is generated
+    WS   /v1/audio/speech/stream   input streaming: text pieces in, PCM chunks out, on one WebSocket
     GET  /v1/models         the served model, its aliases and its voices
     GET  /health            200 while a backend is ready, 503 when none is
     GET  /                  the browser playground
@@ -52,6 +53,7 @@ OPTIONAL_FIELDS = {
     "ignore_eos": ("ignore_eos", bool),
 }
 REQUEST_FIELDS = ("model", "input", "response_format", "speed", "stream_format", *OPTIONAL_FIELDS)
+STREAM_FIELDS = ("input", "end")  # of every message of a text stream; the first may hold the options too
 TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 # tts input -> OpenAI request field, for errors from the server in the caller's vocabulary
 FIELD_NAMES = {"text": "input", "speaker": "voice", "instruct": "instructions"}
@@ -127,7 +129,14 @@ def parse_speech_request(body: dict) -> dict:
     speed = body.get("speed", 1.0)
     if not isinstance(speed, (int, float)) or speed != 1.0:
         raise SpeechError(400, "speed: only 1.0 is supported (the model has no speed control)", "speed")
-    options: dict = {"format": response_format, "sse": stream_format == "sse"}
+    options = {"format": response_format, "sse": stream_format == "sse", **voice_options(body)}
+    options["text"] = text
+    return options
+
+
+def voice_options(body: dict) -> dict:
+    """The tts inputs of a request's OPTIONAL_FIELDS; SpeechError(400) naming a field of the wrong type."""
+    options = {}
     for source, (target, kind) in OPTIONAL_FIELDS.items():
         value = body.get(source)
         if value is None:
@@ -135,8 +144,30 @@ def parse_speech_request(body: dict) -> dict:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise SpeechError(400, f"{source}: must be {TYPE_NAMES[kind]}", source)
         options[target] = value
-    options["text"] = text
     return options
+
+
+def parse_text_piece(message, first: bool) -> tuple[str, bool, dict]:
+    """One message of a text stream (`/v1/audio/speech/stream`) -> (text piece, whether it is the last,
+    the tts options: the first message's only); SpeechError(400) naming the field."""
+    if not isinstance(message, dict):
+        raise SpeechError(400, "each message must be a JSON object")
+    allowed = STREAM_FIELDS + (tuple(OPTIONAL_FIELDS) + ("model",) if first else ())
+    unknown = [name for name in message if name not in allowed]
+    if unknown:
+        where = "the first message" if first else "a later message (options go in the first)"
+        raise SpeechError(
+            400, f"{unknown[0]}: unknown field in {where}; supported: {', '.join(allowed)}", unknown[0]
+        )
+    text, end = message.get("input", ""), message.get("end", False)
+    if not isinstance(text, str):
+        raise SpeechError(400, "input: must be a string", "input")
+    if not isinstance(end, bool):
+        raise SpeechError(400, "end: must be true or false", "end")
+    if not first:
+        return text, end, {}
+    resolve_model(message.get("model", MODEL))
+    return text, end, voice_options(message)
 
 
 class BackendsUnreachable(ConnectionError):
@@ -189,6 +220,30 @@ class Router:
     async def synthesize(self, text: str, on_chunk=None, **options) -> Synthesis:
         """One synthesis on the least-loaded backend that accepts the connection, the next one when
         it refuses (`AsyncTTSClient.synthesize`'s arguments); BackendsUnreachable when none does."""
+        return await self._on_a_backend(
+            lambda client, deliver: client.synthesize(text, on_chunk=deliver, **options), on_chunk
+        )
+
+    async def synthesize_text_stream(self, pieces, on_chunk=None, **options) -> Synthesis:
+        """`synthesize` for text that arrives in pieces (an async iterator): the next backend is tried
+        only while no piece has been taken."""
+        taken = False
+
+        async def tracked():
+            nonlocal taken
+            async for piece in pieces:
+                taken = True
+                yield piece
+
+        return await self._on_a_backend(
+            lambda client, deliver: client.synthesize_text_stream(tracked(), on_chunk=deliver, **options),
+            on_chunk,
+            lambda: taken,
+        )
+
+    async def _on_a_backend(self, call, on_chunk, started=lambda: False) -> Synthesis:
+        """`call(client, deliver)` on the least-loaded backend that accepts the connection, the next one
+        when it refuses before any chunk came back (or `started()`); BackendsUnreachable when none does."""
         delivered = 0
 
         def deliver(chunk: Chunk) -> None:
@@ -200,9 +255,9 @@ class Router:
         for backend in self.ranked():
             backend.in_flight += 1
             try:
-                return await backend.client().synthesize(text, on_chunk=deliver, **options)
+                return await call(backend.client(), deliver)
             except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or delivered:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or delivered or started():
                     raise
                 log.warning("voxtriton server %s unreachable: %s", backend.url, error.details())
             finally:
@@ -248,19 +303,21 @@ class SpeechStream:
     """One synthesis as it arrives. `start()` waits for the first chunk (raising the SpeechError
     that came instead), `chunks()` yields them all; `failure` says how a started stream failed."""
 
-    def __init__(self, router: Router, text: str, options: dict, info: bool):
+    def __init__(self, synthesize):
+        """synthesize(on_chunk): the Router call that makes the audio (awaitable of a Synthesis)."""
         self.items: asyncio.Queue = asyncio.Queue()
         self.head: Chunk | None = None
         self.failure: SpeechError | None = None
-        self.task = asyncio.create_task(self._produce(router, text, options, info))
+        self.task = asyncio.create_task(self._produce(synthesize))
 
-    async def _produce(self, router: Router, text: str, options: dict, info: bool) -> None:
+    async def _produce(self, synthesize) -> None:
         try:
-            self.items.put_nowait(
-                await router.synthesize(text, on_chunk=self.items.put_nowait, info=info, **options)
-            )
+            self.items.put_nowait(await synthesize(self.items.put_nowait))
         except Exception as error:  # connection-level failure, reported as the stream's end
             self.items.put_nowait(error)
+        except asyncio.CancelledError:  # `cancel()`: whoever still reads `chunks()` sees the end
+            self.items.put_nowait(ConnectionAbortedError("stream cancelled"))
+            raise
 
     @staticmethod
     def ending(item: Synthesis | Exception) -> SpeechError | None:
@@ -298,6 +355,16 @@ class SpeechStream:
             self.task.cancel()
 
 
+def stream_latencies(times: dict) -> dict:
+    """An input stream's latencies as the gateway saw them (event-loop times of its messages)."""
+    latencies = {}
+    if "first_audio" in times:
+        latencies["first_audio_after_first_piece_s"] = times["first_audio"] - times["first_piece"]
+    if "last_audio" in times and "last_piece" in times:
+        latencies["last_audio_after_last_piece_s"] = times["last_audio"] - times["last_piece"]
+    return latencies
+
+
 def sse_event(event: dict) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
@@ -308,7 +375,7 @@ def chunk_description(chunk: Chunk) -> dict:
 
 
 def create_app(backend_urls: list[str], checkpoint: str | None = None, voices: str = ""):
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     app = FastAPI(title="voxtriton gateway")
@@ -386,7 +453,9 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None, voices: s
             raise SpeechError(400, "request body must be JSON") from None
         options = parse_speech_request(body)
         response_format, sse, text = options.pop("format"), options.pop("sse"), options.pop("text")
-        stream = SpeechStream(router, text, options, info=sse)
+        stream = SpeechStream(
+            lambda on_chunk: router.synthesize(text, on_chunk=on_chunk, info=sse, **options)
+        )
         await stream.start()
 
         async def audio():
@@ -422,6 +491,79 @@ def create_app(backend_urls: list[str], checkpoint: str | None = None, voices: s
             return StreamingResponse(events(), media_type="text/event-stream")
         return StreamingResponse(audio(), media_type="audio/wav" if response_format == "wav" else "audio/pcm")
 
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket):
+        """Input streaming: JSON text messages in ({"input": piece}, the first with the options, the
+        last with "end": true), PCM chunks out as binary messages, then one JSON message: done (with
+        the latencies seen here) or an error. docs/gateway.md has the protocol."""
+        await websocket.accept()
+        pieces: asyncio.Queue = asyncio.Queue()  # (text, end)
+        problems: list[SpeechError] = []  # a bad later message, or the client gone
+        loop = asyncio.get_running_loop()
+
+        async def receive(first: bool) -> tuple[str, bool, dict]:
+            try:
+                message = json.loads(await websocket.receive_text())
+            except (json.JSONDecodeError, KeyError):  # (KeyError: a binary message)
+                raise SpeechError(400, "each message must be a JSON object in a text message") from None
+            piece = parse_text_piece(message, first)
+            if piece[1]:
+                times["last_piece"] = loop.time()
+            return piece
+
+        async def text():
+            while True:
+                piece, end = await pieces.get()
+                yield piece
+                if end:
+                    return
+
+        async def read_rest(end: bool, stream: SpeechStream) -> None:
+            while not end:
+                try:
+                    piece, end, _ = await receive(first=False)
+                except SpeechError as error:
+                    problems.append(error)
+                    stream.cancel()
+                    return
+                except WebSocketDisconnect:
+                    problems.append(SpeechError(499, "the client went away"))
+                    stream.cancel()
+                    return
+                pieces.put_nowait((piece, end))
+
+        times: dict[str, float] = {}  # event-loop times: first and last piece in, first and last audio out
+        try:
+            piece, end, options = await receive(first=True)
+        except SpeechError as error:
+            await websocket.send_json({"type": "error", **error.body()})
+            await websocket.close()
+            return
+        except WebSocketDisconnect:
+            return
+        times["first_piece"] = loop.time()
+        pieces.put_nowait((piece, end))
+        stream = SpeechStream(
+            lambda on_chunk: router.synthesize_text_stream(text(), on_chunk=on_chunk, **options)
+        )
+        reader = asyncio.create_task(read_rest(end, stream))
+        try:
+            async for chunk in stream.chunks():
+                await websocket.send_bytes(pcm16(chunk.audio))
+                times.setdefault("first_audio", loop.time())
+                times["last_audio"] = loop.time()
+            failure = problems[0] if problems else stream.failure
+            if failure is not None:
+                await websocket.send_json({"type": "error", **failure.body()})
+            else:
+                await websocket.send_json({"type": "speech.audio.done", **stream_latencies(times)})
+            await websocket.close()
+        except WebSocketDisconnect:  # the client went away: stop generating for it
+            pass
+        finally:
+            stream.cancel()
+            reader.cancel()
+
     return app
 
 
@@ -449,7 +591,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    import importlib.util
+
     import uvicorn
+
+    if not any(importlib.util.find_spec(name) for name in ("websockets", "wsproto")):
+        log.warning(
+            "uvicorn has no WebSocket library here, so WS /v1/audio/speech/stream refuses connections: "
+            "pip install websockets to serve it"
+        )
 
     app = create_app(args.backend or ["127.0.0.1:8001"], args.checkpoint, args.voices_dir)
     base = f"http://{args.host}:{args.port}"

@@ -10,7 +10,7 @@ import numpy as np
 from ..engine.request import GenerationParams, Request
 from ..errors import RequestError
 from ..models.config import Qwen3TTSConfig
-from ..models.text import PromptBuilder
+from ..models.text import PromptBuilder, PromptHead
 from ..models.voice import Voice
 from .settings import TTSSettings
 from .voices import VoiceStore
@@ -111,36 +111,60 @@ class RequestParser:
         """The engine request; `voice`: the one encoded from the request's reference_audio."""
         if "text" not in inputs:
             raise RequestError("text", "is required")
-        limit = self.settings.max_text_bytes
-        strings = {name: _string(name, inputs[name], limit) for name in STRING_INPUTS if name in inputs}
-        text = strings["text"]
+        text = self.piece_text(inputs)
         if not text.strip():
             raise RequestError("text", "is empty")
-        scalars = {name: _single(name, inputs[name]).item() for name in SCALAR_INPUTS if name in inputs}
-        speaker = strings.get("speaker") or (
-            self.default_speaker if self.config.model_type == "custom_voice" else None
-        )
-        if voice is None and speaker and self.config.clones_voices:
-            voice, speaker = self.registered_voice(speaker), None
-        prompt = self.prompts.build(
-            text,
-            speaker,
-            strings.get("language") or None,
-            strings.get("instruct") or None,
-            interleaved=self.settings.text_layout == "interleaved",
-            voice=voice,
-        )
+        _, head, scalars = self._voice(inputs, voice)
+        text_ids = self.prompts.tokenizer.encode(text)
+        if not text_ids:
+            raise RequestError("text", "is empty")
+        prompt = head.prompt(text_ids, interleaved=self.settings.text_layout == "interleaved")
         reference_frames = 0 if prompt.reference_codes is None else len(prompt.reference_codes)
         if (
             len(prompt.trailing_text_ids) > self.settings.max_text_tokens
             or len(prompt.text_ids) - reference_frames > self.settings.max_text_tokens
         ):
             raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
-        frames_limit = min(self.settings.max_frames, self.settings.max_positions - len(prompt.text_ids))
+        return Request(request_id, prompt, self._params(scalars, len(prompt.text_ids)))
+
+    def parse_stream(self, inputs: dict[str, np.ndarray]) -> tuple[PromptHead, GenerationParams, str]:
+        """The first piece of an input stream: its prompt head, its parameters (for a prompt of the head
+        and one text id: the interleaved layout) and its text. A cloned voice is a registered one."""
+        for name in ("reference_audio", "reference_text"):
+            if name in inputs:
+                raise RequestError(
+                    name, "not taken on an input stream; register the voice and name it in 'speaker'"
+                )
+        strings, head, scalars = self._voice(inputs)
+        return head, self._params(scalars, len(head.text_side) + 1), strings.get("text", "")
+
+    def piece_text(self, inputs: dict[str, np.ndarray]) -> str:
+        """The text of a later piece of an input stream (may be empty)."""
+        return _string("text", inputs["text"], self.settings.max_text_bytes) if "text" in inputs else ""
+
+    def _voice(
+        self, inputs: dict[str, np.ndarray], voice: Voice | None = None
+    ) -> tuple[dict[str, str], PromptHead, dict]:
+        """The request's strings, its prompt head (voice options checked) and its scalar inputs. voice:
+        one encoded from the request's reference_audio; else a Base model's `speaker` names a
+        registered one."""
+        limit = self.settings.max_text_bytes
+        strings = {name: _string(name, inputs[name], limit) for name in STRING_INPUTS if name in inputs}
+        scalars = {name: _single(name, inputs[name]).item() for name in SCALAR_INPUTS if name in inputs}
+        speaker = strings.get("speaker") or (
+            self.default_speaker if self.config.model_type == "custom_voice" else None
+        )
+        if voice is None and speaker and self.config.clones_voices:
+            voice, speaker = self.registered_voice(speaker), None
+        language, instruct = strings.get("language") or None, strings.get("instruct") or None
+        return strings, self.prompts.head(speaker, language, instruct, voice), scalars
+
+    def _params(self, scalars: dict, prompt_length: int) -> GenerationParams:
+        frames_limit = min(self.settings.max_frames, self.settings.max_positions - prompt_length)
         if frames_limit < 1:
             raise RequestError("text", "too long for the server's KV cache (max_positions)")
         # GenerationParams.create checks every sampling value and max_frames against frames_limit.
-        params = GenerationParams.create(
+        return GenerationParams.create(
             self.config.generation,
             frames_limit,
             temperature=scalars.get("temperature"),
@@ -151,4 +175,3 @@ class RequestParser:
             max_frames=scalars.get("max_frames"),
             ignore_eos=bool(scalars.get("ignore_eos", False)),
         )
-        return Request(request_id, prompt, params)

@@ -79,6 +79,11 @@ class TTSSettings:
     max_text_bytes: int = 8192
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
+    # Input streaming (a Triton sequence of text pieces): text ids waiting ahead of a stream before it
+    # starts, or resumes after running out of text. More: steadier prosody; fewer: earlier audio.
+    text_lookahead: int = 3
+    # An input stream that gets no text piece for this long ends with an error and frees its row.
+    text_idle_timeout_s: float = 10.0
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
     # Base checkpoints: registered voices ("" = <cache>/voices), how many, and the largest reference
     # recording a request may bring (bytes of its file).
@@ -156,6 +161,15 @@ class TTSSettings:
         if self.lane_workers < 1:
             raise ValueError(
                 f"config.pbtxt parameter 'lane_workers' must be at least 1, got {self.lane_workers}"
+            )
+        if self.text_lookahead < 1:
+            raise ValueError(
+                f"config.pbtxt parameter 'text_lookahead' must be at least 1, got {self.text_lookahead}"
+            )
+        if self.text_idle_timeout_s <= 0:
+            raise ValueError(
+                "config.pbtxt parameter 'text_idle_timeout_s' must be positive, "
+                f"got {self.text_idle_timeout_s}"
             )
         if self.text_layout not in ("full", "interleaved"):
             raise ValueError(

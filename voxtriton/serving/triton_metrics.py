@@ -41,10 +41,16 @@ class TritonMetrics:
         )
         ttfa = _family(
             "voxtriton_ttfa_seconds",
-            "Server-side time to first audio: request received to first chunk sent",
+            "Server-side time to first audio: request (an input stream's first text piece) received "
+            "to first chunk sent",
             histogram,
         )
         self.ttfa = ttfa.Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.text_end_to_audio_end = _family(
+            "voxtriton_text_end_to_audio_end_seconds",
+            "Input streaming: an input stream's last text piece received to its last chunk sent",
+            histogram,
+        ).Metric(labels={}, buckets=LATENCY_BUCKETS)
         chunks = _family("voxtriton_chunks_total", "Audio chunks sent, by codec lane", counter)
         self.chunks = {lane: chunks.Metric(labels={"lane": lane}) for lane in LANES}
         self.promoted = _family(
@@ -174,8 +180,12 @@ class TritonMetrics:
         )
         self._writer.start()
 
-    def chunk_sent(self, lane, frames, decode_s, first, since_submit_s, promoted=False):
+    def chunk_sent(
+        self, lane, frames, decode_s, first, since_submit_s, promoted=False, since_text_end_s=None
+    ):
         queue = self._updates
+        if since_text_end_s is not None:
+            queue.append((self.text_end_to_audio_end, "observe", since_text_end_s))
         queue.append((self.chunks[lane], "increment", 1))
         if promoted:
             queue.append((self.promoted, "increment", 1))

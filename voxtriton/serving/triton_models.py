@@ -31,6 +31,7 @@ from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
 from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
+from .sequences import TextSequences
 from .settings import CodecSettings, TTSSettings, lane_sms, voices_dir
 from .state_pool import CodecStatePool, attach
 from .triton_metrics import TritonMetrics
@@ -39,6 +40,8 @@ from .voices import EncodingQueue, VoiceEncoder, VoiceStore
 
 log = logging.getLogger("voxtriton")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Triton's request flags (TRITONSERVER_RequestFlag): a sequence's first and last request.
+SEQUENCE_START, SEQUENCE_END = 1, 2
 WARMUP_REQUEST_ID = "voxtriton-warmup"  # the codec calls of the warm-up: test faults skip them
 WARMUP_TIMEOUT_S = 300.0
 
@@ -244,6 +247,7 @@ class TTSTritonModel:
             runner,
             settings.max_streams,
             overlap=settings.engine_overlap and scheduler_config.rules.engine_overlap,
+            text_lookahead=settings.text_lookahead,
         )
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
         slots = codec_slots(
@@ -277,6 +281,9 @@ class TTSTritonModel:
             max_draining=settings.max_draining,
             cancellation_lock_share=settings.cancellation_lock_share,
         )
+        self.sequences = TextSequences(
+            self.parser, self.service, settings.text_idle_timeout_s, clock=self.service.clock
+        )
         self.ids = itertools.count()
         self.loading = True  # until Triton's warm-up sample (model_warmup in config.pbtxt) was answered
 
@@ -299,6 +306,10 @@ class TTSTritonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
+                sequence_id = request.correlation_id()
+                if sequence_id not in (0, ""):  # a piece of an input stream (no sequence batcher: see docs)
+                    self._piece(request, sender, str(sequence_id), request_id, inputs)
+                    continue
                 sink = TritonSink(request, sender, set(request.requested_output_names()))
                 reference = self.parser.reference(inputs)
                 if reference is None:
@@ -320,6 +331,23 @@ class TTSTritonModel:
             self.service.submit(self.parser.parse(request_id, inputs, voice), sink)
 
         self.encoding.submit(audio, text, submit, sink.fail)
+
+    def _piece(self, request, sender, sequence_id: str, request_id: str, inputs: dict) -> None:
+        """One text piece of an input stream. The first piece's sender carries the audio, its final
+        response with the last chunk; a later piece gets an empty final response once its text is
+        taken (or its error)."""
+        flags = request.flags()
+        start = bool(flags & SEQUENCE_START)
+        self.sequences.piece(
+            sequence_id,
+            start,
+            bool(flags & SEQUENCE_END),
+            inputs,
+            request_id,
+            lambda: TritonSink(request, sender, set(request.requested_output_names())),
+        )
+        if not start:
+            sender.send(flags=FINAL)
 
     def _warm_up(self) -> None:
         """One request per lane the policy uses, through the engine, the scheduler and BLS to the codec
@@ -363,6 +391,7 @@ class TTSTritonModel:
 
     def finalize(self):
         try:
+            self.sequences.shutdown()
             if self.encoding is not None:
                 self.encoding.shutdown()
             self.service.shutdown()

@@ -93,6 +93,7 @@ class TTSService(StreamRegistry, EngineLoop, LaneWorkers, CancellationWatcher, C
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
         self.streams: dict[str, Stream] = {}
+        self.text_arrived: dict[str, Stream] = {}  # input streams with text the engine has yet to take
         if max_draining < 0:
             raise ValueError(f"max_draining must be 0 or more, got {max_draining}")
         self.codec_pool_rows = codec_slots(engine, max_queued, scheduler_config, lane_workers, max_draining)

@@ -35,6 +35,7 @@ class EngineLoop:
         # wall time outside the decode, tells waiting (for the GIL, the lock, a CPU) from work.
         started, cpu_started = time.perf_counter(), time.thread_time()
         with self.lock:
+            self._hand_text()
             while self.running and not self.incoming and not self.engine.has_work:
                 self.engine_idle = True
                 self.lock.wait(0.5)  # woken by submit; the timeout only refreshes the gauges
@@ -43,6 +44,7 @@ class EngineLoop:
                     time.perf_counter(),
                     time.thread_time(),
                 )  # idle time is not part of a frame step
+                self._hand_text()
             self.engine_idle = False
             if not self.running:
                 return
@@ -54,6 +56,7 @@ class EngineLoop:
                     continue
                 self.scheduler.add(stream)
             self.incoming.clear()
+            self._hand_text()
         outputs = self.engine.step()
         with self.lock:
             for output in outputs:
@@ -78,6 +81,18 @@ class EngineLoop:
                         **dataclasses.asdict(timing),
                     }
                 )
+
+    def _hand_text(self) -> None:
+        """Give the engine the text that reached input streams (under the lock, between steps)."""
+        for stream in self.text_arrived.values():
+            if stream.closed:
+                continue
+            ids, stream.new_text = stream.new_text, []
+            try:
+                self.engine.add_text(stream.request, ids, stream.text_ended)
+            except ValueError as error:
+                self._end(stream, str(error))
+        self.text_arrived.clear()
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)

@@ -155,6 +155,9 @@ class LaneWorkers:
                         chunk.index == 0,
                         sent_at - stream.opened_at,
                         chunk.promoted,
+                        (sent_at - stream.text_ended_at)
+                        if chunk.last and stream.text_ended_at is not None
+                        else None,
                     )
                 if self.chunk_trace:
                     self._trace(chunk, len(live), started, ended, sent_at)

@@ -39,9 +39,11 @@ class ServiceMetrics(Protocol):
         first: bool,
         since_submit_s: float,
         promoted: bool = False,
+        since_text_end_s: float | None = None,
     ) -> None:
         """A chunk's audio was sent; `promoted`: it waited for the background lane until its slack ran
-        out and was decoded on the urgent lane instead."""
+        out and was decoded on the urgent lane instead. `since_submit_s` counts from an input stream's
+        first text piece; `since_text_end_s`, on an input stream's last chunk, from its last piece."""
 
     def codec_call(self, lane: str, frames: int, seconds: float) -> None:
         """One decode call on `lane`, of `frames` frames in all (padding included)."""

@@ -28,6 +28,11 @@ class Stream(StreamTimeline):
     codec_slot: int | None  # row of the codec state pool, held until it ends and no chunk is in flight
     frames: list[np.ndarray] = field(default_factory=list)
     decoding: bool = False  # a chunk of this stream is in a codec lane
+    # Input streaming: text ids that arrived since the engine thread last took them, and whether the
+    # text has ended (the engine thread hands both to the engine between steps).
+    new_text: list[int] = field(default_factory=list)
+    text_ended: bool = False
+    text_ended_at: float | None = None  # when its last piece arrived
 
 
 class WarmupSink:
@@ -68,8 +73,11 @@ class StreamRegistry:
     """Part of `TTSService`: the streams it holds (`streams`, `incoming`) and their codec state rows,
     under the service lock."""
 
-    def submit(self, request: Request, sink: ResponseSink, lane: str | None = None) -> None:
-        """Queue a request; its chunks stream to `sink`. `lane` pins them to one lane (warm-up)."""
+    def submit(
+        self, request: Request, sink: ResponseSink, lane: str | None = None, opened_at: float | None = None
+    ) -> None:
+        """Queue a request; its chunks stream to `sink`. `lane` pins them to one lane (warm-up).
+        `opened_at`: when it arrived, if before now (an input stream's first piece)."""
         with self.lock:
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
@@ -99,7 +107,7 @@ class StreamRegistry:
                 raise ServerBusy(f"server busy: {busy}; retry later")
             stream = Stream(
                 request.request_id,
-                self.clock(),
+                self.clock() if opened_at is None else opened_at,
                 lane=lane,
                 request=request,
                 sink=sink,
@@ -108,6 +116,28 @@ class StreamRegistry:
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             self.lock.notify_all()
+
+    def add_text(self, request_id: str, ids: list[int], end: bool) -> bool:
+        """More text for an input-streaming request; False if its stream has ended."""
+        with self.lock:
+            stream = self.streams.get(request_id)
+            if stream is None or stream.closed or stream.text_ended:
+                return False
+            stream.new_text += ids
+            stream.text_ended = end
+            if end:
+                stream.text_ended_at = self.clock()
+            self.text_arrived[request_id] = stream
+            self.lock.notify_all()
+            return True
+
+    def end_stream(self, request_id: str, error: str) -> None:
+        """End a stream with an error (no-op if it has ended)."""
+        with self.lock:
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                self._end(stream, error)
+                self.lock.notify_all()
 
     def _end(self, stream: Stream, error: str | None) -> None:
         """Close a stream exactly once: with an error, or (error None) after its final chunk was sent.

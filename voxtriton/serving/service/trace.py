@@ -29,6 +29,7 @@ class ChunkTrace:
                 "frames": chunk.frames,
                 "batch": batch,
                 "arrived": chunk.stream.opened_at,
+                "text_ended": chunk.stream.text_ended_at,  # an input stream's last piece (else None)
                 "cut": chunk.ready_at,
                 "start": started,
                 "end": decoded,

@@ -1,0 +1,315 @@
+"""CSM on a random-weight `csm-tiny` checkpoint: the layout transformers loads, and numerical parity
+of our implementation with transformers' `CsmForConditionalGeneration` on the same files (fp32).
+
+Logits agree to a relative error of 1e-4, greedy decoding gives identical codes, the Mimi decoder
+gives the same waveform, and decoding in chunks with carried state equals decoding whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from voxtriton.cli import main
+from voxtriton.errors import RequestError
+from voxtriton.models.config import CheckpointError
+from voxtriton.models.csm.checkpoint import TIED, checkpoint_shapes, make_csm_checkpoint, preset_config
+from voxtriton.models.csm.config import load_csm_config
+from voxtriton.models.csm.family import csm_family
+from voxtriton.models.csm.loader import load_csm, load_mimi
+from voxtriton.models.csm.prompt import CsmPromptBuilder, CsmTokenizer
+from voxtriton.models.text import BYTE_TOKEN_ID
+
+TEXT = "Hello world, this is a parity test."
+FRAMES = 6
+CODEC_FRAMES = 24
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+
+def greedy(logits: torch.Tensor, codebook: int) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_csm_checkpoint("csm-tiny", tmp_path_factory.mktemp("csm-tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    transformers = pytest.importorskip("transformers")
+    model, info = transformers.CsmForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    return model.eval(), info
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    config = load_csm_config(checkpoint)
+    return load_csm(checkpoint, config), load_mimi(checkpoint, config)
+
+
+@pytest.fixture(scope="module")
+def prompt(checkpoint):
+    builder = CsmPromptBuilder(load_csm_config(checkpoint), CsmTokenizer(checkpoint))
+    return torch.tensor([builder.build(TEXT, speaker=1)])
+
+
+def test_transformers_loads_the_checkpoint_with_no_missing_or_unexpected_tensors(reference):
+    model, info = reference
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set() and not info["error_msgs"]
+    # The tied codebook table holds the same values under both names.
+    assert torch.equal(
+        model.backbone_model.embed_tokens.embed_audio_tokens.weight,
+        model.depth_decoder.model.embed_tokens.weight,
+    )
+
+
+def test_the_1b_preset_has_the_official_sizes():
+    config = preset_config("csm-1b")
+    assert (config["hidden_size"], config["num_hidden_layers"], config["text_vocab_size"]) == (
+        2048,
+        16,
+        128256,
+    )
+    depth = config["depth_decoder_config"]
+    assert (depth["hidden_size"], depth["num_hidden_layers"], depth["max_position_embeddings"]) == (
+        1024,
+        4,
+        33,
+    )
+    assert config["codec_config"]["num_quantizers"] == config["num_codebooks"] == 32
+
+
+def test_the_1b_layout_is_what_transformers_builds(tmp_path):
+    """Names and shapes of every tensor csm-1b writes, against transformers' model for the same config
+    (built on the meta device: no weights are made)."""
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(preset_config("csm-1b")))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        model = transformers.CsmForConditionalGeneration(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert {name: tuple(shape) for name, shape in checkpoint_shapes(tmp_path).items()} == expected
+    assert 1.5e9 < sum(math.prod(shape) for name, shape in expected.items() if name not in TIED) < 1.7e9
+
+
+def test_prompt_is_the_official_text_layout(checkpoint, prompt):
+    transformers = pytest.importorskip("transformers")
+    official = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    assert prompt[0].tolist() == official(f"[1]{TEXT}")["input_ids"]
+    ids = official.convert_tokens_to_ids(
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>"]
+    )
+    assert ids == [128000, 128001, 128002, 128003]
+    # Bytes of the Llama 3 vocabulary between <|begin_of_text|> and <|end_of_text|>.
+    assert prompt[0].tolist() == [128000, *(BYTE_TOKEN_ID[b] for b in f"[1]{TEXT}".encode()), 128001]
+
+
+def test_special_tokens_in_text_stay_text(checkpoint):
+    builder = CsmPromptBuilder(load_csm_config(checkpoint), CsmTokenizer(checkpoint))
+    ids = builder.build("<|end_of_text|>")
+    assert ids.count(128001) == 1 and ids[-1] == 128001
+
+
+@pytest.mark.parametrize("speaker", ["x", -1, 1.5, "1a"])
+def test_a_bad_speaker_is_refused_naming_the_field(checkpoint, speaker):
+    builder = CsmPromptBuilder(load_csm_config(checkpoint), CsmTokenizer(checkpoint))
+    with pytest.raises(RequestError) as error:
+        builder.build(TEXT, speaker=speaker)
+    assert error.value.field == "speaker"
+
+
+def test_backbone_logits_match(reference, ours, prompt):
+    model, _ = reference
+    csm, _ = ours
+    with torch.inference_mode():
+        expected = model(input_ids=prompt).logits[:, -1]
+        cache, _ = csm.new_caches(1, prompt.shape[1])
+        positions = torch.arange(prompt.shape[1])[None]
+        _, logits = csm(csm.text_embeds(prompt), positions, cache, prompt.shape[1])
+    assert relative_error(logits, expected) <= 1e-4
+
+
+def test_depth_decoder_logits_match(reference, ours):
+    """Teacher-forced over one frame: the 31 codebook logits from a backbone state and codes."""
+    model, _ = reference
+    csm, _ = ours
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, csm.config.backbone.hidden_size, generator=generator)
+    codes = torch.randint(0, 2048, (2, 32), generator=generator)
+    with torch.inference_mode():
+        inputs = torch.nn.functional.pad(codes[:, :-1], (1, 0))
+        expected = model.depth_decoder(input_ids=inputs, backbone_last_hidden_state=hidden).logits
+        recorded = []
+
+        def teacher(logits, codebook):
+            recorded.append(logits)
+            return codes[:, codebook]
+
+        _, (keys, values) = csm.new_caches(2, 1)
+        predicted = csm.depth_decoder.predict_frame(hidden, codes[:, 0], keys, values, teacher)
+    assert torch.equal(predicted, codes[:, 1:])
+    assert len(recorded) == 31
+    for codebook, logits in enumerate(recorded, start=1):
+        assert relative_error(logits, expected[:, codebook - 1]) <= 1e-4, f"codebook {codebook}"
+
+
+def test_greedy_codes_match(reference, ours, prompt):
+    model, _ = reference
+    csm, _ = ours
+    with torch.inference_mode():
+        expected = model.generate(
+            input_ids=prompt, max_new_tokens=FRAMES, do_sample=False, depth_decoder_do_sample=False
+        )
+        codes = csm.generate(prompt, FRAMES, greedy)
+    assert expected.shape == (1, FRAMES, 32)
+    assert torch.equal(codes, expected)
+
+
+@pytest.fixture(scope="module")
+def codec_codes():
+    return torch.randint(0, 2048, (2, CODEC_FRAMES, 32), generator=torch.Generator().manual_seed(11))
+
+
+def test_mimi_waveform_matches_reference(reference, ours, codec_codes):
+    model, _ = reference
+    _, mimi = ours
+    with torch.inference_mode():
+        expected = model.codec_model.decode(codec_codes.transpose(1, 2)).audio_values[:, 0]
+    wav, _ = mimi.decode(codec_codes, torch.zeros(2, dtype=torch.long), mimi.new_state(2))
+    assert wav.shape == expected.shape == (2, CODEC_FRAMES * 1920)
+    assert expected.abs().max() > 0.05  # a real signal, not silence
+    assert (wav - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("schedule", [[1] * CODEC_FRAMES, [5] * 5, [3, 1, 7, 2, 11]], ids=["1", "5", "mixed"])
+def test_mimi_chunked_equals_whole(ours, codec_codes, schedule):
+    """Chunks past the attention window (8 transformer steps in csm-tiny, 4 frames) included."""
+    _, mimi = ours
+    whole, _ = mimi.decode(codec_codes, torch.zeros(2, dtype=torch.long), mimi.new_state(2))
+    state, start, pieces = mimi.new_state(2), 0, []
+    for size in schedule:
+        chunk = codec_codes[:, start : start + size]
+        wav, state = mimi.decode(chunk, torch.full((2,), start), state)
+        pieces.append(wav)
+        start += chunk.shape[1]
+    assert start == CODEC_FRAMES
+    assert (torch.cat(pieces, dim=1) - whole).abs().max().item() <= 1e-4
+
+
+def test_mimi_rows_are_independent(ours, codec_codes):
+    _, mimi = ours
+    both, _ = mimi.decode(codec_codes, torch.zeros(2, dtype=torch.long), mimi.new_state(2))
+    second, _ = mimi.decode(codec_codes[1:], torch.zeros(1, dtype=torch.long), mimi.new_state(1))
+    assert (both[1:] - second).abs().max().item() <= 1e-5
+
+
+def test_loader_names_the_file_and_tensor(checkpoint, tmp_path):
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    broken = dict(tensors)
+    del broken["depth_decoder.codebooks_head.weight"]
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: missing tensor\(s\) depth_decoder\.codebooks_head"
+    ):
+        load_csm(tmp_path)
+    broken = dict(tensors)
+    name = "codec_model.decoder.layers.0.conv.weight"
+    broken[name] = broken[name][:, :-1].contiguous()
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors.*decoder\.layers\.0\.conv\.weight has shape"
+    ):
+        load_mimi(tmp_path)
+
+
+def test_config_errors_name_the_field(checkpoint, tmp_path):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["codec_config"]["num_quantizers"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="config.json: num_codebooks"):
+        load_csm_config(tmp_path)
+    config["codec_config"]["num_quantizers"] = 32
+    config["rope_scaling"]["rope_type"] = "yarn"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="rope_scaling.rope_type"):
+        load_csm_config(tmp_path)
+
+
+def test_family_describes_the_checkpoint(checkpoint):
+    family = csm_family(checkpoint)
+    assert (family.sample_rate, family.frame_rate, family.samples_per_frame) == (24000, 12.5, 1920)
+    assert (family.codebooks, family.depth_steps, family.predictor_positions) == (32, 31, 32)
+    # generation_config.json: sampling with temperature 0.9 and top-k 50 on both transformers.
+    sampling = family.sampling
+    assert (sampling.temperature, sampling.top_k, sampling.depth_temperature, sampling.depth_top_k) == (
+        0.9,
+        50,
+        0.9,
+        50,
+    )
+    assert sampling.max_frames == 125
+    family.check_fields({"text", "speaker", "seed", "max_frames"})
+    with pytest.raises(RequestError) as error:
+        family.check_fields({"text", "language"})
+    assert error.value.field == "language"
+    end = torch.zeros(2, 32, dtype=torch.long)
+    end[1, 3] = 7
+    end[0, 31] = 5  # the last codebook does not count, as in transformers
+    assert family.is_end(end).tolist() == [True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_the_cpu(checkpoint, ours, prompt, codec_codes):
+    """CUDA (Triton rotary and decode-attention kernels, cuDNN) against the CPU, both fp32: backbone
+    and depth-decoder logits, then the Mimi decoder chunked with carried state. cuDNN convolutions may
+    use TF32, hence the codec's tolerance."""
+    csm_cpu, mimi_cpu = ours
+    config = load_csm_config(checkpoint)
+    csm = load_csm(checkpoint, config, device="cuda")
+    mimi = load_mimi(checkpoint, config, device="cuda")
+    recorded = {"cpu": [], "cuda": []}
+
+    def recorder(side):
+        def sample(logits, codebook):
+            recorded[side].append(logits.float().cpu())
+            return logits.argmax(dim=-1)
+
+        return sample
+
+    with torch.inference_mode():
+        codes = csm_cpu.generate(prompt, FRAMES, recorder("cpu"))
+        csm.generate(prompt.cuda(), FRAMES, recorder("cuda"))
+    assert len(recorded["cuda"]) == FRAMES * 32
+    for step, (theirs, mine) in enumerate(zip(recorded["cpu"], recorded["cuda"])):
+        assert relative_error(mine, theirs) <= 1e-4, f"logits of frame {step // 32}, codebook {step % 32}"
+    assert codes.shape == (1, FRAMES, 32)
+    state_gpu, state_cpu, offset = mimi.new_state(2), mimi_cpu.new_state(2), 0
+    for size in (2, 5, 17):
+        chunk, start = codec_codes[:, offset : offset + size], torch.full((2,), offset)
+        audio_gpu, state_gpu = mimi.decode(chunk.cuda(), start.cuda(), state_gpu)
+        audio_cpu, state_cpu = mimi_cpu.decode(chunk, start, state_cpu)
+        error = (audio_gpu.cpu() - audio_cpu).norm() / audio_cpu.norm()
+        assert error < 1e-2, f"chunk of {size} frames: relative error {error:.2e}"
+        offset += size
+
+
+def test_cli_writes_csm_tiny_and_the_byte_fallback_gives_the_tokenizer_ids(checkpoint, tmp_path, prompt):
+    assert main(["make-checkpoint", "--preset", "csm-tiny", str(tmp_path), "--no-tokenizer"]) == 0
+    assert (tmp_path / "model.safetensors").is_file() and not (tmp_path / "tokenizer.json").exists()
+    builder = CsmPromptBuilder(load_csm_config(tmp_path), CsmTokenizer(tmp_path))
+    assert builder.build(TEXT, speaker="1") == prompt[0].tolist()
+    with pytest.raises(SystemExit, match="--shard-mb"):
+        main(["make-checkpoint", "--preset", "csm-tiny", str(tmp_path), "--shard-mb", "10"])

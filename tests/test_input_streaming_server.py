@@ -1,0 +1,259 @@
+"""Input streaming through a real tritonserver (tiny random-weight checkpoint): text pieces of one
+Triton sequence on one gRPC stream, audio back on the first piece's request."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import time
+import uuid
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from server_helpers import start_server, wait_for_metric
+from voxtriton_client import TTSClient
+from voxtriton_client.api import request_inputs
+
+pytestmark = pytest.mark.server
+
+TEXT = "Text that streams in, a few words at a time, is spoken before it ends."
+OPTIONS = {"seed": 11, "max_frames": 30, "ignore_eos": True}
+IDLE_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    parameters = {
+        "tts": {
+            "text_layout": "interleaved",
+            "text_idle_timeout_s": str(IDLE_S),
+            "max_streams": "2",
+            "max_text_bytes": "256",
+        }
+    }
+    with start_server(tiny_checkpoint, parameters=parameters) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return TTSClient(server.grpc_url)
+
+
+def words(text=TEXT):
+    parts = text.split(" ")
+    return [parts[0]] + [" " + p for p in parts[1:]]
+
+
+def slowly(pieces, pause_s):
+    for piece in pieces:
+        yield piece
+        time.sleep(pause_s)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        lambda: [TEXT],
+        lambda: words(),
+        lambda: slowly(words(), 0.15),  # slower than the tiny model speaks: the stream pauses
+        lambda: slowly([TEXT[i : i + 3] for i in range(0, len(TEXT), 3)], 0.02),
+    ],
+    ids=["one-piece", "words", "slow-words", "characters"],
+)
+def test_pieces_give_the_codes_of_the_whole_text(client, pieces):
+    whole = client.synthesize(TEXT, codes=True, **OPTIONS).raise_for_error()
+    streamed = client.synthesize_text_stream(pieces(), codes=True, **OPTIONS).raise_for_error()
+    assert streamed.completed and streamed.codes.shape == (30, 16)
+    np.testing.assert_array_equal(streamed.codes, whole.codes)
+    assert streamed.first_audio_after_first_piece_s > 0
+    assert streamed.last_audio_after_last_piece_s is not None
+
+
+def test_the_server_times_the_last_piece_to_the_last_audio(server, client):
+    before = server.metrics().get("voxtriton_text_end_to_audio_end_seconds_count", 0)
+    client.synthesize_text_stream(words(), **OPTIONS).raise_for_error()
+    wait_for_metric(server, "voxtriton_text_end_to_audio_end_seconds_count", lambda n: n == before + 1)
+    raw = RawStream(server.grpc_url)  # a sequence of one piece, start and end at once
+    try:
+        raw.piece(
+            uuid.uuid4().hex, "Whole at once.", "w", start=True, end=True, max_frames=8, ignore_eos=True
+        )
+        wait_for_metric(server, "voxtriton_text_end_to_audio_end_seconds_count", lambda n: n == before + 2)
+    finally:
+        raw.close()
+
+
+class RawStream:
+    """One gRPC stream to `tts`, every event (result or error) kept with its request id."""
+
+    def __init__(self, url):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.events: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
+
+    def piece(self, sequence_id, text, request_id, start=False, end=False, **options):
+        self.client.async_stream_infer(
+            "tts",
+            request_inputs(grpcclient, text, **options),
+            request_id=request_id,
+            sequence_id=sequence_id,
+            sequence_start=start,
+            sequence_end=end,
+        )
+
+    def next_error(self, timeout=30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            result, error = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            if error is not None:
+                return error.message()
+
+    def close(self):
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+
+
+def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, client):
+    raw = RawStream(server.grpc_url)
+    try:
+        unknown = uuid.uuid4().hex
+        raw.piece(unknown, "no start", "a")
+        assert f"unknown sequence {unknown}: its first piece must carry sequence_start" in raw.next_error()
+        sequence = uuid.uuid4().hex
+        raw.piece(sequence, "First piece, ", "b", start=True, **OPTIONS)
+        raw.piece(sequence, "started again", "c", start=True)
+        assert f"sequence {sequence} is already open" in raw.next_error()
+        raw.piece(sequence, "and the end.", "d", end=True)
+        raw.piece(sequence, " One more.", "e")
+        assert f"sequence {sequence} has ended (its last piece arrived): a piece after its end" in (
+            raw.next_error()
+        )
+        empty = uuid.uuid4().hex
+        raw.piece(empty, " ", "f", start=True, end=True)
+        assert f"sequence {empty}: the text is empty" in raw.next_error()
+        raw.piece(uuid.uuid4().hex, "x", "g", start=True, speaker="nobody")
+        assert "unknown speaker 'nobody'" in raw.next_error()
+        long = uuid.uuid4().hex
+        for index in range(3):  # 300 bytes in all, over max_text_bytes (256): the piece and the audio fail
+            first = {"max_frames": 200} if index == 0 else {}
+            raw.piece(long, "word " * 20, f"h{index}", start=index == 0, **first)
+        errors = [raw.next_error(), raw.next_error()]
+        assert errors == [f"text: sequence {long}: too long: over 256 bytes in all"] * 2
+    finally:
+        raw.close()
+    assert client.synthesize("Still serving.", max_frames=6, ignore_eos=True).raise_for_error().completed
+    assert client.synthesize_text_stream(words(), **OPTIONS).raise_for_error().completed
+
+
+def test_a_stream_whose_text_stops_ends_after_the_idle_time(server, client):
+    synthesis = client.synthesize_text_stream(
+        slowly(["Hello there, this stream goes ", "silent"], IDLE_S * 3)
+    )
+    assert synthesis.error is not None and "text_idle_timeout_s" in synthesis.error
+    # Empty pieces do not keep a sequence whose text stopped open.
+    raw = RawStream(server.grpc_url)
+    try:
+        sequence = uuid.uuid4().hex
+        raw.piece(sequence, "Kept alive by ", "k0", start=True, **OPTIONS)
+        for index in range(1, 8):
+            time.sleep(IDLE_S / 2)
+            raw.piece(sequence, "", f"k{index}")
+        assert "text_idle_timeout_s" in raw.next_error(timeout=0.1 + IDLE_S)
+    finally:
+        raw.close()
+    # Its row is free again: both rows serve (max_streams 2).
+    results = [client.synthesize_text_stream(words(), **OPTIONS) for _ in range(2)]
+    assert all(r.raise_for_error().completed for r in results)
+
+
+def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client):
+    """The gateway's WebSocket endpoint: a gateway process (uvicorn) in front of the real tritonserver,
+    driven by the `websockets` client library."""
+    from test_gateway import start_gateway, stop_gateway
+    from websockets.sync.client import connect
+
+    from voxtriton.serving.gateway import pcm16
+
+    def speak(url: str, messages: list[dict]) -> tuple[bytes, dict]:
+        """Send every message, then read binary audio until the text message that ends the stream."""
+        with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=10) as socket:
+            for message in messages:
+                socket.send(json.dumps(message))
+            audio = b""
+            while isinstance(message := socket.recv(timeout=60), bytes):
+                audio += message
+            return audio, json.loads(message)
+
+    whole = client.synthesize(TEXT, speaker="vivian", **OPTIONS).raise_for_error()
+    options = {"voice": "vivian", "seed": 11, "max_frames": 30, "ignore_eos": True}
+    gateway, url = start_gateway([server.grpc_url])
+    try:
+        pieces = words()
+        first, *middle, last = pieces
+        audio, done = speak(
+            url,
+            [{"input": first, **options}] + [{"input": p} for p in middle] + [{"input": last, "end": True}],
+        )
+        assert done["type"] == "speech.audio.done", done
+        assert done["first_audio_after_first_piece_s"] > 0 and done["last_audio_after_last_piece_s"] > 0
+        # The whole text's codes, so its audio (up to rounding, were codec batches shared).
+        got, expected = np.frombuffer(audio, "<i2"), np.frombuffer(pcm16(whole.audio), "<i2")
+        assert got.shape == expected.shape and len(got) > 0
+        assert np.abs(got.astype(np.int32) - expected).max() <= 1
+
+        _, error = speak(url, [{"input": "Hello", "voice": "nobody"}, {"input": " there.", "end": True}])
+        assert error["type"] == "error" and error["error"]["param"] == "voice", error
+        assert "unknown speaker 'nobody'" in error["error"]["message"]
+
+        _, error = speak(url, [{"input": "Hello", "speed": 2}])
+        assert error["error"]["param"] == "speed"
+        assert "unknown field in the first message" in error["error"]["message"]
+
+        _, error = speak(url, [{"input": "Hello there, ", **options}, {"input": "again", "voice": "ryan"}])
+        assert error["error"]["param"] == "voice" and "options go in the first" in error["error"]["message"]
+    finally:
+        stop_gateway(gateway)
+
+
+def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_checkpoint):
+    """--text-rate: every request's text arrives as words at 30 per second; the same playback
+    accounting, plus the last piece to the last audio."""
+    out = tmp_path / "bench"
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "benchmarks" / "serving_bench.py"), "--smoke", "--text-rate", "30"]
+    completed = subprocess.run(
+        command + ["--checkpoint", str(tiny_checkpoint), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["text_rate"] == 30
+    [row] = results["policies"][0]["rates"]
+    assert row["requests"] >= 2 and row["failed"] == 0 and row["completed"] == row["requests"]
+    assert 0 < row["ttfa_p50_ms"] < 5000 and row["text_end_to_audio_end_p50_ms"] > 0
+    assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)
+    assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
+
+
+def test_the_client_command_speaks_stdin_as_it_comes(server, tmp_path):
+    output = tmp_path / "lines.wav"
+    command = [sys.executable, "-m", "voxtriton_client.cli", "speak", "-", "-o", str(output)]
+    completed = subprocess.run(
+        command + ["--server", server.grpc_url, "--max-frames", "12", "--seed", "3"],
+        input="Hello there,\nthis came on a second line.\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "last audio" in completed.stdout and "after the last line" in completed.stdout
+    with wave.open(str(output)) as wav:
+        assert wav.getnframes() == 12 * 1920

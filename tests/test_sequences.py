@@ -1,0 +1,90 @@
+"""Text sequences over the tts service with in-process codec lanes (CPU, tiny random-weight
+checkpoint): what the `tts` model does with the pieces of a Triton sequence, without a server."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_tts_service import CollectingSink, cpu_codec, engine_and_parser, wait_for
+
+from voxtriton.errors import RequestError
+from voxtriton.models.config import load_config
+from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.scheduler.policy import BACKGROUND, URGENT
+from voxtriton.serving.codec_service import InProcessLane
+from voxtriton.serving.requests import RequestParser
+from voxtriton.serving.sequences import TextSequences
+from voxtriton.serving.settings import TTSSettings
+from voxtriton.serving.tts_service import TTSService
+
+TEXT = "Pieces of a sentence, spoken as they come."
+IDLE_S = 0.3
+
+
+def text(value: str) -> dict:
+    return {"text": np.array([value.encode()], dtype=object)}
+
+
+FIRST = {"max_frames": np.array([16]), "ignore_eos": np.array([True]), "seed": np.array([4])}
+
+
+@pytest.fixture()
+def served(tiny_checkpoint):
+    engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,4")
+    config = load_config(tiny_checkpoint)
+    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), text_layout="interleaved", max_positions=256)
+    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    sequences = TextSequences(parser, service, IDLE_S, interval_s=3600)  # expired by hand below
+    try:
+        yield parser, service, sequences
+    finally:
+        sequences.shutdown()
+        service.shutdown()
+
+
+def test_pieces_give_the_codes_of_the_whole_text(served):
+    parser, service, sequences = served
+    whole = CollectingSink()
+    service.submit(parser.parse("whole", {**text(TEXT), **FIRST}), whole)
+    assert whole.done.wait(120) and not whole.errors
+    streamed = CollectingSink()
+    words = TEXT.split(" ")
+    sequences.piece("7", True, False, {**text(words[0]), **FIRST}, "s#0", lambda: streamed)
+    for index, word in enumerate(words[1:], 1):
+        time.sleep(0.05)
+        sequences.piece("7", False, index == len(words) - 1, text(" " + word), f"s#{index}", None)
+    assert streamed.done.wait(120) and not streamed.errors
+    np.testing.assert_array_equal(np.concatenate(streamed.codes), np.concatenate(whole.codes))
+    assert not sequences.open and sequences.ended["7"] == "its last piece arrived"
+
+
+def test_bad_pieces_are_refused_and_name_the_sequence(served):
+    _, _, sequences = served
+    with pytest.raises(RequestError, match="unknown sequence 9: its first piece must carry sequence_start"):
+        sequences.piece("9", False, False, text("x"), "a", None)
+    sink = CollectingSink()
+    sequences.piece("9", True, False, {**text("Hello there, "), **FIRST}, "b", lambda: sink)
+    with pytest.raises(RequestError, match="sequence 9 is already open"):
+        sequences.piece("9", True, False, text("again"), "c", lambda: CollectingSink())
+    sequences.piece("9", False, True, text("done."), "d", None)
+    with pytest.raises(RequestError, match=r"sequence 9 has ended \(its last piece arrived\)"):
+        sequences.piece("9", False, False, text("more"), "e", None)
+    assert sink.done.wait(120) and not sink.errors
+
+
+def test_an_idle_sequence_ends_with_an_error_and_frees_its_row(served):
+    _, service, sequences = served
+    sink = CollectingSink()
+    sequences.piece("5", True, False, {**text("Hello there, and then "), **FIRST}, "a", lambda: sink)
+    for _ in range(3):  # empty pieces do not keep it open
+        time.sleep(IDLE_S / 2)
+        sequences.piece("5", False, False, text(""), "k", None)
+    sequences.expire()
+    assert sink.done.wait(10) and "no text piece for 0.3 s (text_idle_timeout_s)" in sink.errors[0]
+    assert sequences.ended["5"] == "timed out"
+    wait_for(lambda: not service.streams and not service.engine.running)
