@@ -130,3 +130,14 @@ def test_a_batch_of_recordings_gives_each_the_voice_it_gets_alone(tiny_base_chec
         np.testing.assert_array_equal(voice.codes, alone.codes)
         # fp32 rounding of a batch of two against one
         assert np.abs(voice.embedding - alone.embedding).max() <= 1e-5 * np.abs(alone.embedding).max()
+
+
+def test_input_streams_take_x_vector_voices_only(tiny_base_checkpoint):
+    """Text that streams in is laid out interleaved and may not have ended: an x-vector voice fits
+    that prompt; an in-context one needs the whole text beside its reference codes."""
+    builder = PromptBuilder(load_config(tiny_base_checkpoint), TextTokenizer(tiny_base_checkpoint))
+    text_ids = builder.tokenizer.encode("Hello there")
+    streamed = builder.head(voice=voice(0, None)).prompt(text_ids, interleaved=True, text_ended=False)
+    assert streamed.speaker_embedding is not None and streamed.trailing_text_ids == text_ids[1:]
+    with pytest.raises(RequestError, match="speaker: an in-context voice .* needs the whole text"):
+        builder.head(voice=voice(0)).prompt(text_ids, interleaved=True, text_ended=False)
