@@ -7,6 +7,7 @@ at load time with a message naming the file, the field and what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -201,8 +202,20 @@ class SpeechEncoderConfig:
 
 
 def parse_speech_encoder(path: Path) -> SpeechEncoderConfig:
+    """The speech tokenizer's encoder, from its config.json."""
     top = _Fields(path, read_json(path))
-    e = top.child("encoder_config")
+    samples_per_frame = top.int("encode_downsample_rate")
+    encoder = mimi_encoder_config(top.child("encoder_config"), samples_per_frame)
+    return dataclasses.replace(
+        encoder,
+        num_codes=top.int("encoder_valid_num_quantizers", minimum=2, default=encoder.num_quantizers),
+        sample_rate=top.equals("input_sample_rate", 24000, default=24000),
+    )
+
+
+def mimi_encoder_config(e: _Fields, samples_per_frame: int | None = None) -> SpeechEncoderConfig:
+    """A Mimi encoder from its config object (`encoder_config` here, CSM's `codec_config`): the
+    SEANet ratios, then a stride of 2, make `samples_per_frame` (checked when given)."""
     e.equals("hidden_act", "gelu")
     e.equals("use_causal_conv", True)
     e.equals("audio_channels", 1, default=1)
@@ -223,9 +236,11 @@ def parse_speech_encoder(path: Path) -> SpeechEncoderConfig:
         sliding_window=e.int("sliding_window"),
     )
     ratios = tuple(e.int_list("upsampling_ratios"))
-    samples_per_frame = top.int("encode_downsample_rate")
-    if samples_per_frame != math.prod(ratios) * 2:
-        raise top._fail("encode_downsample_rate", f"{math.prod(ratios) * 2}: the encoder's ratios, then 2")
+    if samples_per_frame is not None and samples_per_frame != math.prod(ratios) * 2:
+        raise CheckpointError(
+            f"{e.source}: encode_downsample_rate = {samples_per_frame} is not supported "
+            f"(expected {math.prod(ratios) * 2}: the encoder's ratios, then 2)"
+        )
     quantizers = e.int("num_quantizers", minimum=2)
     return SpeechEncoderConfig(
         transformer=transformer,
@@ -243,10 +258,15 @@ def parse_speech_encoder(path: Path) -> SpeechEncoderConfig:
         num_quantizers=quantizers,
         num_semantic_quantizers=e.equals("num_semantic_quantizers", 1, default=1),
         quantizer_dim=e.int("vector_quantization_hidden_dimension"),
-        num_codes=top.int("encoder_valid_num_quantizers", minimum=2, default=quantizers),
-        sample_rate=top.equals("input_sample_rate", 24000, default=24000),
-        samples_per_frame=samples_per_frame,
+        num_codes=quantizers,
+        sample_rate=24000,
+        samples_per_frame=math.prod(ratios) * 2,
     )
+
+
+def mimi_encoder_fields(encoder: dict, source: str) -> SpeechEncoderConfig:
+    """`mimi_encoder_config` of a plain dict (`source` names it in errors)."""
+    return mimi_encoder_config(_Fields(Path(source), encoder))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from .codec import CodecModel
-from .config import load_config, parse_speech_encoder
+from .config import load_config, mimi_encoder_fields
 from .loader import weight_map
 from .speaker_encoder import SpeakerEncoderRoot
 from .speech_encoder import SpeechEncoder
@@ -112,21 +112,29 @@ def preset_configs(preset: str) -> tuple[dict, dict]:
     return config, speech
 
 
+def audio_encoder_shapes(encoder: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Mimi encoder with this config object (the speech tokenizer's
+    `encoder_config`; CSM's codec has the same encoder), under the `encoder.` prefix."""
+    with torch.device("meta"):
+        module = SpeechEncoder(mimi_encoder_fields(encoder, "encoder_config"))
+    return {name: target.shape for name, target in weight_map(module).items()}
+
+
 def checkpoint_shapes(checkpoint_dir: Path) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """Official tensor names and shapes: (model.safetensors, speech_tokenizer/model.safetensors)."""
     config = load_config(checkpoint_dir)
-    # The speech tokenizer's audio encoder is in every official checkpoint, Base or not.
-    encoder = parse_speech_encoder(checkpoint_dir / "speech_tokenizer" / "config.json")
     with torch.device("meta"):
         talker_models = [Qwen3TTSBackbone(config)]
         if config.speaker_encoder is not None:
             talker_models.append(SpeakerEncoderRoot(config.speaker_encoder))
-        speech_models = [CodecModel(config.codec), SpeechEncoder(encoder)]
+        codec = CodecModel(config.codec)
 
     def shapes(models) -> dict[str, tuple]:
         return {name: target.shape for model in models for name, target in weight_map(model).items()}
 
-    return shapes(talker_models), shapes(speech_models)
+    # The speech tokenizer's audio encoder is in every official checkpoint, Base or not.
+    speech = json.loads((checkpoint_dir / "speech_tokenizer" / "config.json").read_text())
+    return shapes(talker_models), {**shapes([codec]), **audio_encoder_shapes(speech["encoder_config"])}
 
 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: float) -> torch.Tensor:
