@@ -168,9 +168,11 @@ class EncoderTransformer(nn.Module):
 
 
 class Codebook(nn.Module):
+    """A Mimi codebook (the 12 Hz tokenizer's encoder, CSM's codec): entries are usage-weighted sums."""
+
     def __init__(self, size: int, dim: int):
         super().__init__()
-        self.initialized = nn.Parameter(torch.ones(1))
+        self.initialized = nn.Parameter(torch.ones(1))  # encoder-side flag, kept for a strict layout
         self.cluster_usage = nn.Parameter(torch.ones(size))
         self.embed_sum = nn.Parameter(torch.zeros(size, dim))
 
