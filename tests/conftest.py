@@ -25,6 +25,12 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_base_checkpoint(tmp_path_factory) -> Path:
+    """The `tiny-base` preset (voice cloning), random weights."""
+    return make_checkpoint("tiny-base", tmp_path_factory.mktemp("tiny-base"), seed=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint_no_tokenizer(tmp_path_factory) -> Path:
     return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny-bytes"), seed=1, tokenizer=False)
 

@@ -170,7 +170,15 @@ def test_missing_shard(tmp_path):
         ),
         (
             lambda c: c.update(tts_model_type="base"),
-            r"tts_model_type = 'base' \(voice cloning from reference audio\) is not supported",
+            r"config.json: speaker_encoder_config is missing",
+        ),
+        (
+            lambda c: c.update(tts_model_type="base", speaker_encoder_config={"enc_dim": 32}),
+            r"speaker_encoder_config.enc_dim = 32 is not supported \(expected 64, talker_config.hidden",
+        ),
+        (
+            lambda c: c.update(tts_model_type="clone"),
+            r"tts_model_type = 'clone' is not supported \(expected 'custom_voice' or 'voice_design' or 'b",
         ),
         (
             lambda c: c.update(tokenizer_type="qwen3_tts_tokenizer_25hz"),

@@ -27,10 +27,22 @@ from voxtriton.serving.launcher import free_port
 pytestmark = pytest.mark.server
 
 
-def start_gateway(backend: str, checkpoint=None, healthy: bool = True) -> tuple[subprocess.Popen, str]:
+def start_gateway(
+    backend: str, checkpoint=None, healthy: bool = True, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     """A gateway on a free port, once it answers /health: with 200 when `healthy`, with anything else not."""
     port = free_port()
-    command = [sys.executable, "-m", "voxtriton.cli", "gateway", "--port", str(port), "--backend", backend]
+    command = [
+        sys.executable,
+        "-m",
+        "voxtriton.cli",
+        "gateway",
+        "--port",
+        str(port),
+        "--backend",
+        backend,
+        *extra,
+    ]
     if checkpoint is not None:
         command += ["--checkpoint", str(checkpoint)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -314,6 +326,8 @@ def browser():
             args=[
                 "--no-sandbox",
                 "--autoplay-policy=no-user-gesture-required",
+                "--use-fake-ui-for-media-stream",  # a microphone (a test tone) the page may record
+                "--use-fake-device-for-media-stream",
                 "--disable-background-networking",
                 "--disable-component-update",
                 "--disable-sync",

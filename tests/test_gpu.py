@@ -44,9 +44,11 @@ def generate(
     overlap: bool = False,
     texts=TEXTS,
     when_ready=lambda: None,
+    prompt_for=lambda prompts, text: prompts.build(text, "ryan"),
 ) -> dict[str, np.ndarray]:
     """A request per text through the engine, the first three admitted at step 0 (rows 0-2), the
-    rest at step 2; `when_ready` is called once the graphs are captured, before the first admission."""
+    rest at step 2; `when_ready` is called once the graphs are captured, before the first admission.
+    `prompt_for(prompt builder, text)` makes each request's prompt."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -71,7 +73,7 @@ def generate(
     requests = [
         Request(
             f"r{i}",
-            prompts.build(text, "ryan"),
+            prompt_for(prompts, text),
             GenerationParams.create(config.generation, 400, seed=i, max_frames=30 + 10 * i, ignore_eos=True),
         )
         for i, text in enumerate(texts)

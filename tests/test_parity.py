@@ -26,22 +26,27 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
+def load_reference(checkpoint):
     qwen_tts = require_or_skip("qwen_tts", "the parity tests need the official qwen-tts-hf package")
     return qwen_tts.Qwen3TTSModel.from_pretrained(
-        str(tiny_checkpoint), dtype=torch.float32, attn_implementation="eager"
+        str(checkpoint), dtype=torch.float32, attn_implementation="eager"
     )
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return load_reference(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def ours(tiny_checkpoint):
-    config = load_config(tiny_checkpoint)
-    return (
-        config,
-        load_backbone(tiny_checkpoint, config),
-        PromptBuilder(config, TextTokenizer(tiny_checkpoint)),
-    )
+    return load_ours(tiny_checkpoint)
+
+
+def load_ours(checkpoint):
+    """(config, backbone, prompt builder) of a checkpoint."""
+    config = load_config(checkpoint)
+    return config, load_backbone(checkpoint, config), PromptBuilder(config, TextTokenizer(checkpoint))
 
 
 class LogitRecorder:
@@ -60,8 +65,9 @@ class LogitRecorder:
             handle.remove()
 
 
-def run_reference(reference, instruct=None, interleaved=False):
-    """Greedy reference generation: (codes [frames, 16], talker logits, predictor logits)."""
+def record_reference(reference, generate):
+    """Run `generate()` (a greedy official generation) and record: (the codes it decodes [frames, 16],
+    talker logits, predictor logits, what `generate` returned)."""
     talker = reference.model.talker
     talker_rec = LogitRecorder([talker])
     predictor_rec = LogitRecorder([talker.code_predictor])
@@ -74,7 +80,19 @@ def run_reference(reference, instruct=None, interleaved=False):
 
     reference.model.speech_tokenizer.decode = keep_codes
     try:
-        reference.generate_custom_voice(
+        result = generate()
+    finally:
+        reference.model.speech_tokenizer.decode = decode
+        talker_rec.close()
+        predictor_rec.close()
+    return captured["codes"], talker_rec.calls, predictor_rec.calls, result
+
+
+def run_reference(reference, instruct=None, interleaved=False):
+    """Greedy reference generation: (codes [frames, 16], talker logits, predictor logits)."""
+    codes, talker_calls, predictor_calls, _ = record_reference(
+        reference,
+        lambda: reference.generate_custom_voice(
             text=TEXT,
             speaker="ryan",
             language="english",
@@ -83,28 +101,30 @@ def run_reference(reference, instruct=None, interleaved=False):
             do_sample=False,
             subtalker_dosample=False,
             max_new_tokens=FRAMES + 1,
-        )
-    finally:
-        reference.model.speech_tokenizer.decode = decode
-        talker_rec.close()
-        predictor_rec.close()
-    return captured["codes"], talker_rec.calls, predictor_rec.calls
+        ),
+    )
+    return codes, talker_calls, predictor_calls
 
 
-def run_ours(ours, instruct=None, interleaved=False):
-    config, backbone, prompts = ours
+def record_ours(config, backbone, prompt, frames: int = FRAMES):
+    """Greedy generation of one prompt by our engine: (codes [frames, 16], talker and predictor logits)."""
     talker = backbone.talker
     talker_rec = LogitRecorder([talker.codec_head])
     predictor_rec = LogitRecorder(list(talker.code_predictor.lm_head))
     engine = Engine(ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64), max_running=2)
-    params = GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=FRAMES, seed=0)
-    engine.add(Request("parity", prompts.build(TEXT, "ryan", "english", instruct, interleaved), params))
-    frames = []
+    params = GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=frames, seed=0)
+    engine.add(Request("parity", prompt, params))
+    codes = []
     while engine.has_work:
-        frames += [output.codes for output in engine.step()]
+        codes += [output.codes for output in engine.step()]
     talker_rec.close()
     predictor_rec.close()
-    return np.stack(frames), talker_rec.calls, predictor_rec.calls
+    return np.stack(codes), talker_rec.calls, predictor_rec.calls
+
+
+def run_ours(ours, instruct=None, interleaved=False):
+    config, backbone, prompts = ours
+    return record_ours(config, backbone, prompts.build(TEXT, "ryan", "english", instruct, interleaved))
 
 
 @pytest.mark.parametrize(
@@ -113,12 +133,18 @@ def run_ours(ours, instruct=None, interleaved=False):
     ids=["full-text", "interleaved-text", "instruct"],
 )
 def test_greedy_codes_and_logits_match_reference(reference, ours, instruct, interleaved):
-    ref_codes, ref_talker, ref_predictor = run_reference(reference, instruct, interleaved)
-    our_codes, our_talker, our_predictor = run_ours(ours, instruct, interleaved)
-    assert ref_codes.shape == (FRAMES, 16)
+    assert_same_generation(
+        run_ours(ours, instruct, interleaved), run_reference(reference, instruct, interleaved)
+    )
+
+
+def assert_same_generation(ours, reference, frames: int = FRAMES) -> None:
+    """(codes, talker logits, predictor logits) of our engine and of the reference agree."""
+    (our_codes, our_talker, our_predictor), (ref_codes, ref_talker, ref_predictor) = ours, reference
+    assert ref_codes.shape == (frames, 16)
     np.testing.assert_array_equal(our_codes, ref_codes)
     # The talker ran once per frame plus the prefill; the predictor 15 times per frame.
-    assert len(our_talker) >= FRAMES and len(our_predictor) == 15 * FRAMES
+    assert len(our_talker) >= frames and len(our_predictor) == 15 * frames
     for step, (mine, theirs) in enumerate(zip(our_talker, ref_talker)):
         assert relative_error(mine, theirs) <= 1e-4, f"talker logits differ at step {step}"
     for step, (mine, theirs) in enumerate(zip(our_predictor, ref_predictor)):

@@ -1,4 +1,4 @@
-"""`voxtriton` command line: make-checkpoint, serve, gateway."""
+"""`voxtriton` command line: make-checkpoint, serve, gateway, voices."""
 
 from __future__ import annotations
 
@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     make = commands.add_parser(
         "make-checkpoint", help="write a random-weight checkpoint in the official layout"
     )
-    make.add_argument("--preset", choices=("tiny", "0.6b", "1.7b", "csm-tiny", "csm-1b"), required=True)
+    make.add_argument(
+        "--preset",
+        choices=("tiny", "0.6b", "1.7b", "tiny-base", "0.6b-base", "1.7b-base", "csm-tiny", "csm-1b"),
+        required=True,
+    )
     make.add_argument("out_dir")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument(
@@ -81,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_gateway_arguments(gateway)
     gateway.set_defaults(run=gateway_command)
+
+    from .serving.voices_cli import add_voices_arguments, voices_command
+
+    voices = commands.add_parser("voices", help="register, list and delete cloned voices (Base checkpoints)")
+    add_voices_arguments(voices)
+    voices.set_defaults(run=voices_command)
     return parser
 
 

@@ -220,22 +220,49 @@ class ModelRunner:
                 inputs.codec,
                 inputs.last_index,
                 StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]),
+                self._cloned_voice_embeds(requests, longest),
             )
             self._write_admitted(inputs, last, None)
 
+    def _cloned_voice_embeds(self, requests: list[Request], length: int) -> torch.Tensor | None:
+        """What cloned voices add to their prompts' embeddings [count, length, D] (x-vectors and
+        reference frames), or None when no prompt has a cloned voice."""
+        if all(r.prompt.speaker_embedding is None for r in requests):
+            return None
+        extra = torch.zeros(len(requests), length, self.talker.config.transformer.hidden_size)
+        extra = extra.to(self.device, self.dtype)
+        for row, request in enumerate(requests):
+            prompt = request.prompt
+            if prompt.speaker_embedding is not None:
+                vector = torch.from_numpy(prompt.speaker_embedding)
+                extra[row, prompt.speaker_position] = vector.to(self.device, self.dtype)
+            if prompt.reference_codes is not None:
+                codes = torch.from_numpy(prompt.reference_codes).to(self.device)
+                start = prompt.reference_position
+                extra[row, start : start + len(codes)] = self.talker.frame_embeds(codes)
+        return extra
+
     def _prefill_padded_group(self, requests: list[Request], first_row: int, batch: int, length: int) -> None:
         """Prompts padded to a prefill bucket: one upload into the admission buffer, the prefill (beside
-        the step in flight) into the scratch cache, then the rows written: two graph replays on a GPU."""
+        the step in flight) into the scratch cache, then the rows written: two graph replays on a GPU.
+        Cloned voices' embeddings go into the prefill's extra-embedding buffer for this prefill only,
+        so the buffer holds zeros for every other admission."""
         count = len(requests)
         host = torch.from_numpy(self._pack(self.admission_layout, requests, first_row, batch, length))
         with self._beside_the_step():
             self.admission[: host.numel()].copy_(self._upload(host))
+            longest = max(len(r.prompt.text_ids) for r in requests)
+            cloned = self._cloned_voice_embeds(requests, longest)
+            if cloned is not None:
+                self.prefill_extra[:count, :longest].copy_(cloned)
             entry = self.prefill_graphs.get((batch, length))
             if entry is not None:
                 entry[0].replay()
                 last = entry[1]
             else:
                 last = self._prefill_padded(batch, length)
+            if cloned is not None:
+                self.prefill_extra[:count, :longest].zero_()
         graph = self.admission_graphs.get((count, length))
         if graph is not None:
             graph.replay()
@@ -295,12 +322,21 @@ class ModelRunner:
         caller.wait_stream(self.prefill_stream)
 
     def _prompt_last_hidden(
-        self, text: torch.Tensor, codec: torch.Tensor, last_index: torch.Tensor, cache: StaticKV
+        self,
+        text: torch.Tensor,
+        codec: torch.Tensor,
+        last_index: torch.Tensor,
+        cache: StaticKV,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Prompts [B, L] into `cache`; returns each prompt's final hidden state [B, D]."""
+        """Prompts [B, L] (plus `extra` embeddings [B, L, D]) into `cache`; returns each prompt's final
+        hidden state [B, D]."""
         batch, length = text.shape
         positions = torch.arange(length, device=self.device).expand(batch, length)
-        hidden = self.talker(self.talker.prompt_embeds(text, codec), positions, cache, length)
+        embeds = self.talker.prompt_embeds(text, codec)
+        if extra is not None:
+            embeds = embeds + extra
+        hidden = self.talker(embeds, positions, cache, length)
         return hidden[torch.arange(batch, device=self.device), last_index]
 
     def _prefill_padded(self, batch: int, length: int) -> torch.Tensor:
@@ -308,7 +344,8 @@ class ModelRunner:
         (what its graph replays)."""
         cache = StaticKV(self.prefill_kv.keys[:, :batch], self.prefill_kv.values[:, :batch])
         inputs = self._admission_inputs(batch, batch, length)
-        return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache)
+        extra = self.prefill_extra[:batch, :length]
+        return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache, extra)
 
     def set_buckets(
         self,
@@ -342,6 +379,11 @@ class ModelRunner:
             self.admission_layout = AdmissionLayout(batch, self.state.trailing.shape[1])
             self.admission = torch.zeros(
                 self.admission_layout.size(batch, length), device=self.device, dtype=torch.long
+            )
+            # What cloned voices add to their prompts' embeddings (x-vectors, reference frames): zeros
+            # except during a cloned voice's prefill (`_prefill_padded_group`).
+            self.prefill_extra = torch.zeros(
+                batch, length, t.hidden_size, device=self.device, dtype=self.dtype
             )
         else:
             self.prefill_batch_buckets, self.prefill_length_buckets = [], []

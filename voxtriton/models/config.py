@@ -7,13 +7,14 @@ at load time with a message naming the file, the field and what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("custom_voice", "voice_design")
+SUPPORTED_MODEL_TYPES = ("custom_voice", "voice_design", "base")
 
 
 class CheckpointError(ValueError):
@@ -176,8 +177,153 @@ class CodecConfig:
 
 
 @dataclass(frozen=True)
+class SpeechEncoderConfig:
+    """The 12 Hz tokenizer's audio encoder, a Mimi encoder (speech_tokenizer/config.json,
+    encoder_config): waveform at `sample_rate` -> `num_codes` codebooks per frame."""
+
+    transformer: TransformerConfig
+    num_filters: int
+    kernel_size: int
+    residual_kernel_size: int
+    last_kernel_size: int
+    compress: int
+    dilation_growth_rate: int
+    num_residual_layers: int
+    upsampling_ratios: tuple[int, ...]
+    pad_mode: str
+    codebook_size: int
+    codebook_dim: int
+    num_quantizers: int
+    num_semantic_quantizers: int
+    quantizer_dim: int
+    num_codes: int  # codebooks kept (encoder_valid_num_quantizers)
+    sample_rate: int
+    samples_per_frame: int
+
+
+def parse_speech_encoder(path: Path) -> SpeechEncoderConfig:
+    """The speech tokenizer's encoder, from its config.json."""
+    top = _Fields(path, read_json(path))
+    samples_per_frame = top.int("encode_downsample_rate")
+    encoder = mimi_encoder_config(top.child("encoder_config"), samples_per_frame)
+    return dataclasses.replace(
+        encoder,
+        num_codes=top.int("encoder_valid_num_quantizers", minimum=2, default=encoder.num_quantizers),
+        sample_rate=top.equals("input_sample_rate", 24000, default=24000),
+    )
+
+
+def mimi_encoder_config(e: _Fields, samples_per_frame: int | None = None) -> SpeechEncoderConfig:
+    """A Mimi encoder from its config object (`encoder_config` here, CSM's `codec_config`): the
+    SEANet ratios, then a stride of 2, make `samples_per_frame` (checked when given)."""
+    e.equals("hidden_act", "gelu")
+    e.equals("use_causal_conv", True)
+    e.equals("audio_channels", 1, default=1)
+    e.equals("use_conv_shortcut", False, default=False)
+    hidden = e.int("hidden_size")
+    heads = e.int("num_attention_heads")
+    transformer = TransformerConfig(
+        hidden_size=hidden,
+        intermediate_size=e.int("intermediate_size"),
+        num_layers=e.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=e.int("num_key_value_heads"),
+        head_dim=e.int("head_dim", default=hidden // heads),
+        rms_norm_eps=e.float("norm_eps"),
+        rope_theta=e.float("rope_theta"),
+        max_positions=e.int("max_position_embeddings"),
+        qk_norm=False,
+        sliding_window=e.int("sliding_window"),
+    )
+    ratios = tuple(e.int_list("upsampling_ratios"))
+    if samples_per_frame is not None and samples_per_frame != math.prod(ratios) * 2:
+        raise CheckpointError(
+            f"{e.source}: encode_downsample_rate = {samples_per_frame} is not supported "
+            f"(expected {math.prod(ratios) * 2}: the encoder's ratios, then 2)"
+        )
+    quantizers = e.int("num_quantizers", minimum=2)
+    return SpeechEncoderConfig(
+        transformer=transformer,
+        num_filters=e.int("num_filters"),
+        kernel_size=e.int("kernel_size"),
+        residual_kernel_size=e.int("residual_kernel_size"),
+        last_kernel_size=e.int("last_kernel_size"),
+        compress=e.int("compress"),
+        dilation_growth_rate=e.int("dilation_growth_rate"),
+        num_residual_layers=e.int("num_residual_layers"),
+        upsampling_ratios=ratios,
+        pad_mode=e.equals("pad_mode", "constant", default="constant"),
+        codebook_size=e.int("codebook_size"),
+        codebook_dim=e.int("codebook_dim"),
+        num_quantizers=quantizers,
+        num_semantic_quantizers=e.equals("num_semantic_quantizers", 1, default=1),
+        quantizer_dim=e.int("vector_quantization_hidden_dimension"),
+        num_codes=quantizers,
+        sample_rate=24000,
+        samples_per_frame=math.prod(ratios) * 2,
+    )
+
+
+def mimi_encoder_fields(encoder: dict, source: str) -> SpeechEncoderConfig:
+    """`mimi_encoder_config` of a plain dict (`source` names it in errors)."""
+    return mimi_encoder_config(_Fields(Path(source), encoder))
+
+
+@dataclass(frozen=True)
+class SpeakerEncoderConfig:
+    """The Base model's ECAPA-TDNN speaker encoder (config.json, speaker_encoder_config); fields the
+    official files omit take the reference implementation's defaults."""
+
+    mel_dim: int
+    enc_dim: int
+    enc_channels: tuple[int, ...]
+    enc_kernel_sizes: tuple[int, ...]
+    enc_dilations: tuple[int, ...]
+    enc_attention_channels: int
+    enc_res2net_scale: int
+    enc_se_channels: int
+    sample_rate: int
+
+    @staticmethod
+    def parse(f: _Fields, talker_hidden: int) -> "SpeakerEncoderConfig":
+        lists = {
+            key: f.data.get(key, default)
+            for key, default in (
+                ("enc_channels", [512, 512, 512, 512, 1536]),
+                ("enc_kernel_sizes", [5, 3, 3, 3, 1]),
+                ("enc_dilations", [1, 2, 3, 4, 1]),
+            )
+        }
+        for key, value in lists.items():
+            if not isinstance(value, list) or len(value) != len(lists["enc_channels"]) or len(value) < 3:
+                raise f._fail(key, "a list as long as enc_channels (at least 3)")
+            if not all(isinstance(v, int) and v > 0 for v in value):
+                raise f._fail(key, "positive integers")
+        channels = lists["enc_channels"]
+        if channels[-1] != sum(channels[1:-1]):
+            raise f._fail("enc_channels", "a last entry equal to the sum of the SE-Res2Net blocks' channels")
+        scale = f.int("enc_res2net_scale", default=8)
+        if any(c % scale for c in lists["enc_channels"][1:-1]):
+            raise f._fail("enc_res2net_scale", "a divisor of the SE-Res2Net blocks' enc_channels")
+        enc_dim = f.int("enc_dim")
+        if enc_dim != talker_hidden:
+            raise f._fail("enc_dim", f"{talker_hidden}, talker_config.hidden_size")
+        return SpeakerEncoderConfig(
+            mel_dim=f.int("mel_dim", default=128),
+            enc_dim=enc_dim,
+            enc_channels=tuple(lists["enc_channels"]),
+            enc_kernel_sizes=tuple(lists["enc_kernel_sizes"]),
+            enc_dilations=tuple(lists["enc_dilations"]),
+            enc_attention_channels=f.int("enc_attention_channels", default=128),
+            enc_res2net_scale=scale,
+            enc_se_channels=f.int("enc_se_channels", default=128),
+            sample_rate=f.equals("sample_rate", 24000, default=24000),
+        )
+
+
+@dataclass(frozen=True)
 class Qwen3TTSConfig:
-    model_type: str  # custom_voice | voice_design
+    model_type: str  # custom_voice | voice_design | base
     model_size: str  # 0b6 | 1b7 | anything the checkpoint says
     talker: TalkerConfig
     codec: CodecConfig
@@ -188,6 +334,11 @@ class Qwen3TTSConfig:
     tts_eos_token_id: int
     tts_pad_token_id: int
     generation: dict[str, Any]
+    speaker_encoder: SpeakerEncoderConfig | None = None  # Base checkpoints only
+
+    @property
+    def clones_voices(self) -> bool:
+        return self.model_type == "base"
 
     @property
     def frame_rate(self) -> float:
@@ -196,7 +347,10 @@ class Qwen3TTSConfig:
     @property
     def supports_instruct(self) -> bool:
         # The official wrapper drops `instruct` for the 0.6B CustomVoice model; we refuse it instead.
-        return self.model_type == "voice_design" or self.model_size != "0b6"
+        # Base models take none: their voice comes from the reference audio.
+        return self.model_type == "voice_design" or (
+            self.model_type == "custom_voice" and self.model_size != "0b6"
+        )
 
 
 def parse_talker(f: _Fields) -> TalkerConfig:
@@ -308,13 +462,7 @@ def load_config(checkpoint_dir: Path) -> Qwen3TTSConfig:
     top = _Fields(path, read_json(path))
     top.equals("model_type", "qwen3_tts")
     top.equals("tokenizer_type", "qwen3_tts_tokenizer_12hz")
-    model_type = top.data.get("tts_model_type")
-    if model_type == "base":
-        raise CheckpointError(
-            f"{path}: tts_model_type = 'base' (voice cloning from reference audio) is not supported yet; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    top.equals("tts_model_type", *SUPPORTED_MODEL_TYPES)
+    model_type = top.equals("tts_model_type", *SUPPORTED_MODEL_TYPES)
     talker = parse_talker(top.child("talker_config"))
     codec = parse_codec(checkpoint_dir / "speech_tokenizer" / "config.json")
     if talker.predictor_vocab_size != codec.codebook_size or talker.num_code_groups != codec.num_quantizers:
@@ -338,11 +486,16 @@ def load_config(checkpoint_dir: Path) -> Qwen3TTSConfig:
         "talker_config.text_vocab_size",
     )
     generation = read_json(checkpoint_dir / "generation_config.json")
+    speaker_encoder = None
+    if model_type == "base":
+        hidden = talker.transformer.hidden_size
+        speaker_encoder = SpeakerEncoderConfig.parse(top.child("speaker_encoder_config"), hidden)
     return Qwen3TTSConfig(
         model_type=model_type,
         model_size=str(top.data.get("tts_model_size", "")),
         talker=talker,
         codec=codec,
         generation=generation,
+        speaker_encoder=speaker_encoder,
         **tokens,
     )

@@ -20,8 +20,10 @@ from safetensors import safe_open
 from torch import nn
 
 from .codec import CodecModel
-from .config import CheckpointError, Qwen3TTSConfig, load_config
+from .config import CheckpointError, Qwen3TTSConfig, load_config, parse_speech_encoder
 from .layers import Attention, GatedMLP, Rotary
+from .speaker_encoder import SpeakerEncoderRoot
+from .speech_encoder import SpeechEncoder
 from .talker import Qwen3TTSBackbone
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,8 @@ FUSED_PROJECTIONS = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 
-# Tensors present in official checkpoints that serving does not use (the tokenizer's audio
-# encoder, the Base model's speaker encoder). They are neither loaded nor required.
+# Tensors the backbone and the codec decoder do not read: the tokenizer's audio encoder and the Base
+# model's speaker encoder, loaded on their own (`load_speech_encoder`, `load_speaker_encoder`).
 UNUSED_PREFIXES = ("encoder.", "speaker_encoder.")
 
 
@@ -119,8 +121,9 @@ class SafetensorsCheckpoint:
         return self._open(self.file_of(name)).get_tensor(name)
 
 
-def load_weights(root: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
-    """Fill every parameter of `root` from the checkpoint; fail naming the first problem."""
+def load_weights(root: nn.Module, checkpoint: SafetensorsCheckpoint, only: str | None = None) -> None:
+    """Fill every parameter of `root` from the checkpoint; fail naming the first problem. only: the
+    prefix of the tensors `root` reads, when the file holds other models' tensors too."""
     targets = weight_map(root)
     missing = sorted(set(targets) - checkpoint.names)
     if missing:
@@ -136,7 +139,11 @@ def load_weights(root: nn.Module, checkpoint: SafetensorsCheckpoint) -> None:
             )
         with torch.no_grad():
             target.parameter[target.rows].copy_(checkpoint.tensor(name))
-    unexpected = sorted(n for n in checkpoint.names - set(targets) if not n.startswith(UNUSED_PREFIXES))
+    unexpected = sorted(
+        n
+        for n in checkpoint.names - set(targets)
+        if (n.startswith(only) if only else not n.startswith(UNUSED_PREFIXES))
+    )
     if unexpected:
         log.warning(
             "%s: ignoring %d tensor(s) this model does not use, e.g. %s",
@@ -174,4 +181,37 @@ def load_codec(
     config = config or load_config(checkpoint_dir)
     model = _materialize(lambda: CodecModel(config.codec), torch.device(device), dtype)
     load_weights(model, SafetensorsCheckpoint(checkpoint_dir / "speech_tokenizer"))
+    return model
+
+
+def load_speaker_encoder(
+    checkpoint_dir: Path, config: Qwen3TTSConfig | None = None, device="cpu", dtype=torch.float32
+) -> SpeakerEncoderRoot:
+    """The Base model's speaker encoder (`speaker_encoder.*` in model.safetensors)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = config or load_config(checkpoint_dir)
+    if config.speaker_encoder is None:
+        raise CheckpointError(
+            f"{checkpoint_dir}: tts_model_type {config.model_type!r} has no speaker encoder"
+        )
+    model = _materialize(lambda: SpeakerEncoderRoot(config.speaker_encoder), torch.device(device), dtype)
+    load_weights(model, SafetensorsCheckpoint(checkpoint_dir), only="speaker_encoder.")
+    return model
+
+
+def load_speech_encoder(
+    checkpoint_dir: Path, config: Qwen3TTSConfig | None = None, device="cpu", dtype=torch.float32
+) -> SpeechEncoder:
+    """The speech tokenizer's audio encoder (`encoder.*` in speech_tokenizer/model.safetensors)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = config or load_config(checkpoint_dir)
+    path = checkpoint_dir / "speech_tokenizer" / "config.json"
+    encoder = parse_speech_encoder(path)
+    if encoder.num_codes != config.codec.num_quantizers:
+        raise CheckpointError(
+            f"{path}: encoder_valid_num_quantizers = {encoder.num_codes} does not match the decoder's "
+            f"num_quantizers = {config.codec.num_quantizers}"
+        )
+    model = _materialize(lambda: SpeechEncoder(encoder), torch.device(device), dtype)
+    load_weights(model, SafetensorsCheckpoint(checkpoint_dir / "speech_tokenizer"), only="encoder.")
     return model

@@ -8,6 +8,8 @@ checkpoint. They produce noise, not speech.
 Presets: `0.6b` and `1.7b` are the official 12 Hz CustomVoice configurations; `tiny` is the 0.6B
 configuration with every width and depth shrunk (TINY_OVERRIDES) so it runs faster than real time
 on two CPU cores. Token ids, vocabularies, codebooks and the codec's upsampling are unchanged.
+`0.6b-base`, `1.7b-base` and `tiny-base` are the same for the Base (voice cloning) models, whose
+checkpoints add the speaker encoder.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import torch
 from safetensors.torch import save_file
 
 from .codec import CodecModel
-from .config import load_config
+from .config import load_config, mimi_encoder_fields
 from .loader import weight_map
+from .speaker_encoder import SpeakerEncoderRoot
+from .speech_encoder import SpeechEncoder
 from .talker import Qwen3TTSBackbone
 
 PRESET_DIR = Path(__file__).parent / "presets"
-PRESETS = ("tiny", "0.6b", "1.7b")
+PRESETS = ("tiny", "0.6b", "1.7b", "tiny-base", "0.6b-base", "1.7b-base")
 TOKENIZER_FILES = ("tokenizer_config.json", "vocab.json", "merges.txt")
 COMMON_FILES = ("generation_config.json", "preprocessor_config.json")
 SPEECH_TOKENIZER_FILES = ("config.json", "preprocessor_config.json", "configuration.json")
@@ -76,6 +80,13 @@ TINY_OVERRIDES = {
         upsample_groups=32,
         vector_quantization_hidden_dimension=16,
     ),
+    "speaker_encoder": dict(
+        enc_dim=64,
+        enc_channels=[32, 32, 32, 32, 96],
+        enc_attention_channels=16,
+        enc_res2net_scale=4,
+        enc_se_channels=16,
+    ),
 }
 
 
@@ -83,10 +94,11 @@ def preset_configs(preset: str) -> tuple[dict, dict]:
     """(config.json, speech_tokenizer/config.json) contents for a preset."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    base = "0.6b" if preset == "tiny" else preset
-    config = json.loads((PRESET_DIR / base / "config.json").read_text())
+    tiny = preset.startswith("tiny")
+    source = preset.replace("tiny", "0.6b")
+    config = json.loads((PRESET_DIR / source / "config.json").read_text())
     speech = json.loads((PRESET_DIR / "common" / "speech_tokenizer" / "config.json").read_text())
-    if preset == "tiny":
+    if tiny:
         config = copy.deepcopy(config)
         config["tts_model_size"] = "tiny"
         talker = config["talker_config"]
@@ -95,82 +107,34 @@ def preset_configs(preset: str) -> tuple[dict, dict]:
         talker["code_predictor_config"].update(TINY_OVERRIDES["predictor"])
         speech["decoder_config"].update(TINY_OVERRIDES["codec_decoder"])
         speech["encoder_config"].update(TINY_OVERRIDES["codec_encoder"])
+        if "speaker_encoder_config" in config:
+            config["speaker_encoder_config"].update(TINY_OVERRIDES["speaker_encoder"])
     return config, speech
 
 
 def audio_encoder_shapes(encoder: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of the tokenizer's audio encoder (a Mimi encoder), which serving never runs.
-
-    Official checkpoints carry it in speech_tokenizer/model.safetensors; we write it so the layout
-    is complete and the reference implementation loads our checkpoints unchanged.
-    """
-    shapes: dict[str, tuple[int, ...]] = {}
-    filters, compress = encoder["num_filters"], encoder["compress"]
-    hidden, codebook_dim = encoder["hidden_size"], encoder["codebook_dim"]
-
-    def conv(name, out_ch, in_ch, kernel, bias=True):
-        shapes[f"{name}.weight"] = (out_ch, in_ch, kernel)
-        if bias:
-            shapes[f"{name}.bias"] = (out_ch,)
-
-    conv("encoder.encoder.layers.0.conv", filters, encoder["audio_channels"], encoder["kernel_size"])
-    index, dim = 1, filters
-    for ratio in reversed(encoder["upsampling_ratios"]):
-        for _ in range(encoder["num_residual_layers"]):
-            conv(
-                f"encoder.encoder.layers.{index}.block.1.conv",
-                dim // compress,
-                dim,
-                encoder["residual_kernel_size"],
-            )
-            conv(f"encoder.encoder.layers.{index}.block.3.conv", dim, dim // compress, 1)
-            index += 1
-        index += 1  # activation
-        conv(f"encoder.encoder.layers.{index}.conv", dim * 2, dim, 2 * ratio)
-        index, dim = index + 1, dim * 2
-    conv(f"encoder.encoder.layers.{index + 1}.conv", hidden, dim, encoder["last_kernel_size"])
-    heads, kv_heads, head_dim = (
-        encoder["num_attention_heads"],
-        encoder["num_key_value_heads"],
-        encoder["head_dim"],
-    )
-    for layer in range(encoder["num_hidden_layers"]):
-        prefix = f"encoder.encoder_transformer.layers.{layer}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            shapes[prefix + norm + ".weight"] = shapes[prefix + norm + ".bias"] = (hidden,)
-        shapes[prefix + "self_attn.q_proj.weight"] = (heads * head_dim, hidden)
-        shapes[prefix + "self_attn.k_proj.weight"] = (kv_heads * head_dim, hidden)
-        shapes[prefix + "self_attn.v_proj.weight"] = (kv_heads * head_dim, hidden)
-        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, heads * head_dim)
-        shapes[prefix + "mlp.fc1.weight"] = (encoder["intermediate_size"], hidden)
-        shapes[prefix + "mlp.fc2.weight"] = (hidden, encoder["intermediate_size"])
-        shapes[prefix + "self_attn_layer_scale.scale"] = shapes[prefix + "mlp_layer_scale.scale"] = (hidden,)
-    conv("encoder.downsample.conv", hidden, hidden, 2 * compress, bias=False)
-    semantic = encoder["num_semantic_quantizers"]
-    projection_dim = encoder["vector_quantization_hidden_dimension"]
-    for kind, count in (("semantic", semantic), ("acoustic", encoder["num_quantizers"] - semantic)):
-        prefix = f"encoder.quantizer.{kind}_residual_vector_quantizer."
-        if projection_dim != hidden:
-            conv(prefix + "input_proj", projection_dim, hidden, 1, bias=False)
-            conv(prefix + "output_proj", hidden, projection_dim, 1, bias=False)
-        for q in range(count):
-            shapes[f"{prefix}layers.{q}.codebook.cluster_usage"] = (encoder["codebook_size"],)
-            shapes[f"{prefix}layers.{q}.codebook.embed_sum"] = (encoder["codebook_size"], codebook_dim)
-            shapes[f"{prefix}layers.{q}.codebook.initialized"] = (1,)
-    return shapes
+    """Tensor names and shapes of a Mimi encoder with this config object (the speech tokenizer's
+    `encoder_config`; CSM's codec has the same encoder), under the `encoder.` prefix."""
+    with torch.device("meta"):
+        module = SpeechEncoder(mimi_encoder_fields(encoder, "encoder_config"))
+    return {name: target.shape for name, target in weight_map(module).items()}
 
 
 def checkpoint_shapes(checkpoint_dir: Path) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """Official tensor names and shapes: (model.safetensors, speech_tokenizer/model.safetensors)."""
     config = load_config(checkpoint_dir)
     with torch.device("meta"):
-        backbone = Qwen3TTSBackbone(config)
+        talker_models = [Qwen3TTSBackbone(config)]
+        if config.speaker_encoder is not None:
+            talker_models.append(SpeakerEncoderRoot(config.speaker_encoder))
         codec = CodecModel(config.codec)
-    talker = {name: target.shape for name, target in weight_map(backbone).items()}
-    speech = {name: target.shape for name, target in weight_map(codec).items()}
-    encoder = json.loads((checkpoint_dir / "speech_tokenizer" / "config.json").read_text())["encoder_config"]
-    speech.update(audio_encoder_shapes(encoder))
-    return talker, speech
+
+    def shapes(models) -> dict[str, tuple]:
+        return {name: target.shape for model in models for name, target in weight_map(model).items()}
+
+    # The speech tokenizer's audio encoder is in every official checkpoint, Base or not.
+    speech = json.loads((checkpoint_dir / "speech_tokenizer" / "config.json").read_text())
+    return shapes(talker_models), {**shapes([codec]), **audio_encoder_shapes(speech["encoder_config"])}
 
 
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: float) -> torch.Tensor:
@@ -191,7 +155,7 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, layer_scale: flo
         return torch.full(shape, layer_scale)
     if leaf == "gamma":
         return torch.full(shape, 0.1)
-    if name.startswith(("decoder.", "encoder.")):
+    if name.startswith(("decoder.", "encoder.", "speaker_encoder.")):
         # Scaled by fan-in (residual branches and the output layer further down), so a random codec
         # makes full-range noise mostly inside [-1, 1] rather than silence or clipping.
         fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1

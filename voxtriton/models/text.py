@@ -15,6 +15,12 @@ front (the official default for CustomVoice and VoiceDesign, `non_streaming_mode
 tokens and tts_eos follow over codec_pad, then codec_bos; every generated frame is then fed with
 tts_pad. In the interleaved layout (`non_streaming_mode=False`) only the first text token goes in
 the prompt (over codec_bos) and the rest, then tts_eos, are fed one per generated frame.
+
+A Base model's cloned voice (`Voice`) puts its x-vector where a preset speaker's codec token goes.
+In-context, the codec prefix ends at codec_pad and what follows is the reference text, the text and
+tts_eos beside codec_bos and the reference frames: with the whole text known, the text over
+codec_pad and then the frames over tts_pad; interleaved, side by side, the longer side's tail (text)
+fed one per frame. Vectors and frames are added to the positions' embeddings by the model runner.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import RequestError
 from .config import Qwen3TTSConfig
+from .voice import Voice
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +154,10 @@ class Prompt:
     text_ids: list[int]
     codec_ids: list[int]
     trailing_text_ids: list[int]  # fed one per frame after the prompt, then tts_pad forever
+    speaker_embedding: np.ndarray | None = None  # a cloned voice's x-vector, added at speaker_position
+    speaker_position: int = -1
+    reference_codes: np.ndarray | None = None  # [T, codebooks] frames, from reference_position on
+    reference_position: int = -1
 
 
 class PromptBuilder:
@@ -166,17 +179,30 @@ class PromptBuilder:
         language: str | None = None,
         instruct: str | None = None,
         interleaved: bool = False,
+        voice: Voice | None = None,
     ) -> Prompt:
         text_ids = self.tokenizer.encode(text)
         if not text_ids:
             raise RequestError("text", "is empty")
-        return self.head(speaker, language, instruct).prompt(text_ids, interleaved)
+        return self.head(speaker, language, instruct, voice).prompt(text_ids, interleaved)
 
     def head(
-        self, speaker: str | None = None, language: str | None = None, instruct: str | None = None
+        self,
+        speaker: str | None = None,
+        language: str | None = None,
+        instruct: str | None = None,
+        voice: Voice | None = None,
     ) -> "PromptHead":
         """The prompt up to the text (role tokens and codec prefix), after checking the voice options."""
         cfg, talker = self.config, self.config.talker
+        if cfg.clones_voices and voice is None:
+            raise RequestError(
+                "reference_audio", "is required by this Base model (or a registered voice in 'speaker')"
+            )
+        if voice is not None and not cfg.clones_voices:
+            raise RequestError(
+                "reference_audio", f"voice cloning needs a Base checkpoint; this one is {cfg.model_type}"
+            )
         language = (language or "auto").lower()
         if language not in self.languages:
             raise RequestError(
@@ -194,11 +220,17 @@ class PromptBuilder:
                 )
         elif speaker is not None:
             raise RequestError(
-                "speaker", "this VoiceDesign model has no preset speakers; describe the voice in 'instruct'"
+                "speaker",
+                "this Base model has no preset speakers; give reference_audio or a registered voice"
+                if cfg.clones_voices
+                else "this VoiceDesign model has no preset speakers; describe the voice in 'instruct'",
             )
         if instruct and not cfg.supports_instruct:
             raise RequestError(
-                "instruct", f"not supported by this checkpoint (tts_model_size {cfg.model_size!r})"
+                "instruct",
+                "not supported by Base checkpoints (the voice comes from the reference)"
+                if cfg.clones_voices
+                else f"not supported by this checkpoint (tts_model_size {cfg.model_size!r})",
             )
 
         language_id = None if language == "auto" else talker.languages[language]
@@ -215,6 +247,8 @@ class PromptBuilder:
             ]
         if speaker is not None:
             codec_prefix.append(talker.speakers[speaker])
+        if voice is not None:
+            codec_prefix.append(NO_CODEC)  # the x-vector's position
         codec_prefix.append(talker.codec_pad_id)
 
         prefix_text: list[int] = []
@@ -225,27 +259,66 @@ class PromptBuilder:
         prefix_text += self._role([cfg.assistant_token_id])
         text_side = prefix_text + [cfg.tts_pad_token_id] * (len(codec_prefix) - 1) + [cfg.tts_bos_token_id]
         codec_side = [NO_CODEC] * len(prefix_text) + codec_prefix
-        return PromptHead(cfg, text_side, codec_side)
+        reference_text = self.tokenizer.encode(voice.text) if voice is not None and voice.in_context else []
+        return PromptHead(cfg, text_side, codec_side, voice, reference_text)
 
 
 @dataclass(frozen=True)
 class PromptHead:
-    """A prompt's text and codec ids up to the text itself."""
+    """A prompt's text and codec ids up to the text itself (and a cloned voice, with the ids of an
+    in-context voice's transcript)."""
 
     config: Qwen3TTSConfig
     text_side: list[int]
     codec_side: list[int]
+    voice: Voice | None = None
+    reference_text_ids: list[int] = field(default_factory=list)
 
     def prompt(self, text_ids: list[int], interleaved: bool, text_ended: bool = True) -> Prompt:
         """The prompt for `text_ids`. In the interleaved layout they may be the text known so far (at
         least its first token; `text_ended` False): tts_eos follows the rest when the text ends."""
         cfg, talker = self.config, self.config.talker
+        clone = {}
+        if self.voice is not None:
+            clone = dict(speaker_embedding=self.voice.embedding, speaker_position=len(self.codec_side) - 2)
+            if self.voice.in_context:
+                if not text_ended:
+                    raise RequestError(
+                        "speaker", "an in-context voice (one with a transcript) needs the whole text at once"
+                    )
+                return self._in_context(text_ids, interleaved, clone)
         if interleaved:
             return Prompt(
                 self.text_side + text_ids[:1],
                 self.codec_side + [talker.codec_bos_id],
                 text_ids[1:] + ([cfg.tts_eos_token_id] if text_ended else []),
+                **clone,
             )
         text_side = self.text_side + text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
         codec_side = self.codec_side + [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
-        return Prompt(text_side, codec_side, [])
+        return Prompt(text_side, codec_side, [], **clone)
+
+    def _in_context(self, text_ids: list[int], interleaved: bool, clone: dict) -> Prompt:
+        cfg, talker = self.config, self.config.talker
+        texts = self.reference_text_ids + text_ids + [cfg.tts_eos_token_id]
+        frames = len(self.voice.codes)
+        codecs = [talker.codec_bos_id] + [NO_CODEC] * frames
+        trailing: list[int] = []
+        if not interleaved:
+            texts, codecs = (
+                texts + [cfg.tts_pad_token_id] * len(codecs),
+                [talker.codec_pad_id] * len(texts) + codecs,
+            )
+        elif len(texts) > len(codecs):
+            texts, trailing = texts[: len(codecs)], texts[len(codecs) :]
+        else:
+            texts = texts + [cfg.tts_pad_token_id] * (len(codecs) - len(texts))
+        start = len(self.codec_side) + len(codecs) - frames
+        return Prompt(
+            self.text_side + texts,
+            self.codec_side + codecs,
+            trailing,
+            reference_codes=self.voice.codes,
+            reference_position=start,
+            **clone,
+        )

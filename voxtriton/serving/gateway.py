@@ -5,6 +5,7 @@
     GET  /v1/models         the served model, its aliases and its voices
     GET  /health            200 while the backend is ready, 503 while it is not
     GET  /                  the browser playground
+    /v1/audio/voices        registered voices of a Base checkpoint (gateway_voices.py)
 
 Audio streams from Triton over gRPC (Triton's own HTTP endpoint cannot stream decoupled models).
 `pcm` is 16-bit little-endian mono at 24 kHz, as the OpenAI API defines it; `wav` is the same behind
@@ -30,7 +31,9 @@ from voxtriton_client import AsyncTTSClient, Chunk, Synthesis
 from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
 from ..models.config import CheckpointError, load_config
-from .settings import default_checkpoint_dir
+from .gateway_voices import add_voice_routes
+from .settings import default_checkpoint_dir, voices_dir
+from .voices import VoiceStore
 
 log = logging.getLogger("voxtriton.gateway")
 
@@ -340,7 +343,7 @@ def chunk_description(chunk: Chunk) -> dict:
     return {"index": index, "first_frame": first_frame, "frames": frames, "lane": LANES.get(lane, str(lane))}
 
 
-def create_app(backend_url: str, checkpoint: str | None = None):
+def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""):
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
@@ -367,25 +370,33 @@ def create_app(backend_url: str, checkpoint: str | None = None):
             return body
         return JSONResponse({**body, **unreachable().body()}, status_code=503, headers={"Retry-After": "1"})
 
-    async def model_card() -> dict:
+    async def served_checkpoint() -> Path:
         if not await backend.ready():
             raise unreachable()
         try:
-            directory = Path(checkpoint) if checkpoint else await backend.checkpoint()
+            return Path(checkpoint) if checkpoint else await backend.checkpoint()
         except InferenceServerException:  # it went down since
             raise unreachable() from None
+
+    add_voice_routes(app, served_checkpoint, voices_dir(voices), SpeechError)
+
+    async def model_card() -> dict:
+        directory = await served_checkpoint()
         try:
-            voices = sorted(load_config(directory).talker.speakers)
+            config = load_config(directory)
+            # A Base checkpoint's voices are the registered ones.
+            names = VoiceStore(voices_dir(voices), config).names() if config.clones_voices else []
+            voices_list = sorted(config.talker.speakers) + names
         except (OSError, CheckpointError) as error:  # a backend on another host: its path is not here
             log.warning("voices unknown (%s); give the gateway --checkpoint to list them", error)
-            voices = []
+            voices_list = []
         return {
             "id": MODEL,
             "object": "model",
             "created": 0,
             "owned_by": "voxtriton",
             "aliases": list(MODEL_ALIASES),
-            "voices": voices,
+            "voices": voices_list,
         }
 
     @app.get("/v1/models")
@@ -538,6 +549,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory whose voices /v1/models lists (default: the one the backend "
         "serves, read from this host's disk; give it when the backend runs elsewhere)",
     )
+    parser.add_argument(
+        "--voices-dir",
+        default="",
+        help="registered voices of a Base checkpoint, shared with the servers' voices_dir "
+        "(default: <cache>/voices)",
+    )
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -556,7 +573,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             "voxtriton gateway: give one --backend; to use several servers, put a proxy in front of them "
             "(deploy/envoy/, docs/deploy.md) and give its address"
         )
-    app = create_app(args.backend[0] if args.backend else "127.0.0.1:8001", args.checkpoint)
+    app = create_app(args.backend[0] if args.backend else "127.0.0.1:8001", args.checkpoint, args.voices_dir)
     base = f"http://{args.host}:{args.port}"
     print(
         f"voxtriton gateway: {base}/ (playground), POST {base}/v1/audio/speech, GET {base}/v1/models",

@@ -85,6 +85,11 @@ class TTSSettings:
     # An input stream that gets no text piece for this long ends with an error and frees its row.
     text_idle_timeout_s: float = 10.0
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
+    # Base checkpoints: registered voices ("" = <cache>/voices), how many, and the largest reference
+    # recording a request may bring (bytes of its file).
+    voices_dir: str = ""
+    max_voices: int = 1000
+    max_reference_bytes: int = 16 << 20
     # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (`lane_sms`).
     background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
@@ -274,6 +279,10 @@ def int_list(text: str) -> list[int]:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("VOXTRITON_CACHE", Path.home() / ".cache" / "voxtriton"))
+
+
+def voices_dir(setting: str) -> Path:
+    return Path(setting) if setting else cache_dir() / "voices"
 
 
 def default_checkpoint_dir() -> Path:

@@ -29,13 +29,14 @@ from ..models.loader import load_backbone
 from ..models.text import PromptBuilder, TextTokenizer
 from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
-from .requests import SCALAR_INPUTS, STRING_INPUTS, RequestParser
+from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
 from .sequences import TextSequences
-from .settings import CodecSettings, TTSSettings, lane_sms
+from .settings import CodecSettings, TTSSettings, lane_sms, voices_dir
 from .state_pool import CodecStatePool, attach
 from .triton_metrics import TritonMetrics
 from .tts_service import TTSService, codec_slots
+from .voices import EncodingQueue, VoiceEncoder, VoiceStore
 
 log = logging.getLogger("voxtriton")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -215,7 +216,14 @@ class TTSTritonModel:
         self.partition = SMPartition(device, backbone_sms, high_priority=shared)
         backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
         tokenizer = TextTokenizer(checkpoint)
-        self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings)
+        self.voice_encoder = self.encoding = voices = None
+        if config.clones_voices:
+            # The encoders run on the engine's device, on a thread and a CUDA stream of their own.
+            self.voice_encoder = VoiceEncoder(checkpoint, config, device)
+            self.encoding = EncodingQueue(self.voice_encoder)
+            voices = VoiceStore(voices_dir(settings.voices_dir), config, settings.max_voices)
+            log.info("tts: Base checkpoint: voice cloning on, registered voices in %s", voices.directory)
+        self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings, voices)
         runner = ModelRunner(
             backbone,
             settings.max_streams,
@@ -294,7 +302,7 @@ class TTSTritonModel:
             request_id = f"{request.request_id() or 'request'}#{next(self.ids)}"
             try:
                 inputs = {}
-                for name in STRING_INPUTS + tuple(SCALAR_INPUTS):
+                for name in STRING_INPUTS + BYTES_INPUTS + tuple(SCALAR_INPUTS):
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
@@ -302,10 +310,12 @@ class TTSTritonModel:
                 if sequence_id not in (0, ""):  # a piece of an input stream (no sequence batcher: see docs)
                     self._piece(request, sender, str(sequence_id), request_id, inputs)
                     continue
-                parsed = self.parser.parse(request_id, inputs)
-                self.service.submit(
-                    parsed, TritonSink(request, sender, set(request.requested_output_names()))
-                )
+                sink = TritonSink(request, sender, set(request.requested_output_names()))
+                reference = self.parser.reference(inputs)
+                if reference is None:
+                    self.service.submit(self.parser.parse(request_id, inputs), sink)
+                else:  # the encoder thread submits it once its voice is encoded
+                    self._submit_with_voice(request_id, inputs, sink, *reference)
             except (RequestError, ServerBusy) as error:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
             except Exception as error:  # never leave a stream without its final response
@@ -315,6 +325,12 @@ class TTSTritonModel:
                     flags=FINAL,
                 )
         return None
+
+    def _submit_with_voice(self, request_id, inputs, sink, audio: bytes, text: str | None) -> None:
+        def submit(voice):
+            self.service.submit(self.parser.parse(request_id, inputs, voice), sink)
+
+        self.encoding.submit(audio, text, submit, sink.fail)
 
     def _piece(self, request, sender, sequence_id: str, request_id: str, inputs: dict) -> None:
         """One text piece of an input stream. The first piece's sender carries the audio, its final
@@ -351,7 +367,11 @@ class TTSTritonModel:
         for lane in self.lanes.values():
             lane.warming = True
         try:
-            requests = {lane: self.parser.parse(f"warmup-{lane}", inputs) for lane in config.lanes}
+            voice = None
+            if self.voice_encoder is not None:  # an in-context voice: the encoders and codec priming too
+                tone = np.sin(np.arange(24000) * (2 * np.pi * 220 / 24000)).astype(np.float32) * 0.3
+                voice = self.voice_encoder.encode([tone], ["Warming up."])[0]
+            requests = {lane: self.parser.parse(f"warmup-{lane}", inputs, voice) for lane in config.lanes}
             self.service.warm_up(requests, WARMUP_TIMEOUT_S)
             log.info(
                 "tts: warmed up in %.2f s (%d frames on each of the lanes %s)",
@@ -372,6 +392,8 @@ class TTSTritonModel:
     def finalize(self):
         try:
             self.sequences.shutdown()
+            if self.encoding is not None:
+                self.encoding.shutdown()
             self.service.shutdown()
         finally:  # the metrics writer must not call into Triton after this
             self.metrics.close()

@@ -31,6 +31,7 @@ from ..codec import (
     window_mask,
 )
 from ..layers import Attention, LayerScale, Rotary, attention_bias, grouped_attention
+from ..speech_encoder import Codebook
 from .config import MimiConfig
 
 
@@ -119,17 +120,6 @@ class SEANetDecoder(nn.Module):
         for layer in self.layers:
             x = F.elu(x) if isinstance(layer, nn.ELU) else layer(x, state)
         return x
-
-
-class Codebook(nn.Module):
-    def __init__(self, size: int, dim: int):
-        super().__init__()
-        self.initialized = nn.Parameter(torch.ones(1))  # encoder-side flag, kept for a strict layout
-        self.cluster_usage = nn.Parameter(torch.ones(size))
-        self.embed_sum = nn.Parameter(torch.zeros(size, dim))
-
-    def table(self) -> torch.Tensor:
-        return self.embed_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
 
 
 class ResidualQuantizer(nn.Module):

@@ -24,6 +24,12 @@ def own_stream(device: torch.device):
     return torch.cuda.stream(torch.cuda.Stream(device))
 
 
+def prime_codes(request) -> np.ndarray | None:
+    """Codes the codec decodes silently before a stream's first frame: an in-context cloned voice's
+    reference codes, as the official implementation decodes them in front of the generated ones."""
+    return request.prompt.reference_codes
+
+
 def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
     """A chunk's frames [T, Q], the last one repeated up to `length` (see `Chunk.decode_frames`)."""
     codes = np.stack(frames)
@@ -81,10 +87,21 @@ class LaneWorkers:
             for _, stream in live:
                 stream.decoding = True
         issued = self.clock()
+        codec = self.lanes[URGENT if lane == INLINE else lane]
         try:
-            audio = self.lanes[URGENT if lane == INLINE else lane].decode(
+            offsets = []  # primed frames before each stream's first frame
+            for chunk, stream in live:
+                prime = prime_codes(stream.request)
+                offsets.append(0 if prime is None else len(prime))
+                if prime is not None and chunk.first_frame == 0:  # start 0: from a fresh state
+                    codec.decode(
+                        torch.from_numpy(prime[None].astype(np.int32)),
+                        torch.zeros(1, dtype=torch.int64),
+                        torch.tensor([stream.codec_slot], dtype=torch.int64),
+                    )
+            audio = codec.decode(
                 torch.from_numpy(codes.astype(np.int32)),
-                torch.tensor([c.first_frame for c, _ in live], dtype=torch.int64),
+                torch.tensor([c.first_frame + o for (c, _), o in zip(live, offsets)], dtype=torch.int64),
                 torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64),
             )
         except Exception as error:

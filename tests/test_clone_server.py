@@ -1,0 +1,147 @@
+"""Voice cloning through a real tritonserver over gRPC (random tiny-base checkpoint: noise, not speech).
+
+Reference recordings go in as file bytes (`reference_audio`); registered voices are named in
+`speaker`. The streamed audio of an in-context clone must equal the offline decode of the reference
+codes followed by the generated codes, with the reference part cut off.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+import tritonclient.grpc as grpcclient
+from server_helpers import start_server
+from test_clone_parity import reference_audio
+from test_server import raw_request, typed
+from voxtriton_client import TTSClient
+from voxtriton_client.api import request_inputs
+
+from voxtriton.models.config import load_config
+from voxtriton.models.loader import load_codec
+from voxtriton.serving.reference_audio import read_reference_audio
+from voxtriton.serving.voices import VoiceEncoder, VoiceStore
+
+pytestmark = pytest.mark.server
+
+TEXT = "A cloned voice speaks this sentence."
+REFERENCE_TEXT = "The words of the reference recording."
+
+
+def audio_file(audio: np.ndarray, rate: int = 24000, format: str = "WAV") -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, rate, format=format, subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def voices_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("voices")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_base_checkpoint, voices_dir):
+    with start_server(tiny_base_checkpoint, parameters={"tts": {"voices_dir": str(voices_dir)}}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return TTSClient(server.grpc_url)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_base_checkpoint):
+    return VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint))
+
+
+def clone(client, frames=24, **options):
+    return client.synthesize(
+        TEXT, seed=3, max_frames=frames, ignore_eos=True, codes=True, info=True, **options
+    )
+
+
+def test_in_context_clone_streams_the_audio_that_follows_the_reference(client, encoder, tiny_base_checkpoint):
+    recording = audio_file(reference_audio(2.0), format="FLAC")
+    synthesis = clone(client, reference_audio=recording, reference_text=REFERENCE_TEXT).raise_for_error()
+    assert synthesis.codes.shape == (24, 16) and len(synthesis.chunks) >= 3
+    voice = encoder.encode([read_reference_audio(recording)], [REFERENCE_TEXT])[0]
+    codec = load_codec(tiny_base_checkpoint)
+    whole = np.concatenate([voice.codes, synthesis.codes.astype(np.int64)])
+    wav, _ = codec.decode(torch.from_numpy(whole)[None], torch.zeros(1, dtype=torch.long), codec.new_state(1))
+    expected = wav[0, len(voice.codes) * 1920 :].numpy()
+    assert np.abs(expected).max() > 0.05
+    assert np.abs(synthesis.audio - expected).max() <= 1e-4
+
+
+def test_any_sample_rate_and_channels(client):
+    stereo = np.stack([reference_audio(1.5, seed=4)] * 2, axis=1)
+    resampled = audio_file(stereo[::2], rate=12000)
+    at_44k = audio_file(np.repeat(reference_audio(1.5, seed=4), 2)[:66150], rate=44100)
+    for recording in (resampled, at_44k):
+        synthesis = clone(client, frames=8, reference_audio=recording).raise_for_error()
+        assert synthesis.codes.shape == (8, 16) and np.abs(synthesis.audio).max() > 0.01
+
+
+def test_a_registered_voice_equals_its_inline_reference(client, encoder, voices_dir, tiny_base_checkpoint):
+    recording = audio_file(reference_audio(2.0, seed=7))
+    inline = clone(client, reference_audio=recording, reference_text=REFERENCE_TEXT).raise_for_error()
+    unknown = clone(client, speaker="alice")
+    assert unknown.error and "speaker" in unknown.error and "alice" in unknown.error
+    store = VoiceStore(voices_dir, load_config(tiny_base_checkpoint))
+    store.add("alice", encoder.encode([read_reference_audio(recording)], [REFERENCE_TEXT])[0])
+    registered = clone(client, speaker="alice").raise_for_error()  # seen while the server runs
+    np.testing.assert_array_equal(registered.codes, inline.codes)
+    np.testing.assert_array_equal(registered.audio, inline.audio)
+    assert store.delete("alice")
+    assert "unknown voice 'alice'" in clone(client, speaker="alice").error
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(reference_audio=b"RIFF\x00\x00not audio at all"), "reference_audio: not a WAV or FLAC file"),
+        (dict(reference_audio=audio_file(reference_audio(0.5))), "reference_audio: too short: 0.50 s"),
+        (dict(reference_audio=audio_file(reference_audio(31.0))), "reference_audio: too long: 31.00 s"),
+        (dict(reference_audio=audio_file(np.zeros(48000, np.float32))), "reference_audio: is silent"),
+        (dict(reference_text=REFERENCE_TEXT), "reference_text: given without reference_audio"),
+        (
+            dict(reference_audio=audio_file(reference_audio(1.0)), speaker="alice"),
+            "speaker: give a registered voice or reference_audio, not both",
+        ),
+        (dict(), "reference_audio: is required by this Base model"),
+    ],
+    ids=["not-audio", "too-short", "too-long", "silent", "text-without-audio", "both", "no-voice"],
+)
+def test_bad_references_are_refused_naming_the_field(client, options, message):
+    synthesis = clone(client, frames=4, **options)
+    assert synthesis.error is not None and message in synthesis.error
+    assert clone(client, frames=4, reference_audio=audio_file(reference_audio(1.0))).error is None
+
+
+def test_reference_audio_of_the_wrong_type_is_refused(server, client):
+    wrong = typed("reference_audio", np.zeros(1, np.float32), "FP32")
+    error = raw_request(server.grpc_url, request_inputs(grpcclient, TEXT, max_frames=4) + [wrong])
+    assert error is not None and "reference_audio" in error, error
+    assert clone(client, frames=4, reference_audio=audio_file(reference_audio(1.0))).error is None
+
+
+def test_concurrent_clones_match_their_solo_runs(client):
+    """Recordings that arrive together are encoded together and their streams share codec calls,
+    each primed with its own reference: nothing changes any one of them."""
+    recordings = [audio_file(reference_audio(1.0 + 0.4 * i, seed=20 + i)) for i in range(4)]
+
+    def run(i):
+        text = REFERENCE_TEXT if i % 2 else None
+        return clone(client, frames=12 + 2 * i, reference_audio=recordings[i], reference_text=text)
+
+    solo = [run(i).raise_for_error() for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = [synthesis.raise_for_error() for synthesis in pool.map(run, range(4))]
+    for alone, shared in zip(solo, together):
+        np.testing.assert_array_equal(shared.codes, alone.codes)
+        assert np.abs(shared.audio - alone.audio).max() <= 1e-4

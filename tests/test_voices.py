@@ -1,0 +1,143 @@
+"""The voices directory: safe names, limits, voices that outlive the process, edits seen at once."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from test_clone_parity import reference_audio
+from test_clone_server import audio_file
+
+from voxtriton.errors import RequestError, ServerBusy
+from voxtriton.models.config import load_config
+from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.models.voice import Voice
+from voxtriton.serving.voices import EncodingQueue, VoiceEncoder, VoiceStore
+
+
+@pytest.fixture(scope="module")
+def config(tiny_base_checkpoint):
+    return load_config(tiny_base_checkpoint)
+
+
+def voice(seed: int, text: str | None = "Some words.") -> Voice:
+    generator = np.random.default_rng(seed)
+    return Voice(
+        generator.standard_normal(64).astype(np.float32), generator.integers(0, 2048, (20, 16)), text
+    )
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "A", "x" * 65, "naïve", "a b"])
+def test_names_that_could_be_paths_are_refused(tmp_path, config, name):
+    store = VoiceStore(tmp_path, config)
+    with pytest.raises(RequestError, match="is not a voice name"):
+        store.add(name, voice(0))
+    with pytest.raises(RequestError, match="is not a voice name"):
+        store.get(name)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_voice_outlives_its_store_and_a_change_is_seen_at_the_next_lookup(tmp_path, config):
+    VoiceStore(tmp_path, config).add("anna", voice(1))
+    reader = VoiceStore(tmp_path, config)  # another process, or the same after a restart
+    first = reader.get("anna")
+    np.testing.assert_array_equal(first.codes, voice(1).codes)
+    assert first.text == "Some words." and reader.get("anna") is first  # cached
+    VoiceStore(tmp_path, config).add("anna", voice(2, None), replace=True)
+    os.utime(tmp_path / "anna.npz", ns=(1, 1))  # a different stamp even within the clock's resolution
+    second = reader.get("anna")
+    np.testing.assert_array_equal(second.embedding, voice(2).embedding)
+    assert not second.in_context
+    assert reader.delete("anna") and reader.get("anna") is None and not reader.delete("anna")
+
+
+def test_limits_and_foreign_voices(tmp_path, config):
+    store = VoiceStore(tmp_path, config, max_voices=2)
+    store.add("one", voice(1))
+    with pytest.raises(RequestError, match="exists"):
+        store.add("one", voice(1))
+    store.add("two", voice(2))
+    with pytest.raises(RequestError, match="full"):
+        store.add("three", voice(3))
+    with pytest.raises(RequestError, match="not made for this checkpoint"):
+        store.add("one", Voice(np.zeros(32, np.float32), voice(1).codes), replace=True)
+    (tmp_path / "broken.npz").write_bytes(b"not a voice")
+    with pytest.raises(RequestError, match="speaker: registered voice 'broken' cannot be read"):
+        store.get("broken")
+    assert store.names() == ["broken", "one", "two"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(), "reference_audio: is required by this Base model"),
+        (dict(speaker="ryan", voice=voice(0)), "speaker: this Base model has no preset speakers"),
+        (dict(instruct="Whisper.", voice=voice(0)), "instruct: not supported by Base checkpoints"),
+    ],
+    ids=["no-voice", "preset-speaker", "instruct"],
+)
+def test_base_prompts_need_a_voice_and_nothing_else(tiny_base_checkpoint, kwargs, message):
+    builder = PromptBuilder(load_config(tiny_base_checkpoint), TextTokenizer(tiny_base_checkpoint))
+    with pytest.raises(RequestError, match=message):
+        builder.build("Hello.", **kwargs)
+
+
+def test_a_voice_on_a_custom_voice_checkpoint_is_refused(tiny_checkpoint):
+    builder = PromptBuilder(load_config(tiny_checkpoint), TextTokenizer(tiny_checkpoint))
+    with pytest.raises(RequestError, match="reference_audio: voice cloning needs a Base checkpoint"):
+        builder.build("Hello.", "ryan", voice=voice(0))
+
+
+def test_the_encoding_queue_answers_every_request_once(tiny_base_checkpoint):
+    answers: dict[str, list] = {}
+    finished = threading.Semaphore(0)
+
+    def answer(name, kind, value):
+        answers.setdefault(name, []).append((kind, value))
+        finished.release()
+
+    def busy(voice):
+        raise ServerBusy("server busy: full")
+
+    queue = EncodingQueue(VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint)))
+    jobs = {
+        "good": (audio_file(reference_audio(1.5)), lambda voice: answer("good", "voice", voice)),
+        "not-audio": (b"nothing", lambda voice: answer("not-audio", "voice", voice)),
+        "busy": (audio_file(reference_audio(1.2)), busy),
+    }
+    for name, (audio, done) in jobs.items():
+        queue.submit(audio, "Words.", done, lambda message, name=name: answer(name, "error", message))
+    for _ in jobs:
+        assert finished.acquire(timeout=60)
+    queue.shutdown()
+    assert {name: len(values) for name, values in answers.items()} == {"good": 1, "not-audio": 1, "busy": 1}
+    kind, voice = answers["good"][0]
+    assert kind == "voice" and voice.in_context and voice.codes.shape == (19, 16)
+    assert answers["not-audio"][0][1].startswith("reference_audio: not a WAV or FLAC file")
+    assert answers["busy"][0] == ("error", "server busy: full")
+
+
+def test_a_batch_of_recordings_gives_each_the_voice_it_gets_alone(tiny_base_checkpoint):
+    """Two recordings of one length share a batch; the others (1.0 s ends mid-frame) go alone."""
+    encoder = VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint))
+    audio = [reference_audio(1.0, seed=1), reference_audio(1.3, seed=2), reference_audio(1.0, seed=3)]
+    texts = [None, "Words.", "Other words."]
+    for wave, text, voice in zip(audio, texts, encoder.encode(audio, texts)):
+        alone = encoder.encode([wave], [text])[0]
+        assert alone.text == voice.text and voice.codes.shape == alone.codes.shape
+        np.testing.assert_array_equal(voice.codes, alone.codes)
+        # fp32 rounding of a batch of two against one
+        assert np.abs(voice.embedding - alone.embedding).max() <= 1e-5 * np.abs(alone.embedding).max()
+
+
+def test_input_streams_take_x_vector_voices_only(tiny_base_checkpoint):
+    """Text that streams in is laid out interleaved and may not have ended: an x-vector voice fits
+    that prompt; an in-context one needs the whole text beside its reference codes."""
+    builder = PromptBuilder(load_config(tiny_base_checkpoint), TextTokenizer(tiny_base_checkpoint))
+    text_ids = builder.tokenizer.encode("Hello there")
+    streamed = builder.head(voice=voice(0, None)).prompt(text_ids, interleaved=True, text_ended=False)
+    assert streamed.speaker_embedding is not None and streamed.trailing_text_ids == text_ids[1:]
+    with pytest.raises(RequestError, match="speaker: an in-context voice .* needs the whole text"):
+        builder.head(voice=voice(0)).prompt(text_ids, interleaved=True, text_ended=False)

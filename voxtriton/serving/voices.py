@@ -1,0 +1,268 @@
+"""Cloned voices for Base checkpoints: encoded from reference recordings, stored, looked up by name.
+
+- `VoiceEncoder` runs the checkpoint's speaker encoder (x-vector) and speech-tokenizer encoder
+  (reference codes) on one device, recordings of one length as one batch.
+- `EncodingQueue` is the `tts` model's encoder thread: requests that bring `reference_audio` wait
+  there, not on Triton's execute thread nor on the engine thread, and go on to the engine once
+  their voice is encoded. Recordings that arrive together are encoded together.
+- `VoiceStore` keeps registered voices in a directory, one `<name>.npz` per voice (x-vector,
+  reference codes, transcript). A name is checked against NAME before it becomes a file name, so
+  no request can name a path. Each lookup compares the file's size and modification time with the
+  cached copy: a voice added or deleted while the server runs is seen at its next request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import tempfile
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import RequestError, ServerBusy
+from ..models.config import Qwen3TTSConfig
+from ..models.loader import load_speaker_encoder, load_speech_encoder
+from ..models.voice import Voice
+from .reference_audio import SAMPLE_RATE, read_reference_audio
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+MAX_TRANSCRIPT_BYTES = 4096
+
+
+def check_name(name: str, field: str = "name") -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise RequestError(
+            field,
+            f"{name!r} is not a voice name (1 to 64 of a-z, 0-9, '_', '-'; a letter or digit first)",
+        )
+    return name
+
+
+class VoiceEncoder:
+    """Reference waveforms (24 kHz) -> Voices, on `device`, in fp32."""
+
+    def __init__(self, checkpoint_dir: Path, config: Qwen3TTSConfig, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.speaker_encoder = load_speaker_encoder(checkpoint_dir, config, self.device)
+        self.speech_encoder = load_speech_encoder(checkpoint_dir, config, self.device)
+        # Beside the engine's streams, so a batch of recordings does not queue behind frame steps.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @torch.inference_mode()
+    def encode(self, waveforms: list[np.ndarray], texts: list[str | None]) -> list[Voice]:
+        """Recordings of one length go through both encoders as one batch. Padding would change a
+        recording's voice (the x-vector pools over every frame; the codes' last frame depends on
+        where the recording ends), so recordings of different lengths go in batches of their own."""
+        by_length: dict[int, list[int]] = {}
+        for index, waveform in enumerate(waveforms):
+            by_length.setdefault(len(waveform), []).append(index)
+        voices: list[Voice | None] = [None] * len(waveforms)
+        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with context:
+            for indices in by_length.values():
+                batch = torch.from_numpy(np.stack([waveforms[i] for i in indices])).to(self.device)
+                embeddings = self.speaker_encoder(batch).float().cpu().numpy()
+                codes = self.speech_encoder(batch).cpu().numpy().astype(np.int64)
+                for row, index in enumerate(indices):
+                    voices[index] = Voice(embeddings[row], codes[row], texts[index] or None)
+        return voices
+
+
+@dataclass
+class _Job:
+    audio: bytes
+    text: str | None
+    done: Callable[[Voice], None]
+    fail: Callable[[str], None]
+
+
+class EncodingQueue:
+    """A thread that encodes queued reference recordings, up to `max_batch` per pass, and hands each
+    voice to its job's `done`; a bad recording or a failing `done` goes to the job's `fail`."""
+
+    def __init__(self, encoder: VoiceEncoder, max_batch: int = 8):
+        self.encoder, self.max_batch = encoder, max_batch
+        self.jobs: list[_Job] = []
+        self.lock = threading.Condition()
+        self.running = True
+        self.thread = threading.Thread(target=self._run, name="voxtriton-voice-encoder", daemon=True)
+        self.thread.start()
+
+    def submit(
+        self, audio: bytes, text: str | None, done: Callable[[Voice], None], fail: Callable[[str], None]
+    ):
+        with self.lock:
+            self.jobs.append(_Job(audio, text, done, fail))
+            self.lock.notify()
+
+    def shutdown(self) -> None:
+        with self.lock:
+            self.running = False
+            jobs, self.jobs = self.jobs, []
+            self.lock.notify()
+        for job in jobs:
+            job.fail("server shutting down")
+        self.thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while self.running and not self.jobs:
+                    self.lock.wait()
+                if not self.running:
+                    return
+                jobs, self.jobs = self.jobs[: self.max_batch], self.jobs[self.max_batch :]
+            self._encode(jobs)
+
+    def _encode(self, jobs: list[_Job]) -> None:
+        """Answer every job exactly once: its voice to `done`, or an error to `fail`."""
+        ready, waveforms = [], []
+        for job in jobs:
+            try:
+                waveforms.append(read_reference_audio(job.audio))
+                ready.append(job)
+            except RequestError as error:
+                job.fail(str(error))
+        if not ready:
+            return
+        try:
+            voices = self.encoder.encode(waveforms, [job.text for job in ready])
+        except Exception as error:  # a bug or device fault: fail these requests, keep serving
+            log.exception("voice encoder failed")
+            for job in ready:
+                job.fail(f"internal error: reference_audio could not be encoded: {error}")
+            return
+        for job, voice in zip(ready, voices):
+            try:
+                job.done(voice)
+            except (RequestError, ServerBusy) as error:
+                job.fail(str(error))
+            except Exception as error:  # never leave a request without its answer
+                log.exception("a request with a cloned voice failed before generation")
+                job.fail(f"internal error: {error}")
+
+
+def register_voice(
+    store: "VoiceStore",
+    encoder: VoiceEncoder,
+    name: str,
+    audio: bytes,
+    text: str | None,
+    replace: bool = False,
+) -> dict:
+    """Encode a recording (file bytes) once and store it as `name`; returns its description."""
+    check_name(name)
+    text = (text or "").strip() or None
+    if text is not None and len(text.encode("utf-8")) > MAX_TRANSCRIPT_BYTES:
+        raise RequestError("text", f"too long (at most {MAX_TRANSCRIPT_BYTES} bytes)")
+    voice = encoder.encode([read_reference_audio(audio, "audio")], [text])[0]
+    store.add(name, voice, replace=replace)
+    return store.describe(name)
+
+
+class VoiceStore:
+    """Registered voices of one checkpoint in `directory`, at most `max_voices` of them."""
+
+    def __init__(self, directory: Path, config: Qwen3TTSConfig, max_voices: int = 1000):
+        self.directory, self.config, self.max_voices = Path(directory), config, max_voices
+        self.cache: dict[str, tuple[tuple[int, int], Voice]] = {}
+        self.lock = threading.Lock()
+
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{check_name(name)}.npz"
+
+    def names(self) -> list[str]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(p.stem for p in self.directory.glob("*.npz") if NAME.fullmatch(p.stem))
+
+    def add(self, name: str, voice: Voice, replace: bool = False) -> None:
+        path = self._path(name)
+        self._check(name, voice)
+        exists = path.exists()
+        if exists and not replace:
+            raise RequestError("name", f"voice {name!r} exists; delete it first")
+        if not exists and len(self.names()) >= self.max_voices:
+            raise RequestError("name", f"the voices directory is full ({self.max_voices} voices)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        with os.fdopen(handle, "wb") as file:
+            np.savez(
+                file,
+                embedding=voice.embedding.astype(np.float32),
+                codes=voice.codes.astype(np.int16),
+                text=np.frombuffer((voice.text or "").encode("utf-8"), dtype=np.uint8),
+            )
+        os.replace(temporary, path)  # atomic: a reader sees the old file or the new one
+
+    def delete(self, name: str) -> bool:
+        try:
+            self._path(name).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def get(self, name: str) -> Voice | None:
+        """The voice registered as `name`, or None; RequestError for a name that cannot be one."""
+        path = self._path(name)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return None
+        key = (stat.st_mtime_ns, stat.st_size)
+        with self.lock:
+            cached = self.cache.get(name)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+        voice = self._load(name, path)
+        with self.lock:
+            self.cache[name] = (key, voice)
+        return voice
+
+    def _load(self, name: str, path: Path) -> Voice:
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                text = bytes(data["text"]).decode("utf-8") or None
+                voice = Voice(data["embedding"].astype(np.float32), data["codes"].astype(np.int64), text)
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            raise RequestError("speaker", f"registered voice {name!r} cannot be read ({error})") from None
+        self._check(name, voice, "speaker")
+        return voice
+
+    def _check(self, name: str, voice: Voice, field: str = "name") -> None:
+        """A voice of this checkpoint: its x-vector width and codebooks match."""
+        width, codebooks = self.config.talker.transformer.hidden_size, self.config.codec.num_quantizers
+        codes = voice.codes
+        if (
+            voice.embedding.shape != (width,)
+            or codes.ndim != 2
+            or codes.shape[1] != codebooks
+            or not 0 < len(codes) <= 30 * SAMPLE_RATE // self.config.codec.samples_per_frame + 1
+            or codes.min() < 0
+            or codes.max() >= self.config.codec.codebook_size
+        ):
+            raise RequestError(
+                field, f"voice {name!r} was not made for this checkpoint (x-vector or codes differ)"
+            )
+
+    def describe(self, name: str) -> dict | None:
+        voice = self.get(name)
+        if voice is None:
+            return None
+        seconds = len(voice.codes) / self.config.frame_rate
+        return {
+            "name": name,
+            "seconds": round(seconds, 2),
+            "in_context": voice.in_context,
+            "text": voice.text,
+        }

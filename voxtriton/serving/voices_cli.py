@@ -1,0 +1,58 @@
+"""`voxtriton voices add|list|delete`: registered voices of a Base checkpoint, on this machine's disk.
+
+A server reading the same voices directory (`voices_dir`) serves a voice added here at its next
+request naming it, without restarting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import RequestError
+
+
+def add_voices_arguments(parser: argparse.ArgumentParser) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--checkpoint", required=True, help="the Base checkpoint directory the voices are for"
+    )
+    common.add_argument("--voices-dir", default="", help="where voices are kept (default: <cache>/voices)")
+    actions = parser.add_subparsers(dest="action", required=True)
+    add = actions.add_parser(
+        "add", parents=[common], help="encode a reference recording once and register it as NAME"
+    )
+    add.add_argument("name")
+    add.add_argument("--audio", required=True, help="the recording: WAV or FLAC, 1 to 30 s, any sample rate")
+    add.add_argument("--text", help="its transcript: in-context cloning (without: x-vector only)")
+    add.add_argument("--replace", action="store_true", help="replace a voice of that name")
+    add.add_argument("--device", default="cpu", help="where the encoders run (cpu, cuda, cuda:N)")
+    actions.add_parser("list", parents=[common], help="the registered voices")
+    delete = actions.add_parser("delete", parents=[common], help="remove a registered voice")
+    delete.add_argument("name")
+
+
+def voices_command(args: argparse.Namespace) -> int:
+    from ..models.config import load_config
+    from .settings import voices_dir
+    from .voices import VoiceEncoder, VoiceStore, register_voice
+
+    config = load_config(Path(args.checkpoint))
+    store = VoiceStore(voices_dir(args.voices_dir), config)
+    try:
+        if args.action == "add":
+            if not config.clones_voices:
+                raise RequestError("checkpoint", f"is {config.model_type}; voices need a Base checkpoint")
+            encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
+            audio = Path(args.audio).read_bytes()
+            print(json.dumps(register_voice(store, encoder, args.name, audio, args.text, args.replace)))
+        elif args.action == "list":
+            for name in store.names():
+                print(json.dumps(store.describe(name)))
+        elif not store.delete(args.name):
+            raise RequestError("name", f"no voice {args.name!r} in {store.directory}")
+    except RequestError as error:
+        print(f"voxtriton voices: {error}")
+        return 2
+    return 0
