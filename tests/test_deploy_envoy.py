@@ -202,8 +202,6 @@ def proxy(tiny_checkpoint, tmp_path_factory):
         envoy = Envoy(config, admin_port)
         # Envoy's first health checks (/v2/models/tts/ready on each HTTP port) pass
         envoy.wait_until(lambda hosts: len(hosts) == 2 and all(map(healthy, hosts.values())), "both healthy")
-        # the gateway's gRPC channel, refused before Envoy was up, reconnects after its backoff
-        wait_for_health(f"http://127.0.0.1:{http_port}")
         yield envoy, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", first, second
     finally:
         if gateway is not None:
@@ -246,6 +244,8 @@ def test_new_streams_go_to_the_server_with_the_fewest_in_flight(proxy):
 @pytest.mark.server
 def test_the_gateway_serves_behind_the_same_proxy(proxy):
     _, _, http, _, _ = proxy
+    # the gateway's gRPC channel, refused before Envoy was up, reconnects after its backoff
+    wait_for_health(http)
     with urllib.request.urlopen(http + "/health", timeout=10) as response:
         health = json.load(response)
     assert response.status == 200 and health["backend"]["ready"]

@@ -407,6 +407,40 @@ def test_playground_stop_ends_the_stream_on_the_server(stack, browser):
     wait_for_metric(server, "voxtriton_active_streams", lambda value: value == 0)
 
 
+def test_playground_speaks_as_the_text_is_typed(stack, browser):
+    """Speak as I type: words go over the gateway's WebSocket as they are typed, and the first audio
+    plays before the text is finished."""
+    url, _ = stack
+    page = browser.new_page(viewport={"width": 1000, "height": 640})
+
+    def pin(route):  # a random-weight model: the first message gets ignore_eos and a seed in flight
+        server = route.connect_to_server()
+
+        def forward(message):
+            body = json.loads(message)
+            if "model" in body:  # the first message carries the options
+                body.update(ignore_eos=True, seed=7)
+            server.send(json.dumps(body))
+
+        route.on_message(forward)
+
+    page.route_web_socket("**/v1/audio/speech/stream", pin)
+    page.goto(url + "/")
+    page.fill("#seconds", "3")
+    page.check("#as-typed")
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('Type;')")
+    page.locator("#text").press_sequentially("Spoken while it is still being typed, word by word", delay=100)
+    page.locator("#text").press("Enter")
+    page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
+    stats = page.evaluate("window.voxtritonStats")
+    screenshot(page, "playground-as-typed.png")
+    page.close()
+    assert stats["state"] == "done" and stats["error"] is None, stats
+    assert stats["samples"] == 38 * 1920  # 3 s at 12.5 frames a second, rounded: max_frames 38
+    assert 0 < stats["ttfaMs"] < stats["lastPieceMs"], stats  # speech began before the text ended
+
+
 def served_events(*events: dict):
     """A route handler answering the page's speech request with these SSE events."""
     body = "".join(f"data: {json.dumps(event)}\n\n" for event in events)
