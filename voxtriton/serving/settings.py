@@ -110,6 +110,9 @@ class TTSSettings:
     # Append one JSON line per chunk sent and per frame step ("" = off); for diagnosis.
     chunk_trace_path: str = ""
     cuda_graphs: bool = True
+    # The decoder layers' projections in FP8 (per-channel weight and per-token input scales; compute
+    # capability 8.9 or newer): fewer weight bytes per step, FP8 tensor cores; logits move slightly.
+    fp8_weights: bool = False
     # Before Triton marks the model ready, run one request per codec lane the policy uses, through BLS,
     # so the first client's request is served warm. Needs the model loaded after the server started.
     warmup: bool = True
