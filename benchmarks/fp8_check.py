@@ -57,7 +57,6 @@ def frame_step_ms(backbone, config, prompts, batches: list[int], context: int, r
             runner.decode(batch, span)
 
         times.append(timed(step, runner.device, repeat) * 1e3)
-    del runner
     return times
 
 
@@ -71,7 +70,8 @@ def markdown(result: dict) -> str:
         "",
         f"```\n{meta['command']}\n```",
         "",
-        f"{meta['prompts']} prompts, greedy, {meta['frames']} frames; {meta['projections']} projections in FP8.",
+        f"{meta['prompts']} prompts, greedy, {meta['frames']} frames; "
+        f"{meta['projections']} projections in FP8.",
         "",
         "## Logit error, teacher-forced (codebook 0 = talker head, 1-15 = code predictor heads)",
         "",
@@ -89,7 +89,8 @@ def markdown(result: dict) -> str:
         "## Codes, free-running",
         "",
         f"All codebooks: {agreement['all_codebooks']:.4f} of codes agree; whole frames: "
-        f"{agreement['whole_frames']:.4f}. First differing frame per prompt: {agreement['first_difference']}.",
+        f"{agreement['whole_frames']:.4f}. First differing frame per prompt: "
+        f"{agreement['first_difference']}.",
         "",
         "| codebook | " + " | ".join(str(i) for i in range(len(agreement["per_codebook"]))) + " |",
         "|---|" + "---|" * len(agreement["per_codebook"]),
@@ -101,9 +102,8 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     for row in result["frame_step"]:
-        lines.append(
-            f"| {row['batch']} | {row['bf16_ms']:.3f} | {row['fp8_ms']:.3f} | {row['bf16_ms'] / row['fp8_ms']:.2f} |"
-        )
+        ratio = row["bf16_ms"] / row["fp8_ms"]
+        lines.append(f"| {row['batch']} | {row['bf16_ms']:.3f} | {row['fp8_ms']:.3f} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
 
