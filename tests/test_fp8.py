@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -178,3 +179,34 @@ def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
     assert len(result["logit_error"]) == 16 and len(result["code_agreement"]["per_codebook"]) == 16
     assert result["meta"]["frames"] == 6 and result["meta"]["projections"] == 16
     assert "RANDOM weights" in (tmp_path / "fp8_check.md").read_text()
+
+
+@pytest.mark.server
+def test_a_server_with_fp8_weights_streams_the_fp8_models_codes(tiny_checkpoint):
+    """`tts:fp8_weights=true` through a real tritonserver: the tts model swaps its projections, and a
+    greedy request's codes are those the FP8 model decodes in process."""
+    from server_helpers import start_server
+    from voxtriton_client import TTSClient
+
+    config = load_config(tiny_checkpoint)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the server's (dtype auto)
+    backbone = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=dtype)
+    projections = quantize_decoder_layers(backbone)
+    prompts = PromptBuilder(config, TextTokenizer(tiny_checkpoint))
+    requests = fidelity.greedy_requests(backbone, prompts, 20, 1)
+    expected = fidelity.decode_frames(
+        fidelity.new_runner(backbone, 1, fidelity.positions_needed(requests, 20), graphs=False), requests, 20
+    )[0]
+    with start_server(tiny_checkpoint, parameters={"tts": {"fp8_weights": "true"}}) as server:
+        synthesis = TTSClient(server.grpc_url).synthesize(
+            fidelity.TEXTS[0],
+            speaker=prompts.speakers[0],
+            temperature=0.0,
+            seed=0,
+            max_frames=20,
+            ignore_eos=True,
+            codes=True,
+        )
+        log = server.log_file.read_text(errors="replace")
+    assert f"FP8 weights for {projections} projections" in log
+    np.testing.assert_array_equal(synthesis.raise_for_error().codes, expected)

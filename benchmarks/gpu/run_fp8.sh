@@ -5,6 +5,6 @@
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 run nvidia-smi -L
-run timeout 300 $PY -m pytest tests/test_fp8.py tests/test_fp8_gpu.py -q -s -p no:cacheprovider
+run timeout 300 $PY -m pytest tests/test_fp8.py tests/test_fp8_gpu.py -q -s -p no:cacheprovider -m "not server"
 checkpoint 1.7b
 run timeout 300 $PY benchmarks/fp8_check.py --checkpoint $CKPTS/ck-1.7b --out $OUT
