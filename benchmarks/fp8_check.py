@@ -40,6 +40,7 @@ from voxtriton.models.fp8 import quantize_decoder_layers
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.random_checkpoint import make_checkpoint
 from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.serving.runtime import resolve_dtype
 
 
 def frame_step_ms(backbone, config, prompts, batches: list[int], context: int, repeat: int) -> list[float]:
@@ -114,7 +115,9 @@ def main() -> None:
     parser.add_argument("--preset", default="1.7b", choices=("tiny", "0.6b", "1.7b"))
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="the reference's: bfloat16 (GPU default) | float32")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16"
+    )
     parser.add_argument("--frames", type=int, default=500)
     parser.add_argument("--prompts", type=int, default=len(fidelity.TEXTS))
     parser.add_argument("--batch-sizes", default="1,64,256")
@@ -125,11 +128,7 @@ def main() -> None:
 
     started = time.perf_counter()
     device = torch.device(args.device)
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    )
+    dtype = resolve_dtype(args.dtype, device)
     checkpoint = args.checkpoint or make_checkpoint(args.preset, Path(tempfile.mkdtemp()) / args.preset)
     config = load_config(checkpoint)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
