@@ -3,8 +3,9 @@
     python benchmarks/fp8_check.py --checkpoint CK --out DIR       # GPU: 1.7B, 500 frames, batch 1/64/256
     python benchmarks/fp8_check.py --preset tiny --device cpu --frames 8 --prompts 2 --batch-sizes 1,2
 
-The same checkpoint is loaded twice, once as is (bf16 on a GPU) and once with its decoder layers'
-projections in FP8. Over a fixed set of prompts decoded greedily (`voxtriton.bench.fidelity`):
+The same checkpoint is loaded as is (bf16 on a GPU) and once per --scopes with those decoder layers'
+projections in FP8 (`talker`: the talker's; `all`: the code predictor's too). Over a fixed set of
+prompts decoded greedily (`voxtriton.bench.fidelity`), per scope:
 - logit error, teacher-forced (each FP8 step continues from bf16's codes), per codebook: max and mean
   absolute error, each also relative to bf16's (max |error| / max |bf16|, sum |error| / sum |bf16|),
   and how often the argmax over the codebook's codes agrees;
@@ -36,7 +37,7 @@ from voxtriton.bench import fidelity
 from voxtriton.bench.timing import timed
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.models.config import load_config
-from voxtriton.models.fp8 import quantize_decoder_layers
+from voxtriton.models.fp8 import quantize_backbone
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.random_checkpoint import make_checkpoint
 from voxtriton.models.text import PromptBuilder, TextTokenizer
@@ -71,40 +72,47 @@ def markdown(result: dict) -> str:
         "",
         f"```\n{meta['command']}\n```",
         "",
-        f"{meta['prompts']} prompts, greedy, {meta['frames']} frames; "
-        f"{meta['projections']} projections in FP8.",
-        "",
-        "## Logit error, teacher-forced (codebook 0 = talker head, 1-15 = code predictor heads)",
-        "",
-        "| codebook | max abs | max abs / max bf16 | mean abs | sum abs / sum bf16 | top-1 agreement |",
-        "|---|---|---|---|---|---|",
+        f"{meta['prompts']} prompts, greedy, {meta['frames']} frames. Codebook 0 is the talker's head, "
+        "1-15 the code predictor's.",
     ]
-    for row in result["logit_error"]:
-        lines.append(
-            f"| {row['codebook']} | {row['max_abs_error']:.4g} | {row['max_abs_error_rel']:.4f} | "
-            f"{row['mean_abs_error']:.4g} | {row['mean_abs_error_rel']:.4f} | {row['top1_agreement']:.4f} |"
-        )
-    agreement = result["code_agreement"]
+    for scope, found in result["scopes"].items():
+        agreement = found["code_agreement"]
+        lines += [
+            "",
+            f"## FP8 {scope} ({found['projections']} projections)",
+            "",
+            "Logit error, teacher-forced:",
+            "",
+            "| codebook | max abs | max abs / max bf16 | mean abs | sum abs / sum bf16 | top-1 agreement |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in found["logit_error"]:
+            lines.append(
+                f"| {row['codebook']} | {row['max_abs_error']:.4g} | {row['max_abs_error_rel']:.4f} | "
+                f"{row['mean_abs_error']:.4g} | {row['mean_abs_error_rel']:.4f} | "
+                f"{row['top1_agreement']:.4f} |"
+            )
+        lines += [
+            "",
+            f"Codes, free-running: {agreement['all_codebooks']:.4f} of codes agree, whole frames "
+            f"{agreement['whole_frames']:.4f}; first differing frame per prompt: "
+            f"{agreement['first_difference']}.",
+            "",
+            "| codebook | " + " | ".join(str(i) for i in range(len(agreement["per_codebook"]))) + " |",
+            "|---|" + "---|" * len(agreement["per_codebook"]),
+            "| agreement | " + " | ".join(f"{share:.3f}" for share in agreement["per_codebook"]) + " |",
+        ]
+    scopes = list(result["scopes"])
     lines += [
-        "",
-        "## Codes, free-running",
-        "",
-        f"All codebooks: {agreement['all_codebooks']:.4f} of codes agree; whole frames: "
-        f"{agreement['whole_frames']:.4f}. First differing frame per prompt: "
-        f"{agreement['first_difference']}.",
-        "",
-        "| codebook | " + " | ".join(str(i) for i in range(len(agreement["per_codebook"]))) + " |",
-        "|---|" + "---|" * len(agreement["per_codebook"]),
-        "| agreement | " + " | ".join(f"{share:.3f}" for share in agreement["per_codebook"]) + " |",
         "",
         f"## Frame step (ms), every row at position {meta['context'] - 1}",
         "",
-        "| batch | bf16 | FP8 | bf16 / FP8 |",
-        "|---|---|---|---|",
+        "| batch | bf16 | " + " | ".join(f"FP8 {scope} | bf16 / FP8 {scope}" for scope in scopes) + " |",
+        "|---|---|" + "---|---|" * len(scopes),
     ]
     for row in result["frame_step"]:
-        ratio = row["bf16_ms"] / row["fp8_ms"]
-        lines.append(f"| {row['batch']} | {row['bf16_ms']:.3f} | {row['fp8_ms']:.3f} | {ratio:.2f} |")
+        cells = [f"{row[scope]:.3f} | {row['bf16'] / row[scope]:.2f}" for scope in scopes]
+        lines.append(f"| {row['batch']} | {row['bf16']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -118,6 +126,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16"
     )
+    parser.add_argument("--scopes", default="talker,all", help="fp8_weights values to compare with bf16")
     parser.add_argument("--frames", type=int, default=500)
     parser.add_argument("--prompts", type=int, default=len(fidelity.TEXTS))
     parser.add_argument("--batch-sizes", default="1,64,256")
@@ -133,41 +142,39 @@ def main() -> None:
     config = load_config(checkpoint)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
     reference = load_backbone(checkpoint, config, device=device, dtype=dtype)
-    candidate = load_backbone(checkpoint, config, device=device, dtype=dtype)
-    projections = quantize_decoder_layers(candidate)
-
     requests = fidelity.greedy_requests(reference, prompts, args.frames, args.prompts)
     positions = fidelity.positions_needed(requests, args.frames)
     graphs = device.type == "cuda"
-    codes = [
-        fidelity.decode_frames(
-            fidelity.new_runner(model, args.prompts, positions, graphs),
-            fidelity.greedy_requests(model, prompts, args.frames, args.prompts),
+
+    def free_running(model):
+        runner = fidelity.new_runner(model, args.prompts, positions, graphs)
+        return fidelity.decode_frames(
+            runner, fidelity.greedy_requests(model, prompts, args.frames, args.prompts), args.frames
+        )
+
+    reference_codes = free_running(reference)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    times = {"bf16": frame_step_ms(reference, config, prompts, batches, args.context, args.repeat)}
+    scopes = {}
+    for scope in args.scopes.split(","):
+        candidate = load_backbone(checkpoint, config, device=device, dtype=dtype)
+        found = {"projections": quantize_backbone(candidate, scope)}
+        found["code_agreement"] = fidelity.code_agreement(reference_codes, free_running(candidate))
+        found["logit_error"] = fidelity.teacher_forced_logit_error(
+            fidelity.new_runner(reference, args.prompts, positions, graphs=False),
+            fidelity.new_runner(candidate, args.prompts, positions, graphs=False),
+            fidelity.greedy_requests(reference, prompts, args.frames, args.prompts),
             args.frames,
         )
-        for model in (reference, candidate)
-    ]
-    agreement = fidelity.code_agreement(*codes)
-    print(f"free-running codes: {json.dumps(agreement)}", flush=True)
-    logit_error = fidelity.teacher_forced_logit_error(
-        fidelity.new_runner(reference, args.prompts, positions, graphs=False),
-        fidelity.new_runner(candidate, args.prompts, positions, graphs=False),
-        requests,
-        args.frames,
-    )
-    for row in logit_error:
-        print(f"logit error: {json.dumps(row)}", flush=True)
-
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    times = [
-        frame_step_ms(model, config, prompts, batches, args.context, args.repeat)
-        for model in (reference, candidate)
-    ]
+        times[scope] = frame_step_ms(candidate, config, prompts, batches, args.context, args.repeat)
+        print(f"FP8 {scope}: {json.dumps(found)}", flush=True)
+        scopes[scope] = found
+        del candidate
     frame_step = [
-        {"batch": batch, "bf16_ms": bf16, "fp8_ms": fp8} for batch, bf16, fp8 in zip(batches, *times)
+        {"batch": batch, **{name: times[name][i] for name in times}} for i, batch in enumerate(batches)
     ]
     for row in frame_step:
-        print(f"frame step: {json.dumps(row)}", flush=True)
+        print(f"frame step (ms): {json.dumps(row)}", flush=True)
 
     hardware = (
         f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
@@ -186,11 +193,9 @@ def main() -> None:
             "prompts": args.prompts,
             "frames": args.frames,
             "context": args.context,
-            "projections": projections,
             "seconds": round(time.perf_counter() - started, 1),
         },
-        "logit_error": logit_error,
-        "code_agreement": agreement,
+        "scopes": scopes,
         "frame_step": frame_step,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,11 @@ from torch import nn
 from voxtriton.bench import fidelity
 from voxtriton.kernels.fp8 import FP8, FP8_MAX, quantize_rows_reference
 from voxtriton.models.config import load_config
-from voxtriton.models.fp8 import Fp8Linear, quantize_decoder_layers
+from voxtriton.models.fp8 import Fp8Linear, quantize_backbone
 from voxtriton.models.layers import DecoderLayer
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
-from voxtriton.serving.settings import TTSSettings
+from voxtriton.serving.settings import FP8_SCOPES, TTSSettings
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,36 +91,48 @@ def test_the_fp8_projection_is_the_product_of_its_dequantised_operands(shape):
     assert (got.float() - exact.float()).abs().mean() < 0.05 * exact.float().abs().mean()
 
 
-def test_only_the_decoder_layers_projections_are_swapped(tiny_checkpoint):
+@pytest.mark.parametrize("scope", ["off", "talker", "all"])
+def test_only_the_decoder_layers_projections_of_the_scope_are_swapped(tiny_checkpoint, scope):
     config = load_config(tiny_checkpoint)
     plain = load_backbone(tiny_checkpoint, config, dtype=torch.bfloat16)
     swapped = load_backbone(tiny_checkpoint, config, dtype=torch.bfloat16)
-    layers = config.talker.transformer.num_layers + config.talker.predictor.num_layers
-    assert quantize_decoder_layers(swapped) == 4 * layers
-    for layer in (m for m in swapped.modules() if isinstance(m, DecoderLayer)):
-        for owner in (layer.self_attn, layer.mlp):
-            assert not any(isinstance(child, nn.Linear) for child in owner.children())
-    assert sum(isinstance(m, Fp8Linear) for m in swapped.modules()) == 4 * layers
-    # Everything else (heads, embeddings, norms, projections outside the layers) is untouched ...
+    talker, predictor = config.talker.transformer.num_layers, config.talker.predictor.num_layers
+    prefixes, layers = {
+        "off": ((), 0),
+        "talker": (("talker.model.",), talker),
+        "all": (("talker.model.", "talker.code_predictor."), talker + predictor),
+    }[scope]
+    assert quantize_backbone(swapped, scope) == 4 * layers
+    projections = [
+        (name, child)
+        for name, layer in swapped.named_modules()
+        if isinstance(layer, DecoderLayer)
+        for owner in (layer.self_attn, layer.mlp)
+        for child in owner.children()
+        if isinstance(child, (nn.Linear, Fp8Linear))
+    ]
+    assert len(projections) == 4 * (talker + predictor)
+    for name, child in projections:
+        assert isinstance(child, Fp8Linear if name.startswith(prefixes) else nn.Linear), name
+    # Everything else (heads, embeddings, norms, projections outside the scope's layers) is untouched.
     kept = dict(swapped.named_parameters())
     for name, parameter in plain.named_parameters():
-        if name.rsplit(".", 2)[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        projection = name.rsplit(".", 2)[-2] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        if projection and name.startswith(prefixes):
             assert name not in kept
         else:
             assert torch.equal(kept.pop(name), parameter), name
     assert not kept
-    # ... and a model loaded without the swap (the default) has no FP8 module.
-    assert not TTSSettings().fp8_weights
-    assert not any(isinstance(m, Fp8Linear) for m in plain.modules())
 
 
-def test_the_setting_is_a_boolean_and_a_bad_value_names_it():
+def test_the_setting_is_off_by_default_and_a_bad_value_names_it():
     def parse(value):
         return TTSSettings.from_model_config({"parameters": {"fp8_weights": {"string_value": value}}})[0]
 
-    assert parse("true").fp8_weights and not parse("false").fp8_weights
-    with pytest.raises(ValueError, match="parameter 'fp8_weights': cannot read 'maybe' as bool"):
-        parse("maybe")
+    assert TTSSettings().fp8_weights == "off"
+    assert [parse(scope).fp8_weights for scope in FP8_SCOPES] == ["off", "talker", "all"]
+    with pytest.raises(ValueError, match="parameter 'fp8_weights' must be off, talker or all, got 'true'"):
+        parse("true")
 
 
 def test_fp8_logits_stay_within_fp8_precision_of_bf16(tiny_checkpoint):
@@ -130,7 +142,7 @@ def test_fp8_logits_stay_within_fp8_precision_of_bf16(tiny_checkpoint):
     prompts = PromptBuilder(config, TextTokenizer(tiny_checkpoint))
     reference = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=torch.bfloat16)
     candidate = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=torch.bfloat16)
-    quantize_decoder_layers(candidate)
+    quantize_backbone(candidate, "all")
     requests = fidelity.greedy_requests(reference, prompts, 12, 3)
     positions = fidelity.positions_needed(requests, 12)
     report = fidelity.teacher_forced_logit_error(
@@ -175,15 +187,17 @@ def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "fp8_check.json").read_text())
     assert [row["batch"] for row in result["frame_step"]] == [1, 2]
-    assert all(row["bf16_ms"] > 0 and row["fp8_ms"] > 0 for row in result["frame_step"])
-    assert len(result["logit_error"]) == 16 and len(result["code_agreement"]["per_codebook"]) == 16
-    assert result["meta"]["frames"] == 6 and result["meta"]["projections"] == 16
+    assert all(row[name] > 0 for row in result["frame_step"] for name in ("bf16", "talker", "all"))
+    assert [found["projections"] for found in result["scopes"].values()] == [8, 16]
+    for found in result["scopes"].values():
+        assert len(found["logit_error"]) == 16 and len(found["code_agreement"]["per_codebook"]) == 16
+    assert result["meta"]["frames"] == 6
     assert "RANDOM weights" in (tmp_path / "fp8_check.md").read_text()
 
 
 @pytest.mark.server
 def test_a_server_with_fp8_weights_streams_the_fp8_models_codes(tiny_checkpoint):
-    """`tts:fp8_weights=true` through a real tritonserver: the tts model swaps its projections, and a
+    """`tts:fp8_weights=all` through a real tritonserver: the tts model swaps its projections, and a
     greedy request's codes are those the FP8 model decodes in process."""
     from server_helpers import start_server
     from voxtriton_client import TTSClient
@@ -191,13 +205,13 @@ def test_a_server_with_fp8_weights_streams_the_fp8_models_codes(tiny_checkpoint)
     config = load_config(tiny_checkpoint)
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the server's (dtype auto)
     backbone = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=dtype)
-    projections = quantize_decoder_layers(backbone)
+    projections = quantize_backbone(backbone, "all")
     prompts = PromptBuilder(config, TextTokenizer(tiny_checkpoint))
     requests = fidelity.greedy_requests(backbone, prompts, 20, 1)
     expected = fidelity.decode_frames(
         fidelity.new_runner(backbone, 1, fidelity.positions_needed(requests, 20), graphs=False), requests, 20
     )[0]
-    with start_server(tiny_checkpoint, parameters={"tts": {"fp8_weights": "true"}}) as server:
+    with start_server(tiny_checkpoint, parameters={"tts": {"fp8_weights": "all"}}) as server:
         synthesis = TTSClient(server.grpc_url).synthesize(
             fidelity.TEXTS[0],
             speaker=prompts.speakers[0],

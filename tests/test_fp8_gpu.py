@@ -10,7 +10,7 @@ import torch
 from voxtriton.bench import fidelity
 from voxtriton.kernels import check_kernels
 from voxtriton.models.config import load_config
-from voxtriton.models.fp8 import FP8_CAPABILITY, quantize_decoder_layers
+from voxtriton.models.fp8 import FP8_CAPABILITY, quantize_backbone
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 
@@ -30,7 +30,7 @@ def backbones(checkpoint):
     config = load_config(checkpoint)
     reference = load_backbone(checkpoint, config, device=DEVICE, dtype=torch.bfloat16)
     candidate = load_backbone(checkpoint, config, device=DEVICE, dtype=torch.bfloat16)
-    quantize_decoder_layers(candidate)
+    quantize_backbone(candidate, "all")
     return reference, candidate, PromptBuilder(config, TextTokenizer(checkpoint))
 
 

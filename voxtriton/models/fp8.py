@@ -1,11 +1,12 @@
 """FP8 weights for the decoder layers' projections (the `fp8_weights` setting).
 
-Each `nn.Linear` of a `DecoderLayer` (q/k/v, o, gate/up, down) is swapped at load for an `Fp8Linear`:
-its weight quantised once to float8_e4m3fn with a scale per output channel, its input per token at
-every call, and the product a row-wise scaled FP8 matrix product (`torch._scaled_mm`, bf16 out). That
-halves the bytes a decode step reads for weights and runs the tensor cores at their FP8 rate. The
-heads, embeddings and text projection stay in the model's dtype: logits round only once, in the head.
-Nothing syncs with the host, so the frame step is captured in CUDA graphs as before.
+Each `nn.Linear` of a `DecoderLayer` (q/k/v, o, gate/up, down) of the talker, or of the talker and
+the code predictor (`quantize_backbone`), is swapped at load for an `Fp8Linear`: its weight quantised
+once to float8_e4m3fn with a scale per output channel, its input per token at every call, and the
+product a row-wise scaled FP8 matrix product (`torch._scaled_mm`, bf16 out). That halves the bytes a
+decode step reads for weights and runs the tensor cores at their FP8 rate. The heads, embeddings and
+text projection stay in the model's dtype: logits round only once, in the head. Nothing syncs with
+the host, so the frame step is captured in CUDA graphs as before.
 """
 
 from __future__ import annotations
@@ -74,3 +75,13 @@ def quantize_decoder_layers(root: nn.Module) -> int:
                     setattr(owner, name, Fp8Linear.from_linear(child))
                     swapped += 1
     return swapped
+
+
+def quantize_backbone(backbone: nn.Module, scope: str) -> int:
+    """`quantize_decoder_layers` over the parts of a `Qwen3TTSBackbone` that `scope` (an `fp8_weights`
+    value) names: none, the talker (large weights, one step per frame), or the talker and the code
+    predictor (small weights, 15 steps per frame, each paying for its inputs' quantisation). Returns
+    how many projections were swapped."""
+    talker = backbone.talker
+    roots = {"off": [], "talker": [talker.model], "all": [talker.model, talker.code_predictor]}[scope]
+    return sum(quantize_decoder_layers(root) for root in roots)
