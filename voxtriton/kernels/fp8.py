@@ -73,8 +73,8 @@ if triton is not None:
         value = tl.load(x + row * row_stride + column, mask=inside, other=0.0).to(tl.float32)
         row_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(value), axis=0), min_amax), fp8_max)
         scaled = tl.minimum(tl.maximum(tl.math.div_rn(value, row_scale), -fp8_max), fp8_max)
-        # Round to the e4m3 grid in fp32 (nearest, ties to even), so the cast is exact everywhere (Triton's
-        # interpreter casts by truncation): 3 mantissa bits, or steps of 2**-9 below 2**-6 (subnormals).
+        # Round to the e4m3 grid in fp32 (nearest, ties to even), so the cast only re-encodes: Triton's
+        # interpreter rounds casts wrongly. 3 mantissa bits, or steps of 2**-9 below 2**-6 (subnormals).
         bits = scaled.to(tl.int32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
         subnormal = (scaled + 24576.0) - 24576.0  # fp32 numbers near 1.5 * 2**14 are 2**-9 apart
