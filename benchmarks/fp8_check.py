@@ -42,6 +42,7 @@ from voxtriton.models.loader import load_backbone
 from voxtriton.models.random_checkpoint import make_checkpoint
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.runtime import resolve_dtype
+from voxtriton.serving.settings import FP8_SCOPES
 
 
 def frame_step_ms(backbone, config, prompts, batches: list[int], context: int, repeat: int) -> list[float]:
@@ -134,6 +135,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    unknown = set(args.scopes.split(",")) - set(FP8_SCOPES[1:])
+    if unknown:
+        parser.error(f"--scopes: {', '.join(sorted(unknown))}: not one of {', '.join(FP8_SCOPES[1:])}")
 
     started = time.perf_counter()
     device = torch.device(args.device)

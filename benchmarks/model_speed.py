@@ -30,6 +30,7 @@ from voxtriton.models.fp8 import quantize_backbone
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.random_checkpoint import make_checkpoint
 from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.serving.settings import FP8_SCOPES
 
 
 def top_kernels(fn, device: torch.device, count: int) -> str:
@@ -93,9 +94,7 @@ def main() -> None:
     parser.add_argument("--chunk-frames", type=int, default=25)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs for every timed step (GPU)")
-    parser.add_argument(
-        "--fp8", default="off", choices=("off", "talker", "all"), help="FP8 projections (fp8_weights)"
-    )
+    parser.add_argument("--fp8", default="off", choices=FP8_SCOPES, help="FP8 projections (fp8_weights)")
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--profile",
