@@ -26,9 +26,11 @@ from voxtriton.engine.codec_runner import CodecRunner
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.config import load_config
+from voxtriton.models.fp8 import quantize_backbone
 from voxtriton.models.loader import load_backbone, load_codec
 from voxtriton.models.random_checkpoint import make_checkpoint
 from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.serving.settings import FP8_SCOPES
 
 
 def top_kernels(fn, device: torch.device, count: int) -> str:
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--chunk-frames", type=int, default=25)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs for every timed step (GPU)")
+    parser.add_argument("--fp8", default="off", choices=FP8_SCOPES, help="FP8 projections (fp8_weights)")
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--profile",
@@ -111,6 +114,7 @@ def main() -> None:
     checkpoint = args.checkpoint or make_checkpoint(args.preset, Path(tempfile.mkdtemp()) / args.preset)
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
+    quantize_backbone(backbone, args.fp8)
     codec = load_codec(checkpoint, config, device=device, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -203,6 +207,7 @@ def main() -> None:
         "device": str(device),
         "dtype": str(dtype),
         "graphs": args.graphs,
+        "fp8_weights": args.fp8,
         "context": args.context,
         "spread": args.spread,
         "chunk_frames": args.chunk_frames,

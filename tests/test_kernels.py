@@ -374,6 +374,7 @@ def test_every_kernel_registers_its_check_and_the_kernels_import_no_engine(first
         "add_rms_norm",
         "channel_bias",
         "decode_attention",
+        "fp8_quantize_rows",
         "rotary",
         "sampling",
         "silu_and_mul",

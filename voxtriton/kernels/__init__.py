@@ -5,7 +5,7 @@ Importing the package imports every kernel module, so that each registers its st
 `check_kernels` runs them (`registry`).
 """
 
-from . import attention, codec, norm, rotary, sampling
+from . import attention, codec, fp8, norm, rotary, sampling
 from .registry import FALLBACK_WARNING, check_kernels, run_checks, triton_usable
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "attention",
     "check_kernels",
     "codec",
+    "fp8",
     "norm",
     "rotary",
     "run_checks",

@@ -28,6 +28,8 @@ def _parameters(model_config: dict | str) -> dict[str, str]:
     }
 
 
+# `fp8_weights`: no layers, the talker's, or the talker's and the code predictor's (`models.fp8`).
+FP8_SCOPES = ("off", "talker", "all")
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")  # a boolean parameter's values
 
 
@@ -110,6 +112,9 @@ class TTSSettings:
     # Append one JSON line per chunk sent and per frame step ("" = off); for diagnosis.
     chunk_trace_path: str = ""
     cuda_graphs: bool = True
+    # Decoder-layer projections in FP8 (compute capability 8.9 or newer): off | talker | all (talker
+    # and code predictor). Fewer weight bytes per step, FP8 tensor cores; logits move slightly.
+    fp8_weights: str = "off"
     # Before Triton marks the model ready, run one request per codec lane the policy uses, through BLS,
     # so the first client's request is served warm. Needs the model loaded after the server started.
     warmup: bool = True
@@ -170,6 +175,10 @@ class TTSSettings:
             raise ValueError(
                 "config.pbtxt parameter 'text_idle_timeout_s' must be positive, "
                 f"got {self.text_idle_timeout_s}"
+            )
+        if self.fp8_weights not in FP8_SCOPES:
+            raise ValueError(
+                f"config.pbtxt parameter 'fp8_weights' must be off, talker or all, got {self.fp8_weights!r}"
             )
         if self.text_layout not in ("full", "interleaved"):
             raise ValueError(

@@ -25,6 +25,7 @@ from ..engine.model_runner import ModelRunner
 from ..errors import RequestError, ServerBusy
 from ..models.codec import CodecModel
 from ..models.config import load_config
+from ..models.fp8 import quantize_backbone
 from ..models.loader import load_backbone
 from ..models.text import PromptBuilder, TextTokenizer
 from ..scheduler.policy import BACKGROUND, URGENT
@@ -215,6 +216,9 @@ class TTSTritonModel:
             backbone_sms = 0 if shared else total - background_sms
         self.partition = SMPartition(device, backbone_sms, high_priority=shared)
         backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
+        if settings.fp8_weights != "off":
+            projections = quantize_backbone(backbone, settings.fp8_weights)
+            log.info("tts: FP8 weights for %d projections (%s)", projections, settings.fp8_weights)
         tokenizer = TextTokenizer(checkpoint)
         self.voice_encoder = self.encoding = voices = None
         if config.clones_voices:

@@ -1,0 +1,212 @@
+"""FP8 weights (`fp8_weights`) against bf16: logit error, greedy code agreement, frame-step time.
+
+    python benchmarks/fp8_check.py --checkpoint CK --out DIR       # GPU: 1.7B, 500 frames, batch 1/64/256
+    python benchmarks/fp8_check.py --preset tiny --device cpu --frames 8 --prompts 2 --batch-sizes 1,2
+
+The same checkpoint is loaded as is (bf16 on a GPU) and once per --scopes with those decoder layers'
+projections in FP8 (`talker`: the talker's; `all`: the code predictor's too). Over a fixed set of
+prompts decoded greedily (`voxtriton.bench.fidelity`), per scope:
+- logit error, teacher-forced (each FP8 step continues from bf16's codes), per codebook: max and mean
+  absolute error, each also relative to bf16's (max |error| / max |bf16|, sum |error| / sum |bf16|),
+  and how often the argmax over the codebook's codes agrees;
+- code agreement, free-running (each decodes on its own; CUDA graphs on a GPU): per codebook, the
+  share of frames whose code agrees, and the first frame at which each prompt's codes differ;
+- the frame step (one CUDA graph per batch size), every row at the last position of --context, as
+  `benchmarks/model_speed.py` times it.
+Checkpoints are random-weight (made with `voxtriton make-checkpoint` unless --checkpoint is given): the
+timings are real, the codes are noise, and real weights may agree more or less. Writes fp8_check.json
+and fp8_check.md in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from first_requests import git_commit
+from model_speed import fill_rows
+
+from voxtriton.bench import fidelity
+from voxtriton.bench.timing import timed
+from voxtriton.engine.model_runner import ModelRunner
+from voxtriton.models.config import load_config
+from voxtriton.models.fp8 import quantize_backbone
+from voxtriton.models.loader import load_backbone
+from voxtriton.models.random_checkpoint import make_checkpoint
+from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.serving.runtime import resolve_dtype
+from voxtriton.serving.settings import FP8_SCOPES
+
+
+def frame_step_ms(backbone, config, prompts, batches: list[int], context: int, repeat: int) -> list[float]:
+    """Median frame-step time per batch size, every row at position context - 1 (graphs on a GPU)."""
+    runner = ModelRunner(backbone, max(batches), context + 64, 64)
+    if runner.device.type == "cuda":
+        runner.capture_graphs(batches, [context])
+    times = []
+    for batch in batches:
+        span = fill_rows(runner, config, prompts, batch, context, spread=False)
+        positions = runner.state.position[:batch].clone()
+
+        def step():
+            runner.state.position[:batch] = positions
+            runner.decode(batch, span)
+
+        times.append(timed(step, runner.device, repeat) * 1e3)
+    return times
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = [
+        "# FP8 weights against bf16",
+        "",
+        f"{meta['date']}, commit {meta['commit']}, {meta['hardware']}, torch {meta['torch']}. "
+        f"Checkpoint: {meta['checkpoint']} (RANDOM weights: the codes are noise).",
+        "",
+        f"```\n{meta['command']}\n```",
+        "",
+        f"{meta['prompts']} prompts, greedy, {meta['frames']} frames. Codebook 0 is the talker's head, "
+        "1-15 the code predictor's.",
+    ]
+    for scope, found in result["scopes"].items():
+        agreement = found["code_agreement"]
+        lines += [
+            "",
+            f"## FP8 {scope} ({found['projections']} projections)",
+            "",
+            "Logit error, teacher-forced:",
+            "",
+            "| codebook | max abs | max abs / max bf16 | mean abs | sum abs / sum bf16 | top-1 agreement |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in found["logit_error"]:
+            lines.append(
+                f"| {row['codebook']} | {row['max_abs_error']:.4g} | {row['max_abs_error_rel']:.4f} | "
+                f"{row['mean_abs_error']:.4g} | {row['mean_abs_error_rel']:.4f} | "
+                f"{row['top1_agreement']:.4f} |"
+            )
+        lines += [
+            "",
+            f"Codes, free-running: {agreement['all_codebooks']:.4f} of codes agree, whole frames "
+            f"{agreement['whole_frames']:.4f}; first differing frame per prompt: "
+            f"{agreement['first_difference']}.",
+            "",
+            "| codebook | " + " | ".join(str(i) for i in range(len(agreement["per_codebook"]))) + " |",
+            "|---|" + "---|" * len(agreement["per_codebook"]),
+            "| agreement | " + " | ".join(f"{share:.3f}" for share in agreement["per_codebook"]) + " |",
+        ]
+    scopes = list(result["scopes"])
+    lines += [
+        "",
+        f"## Frame step (ms), every row at position {meta['context'] - 1}",
+        "",
+        "| batch | bf16 | " + " | ".join(f"FP8 {scope} | bf16 / FP8 {scope}" for scope in scopes) + " |",
+        "|---|---|" + "---|---|" * len(scopes),
+    ]
+    for row in result["frame_step"]:
+        cells = [f"{row[scope]:.3f} | {row['bf16'] / row[scope]:.2f}" for scope in scopes]
+        lines.append(f"| {row['batch']} | {row['bf16']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="1.7b", choices=("tiny", "0.6b", "1.7b"))
+    parser.add_argument("--checkpoint", type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16"
+    )
+    parser.add_argument("--scopes", default="talker,all", help="fp8_weights values to compare with bf16")
+    parser.add_argument("--frames", type=int, default=500)
+    parser.add_argument("--prompts", type=int, default=len(fidelity.TEXTS))
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--context", type=int, default=512, help="KV positions of the timed frame steps")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    unknown = set(args.scopes.split(",")) - set(FP8_SCOPES[1:])
+    if unknown:
+        parser.error(f"--scopes: {', '.join(sorted(unknown))}: not one of {', '.join(FP8_SCOPES[1:])}")
+
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    checkpoint = args.checkpoint or make_checkpoint(args.preset, Path(tempfile.mkdtemp()) / args.preset)
+    config = load_config(checkpoint)
+    prompts = PromptBuilder(config, TextTokenizer(checkpoint))
+    reference = load_backbone(checkpoint, config, device=device, dtype=dtype)
+    requests = fidelity.greedy_requests(reference, prompts, args.frames, args.prompts)
+    positions = fidelity.positions_needed(requests, args.frames)
+    graphs = device.type == "cuda"
+
+    def free_running(model):
+        runner = fidelity.new_runner(model, args.prompts, positions, graphs)
+        return fidelity.decode_frames(
+            runner, fidelity.greedy_requests(model, prompts, args.frames, args.prompts), args.frames
+        )
+
+    reference_codes = free_running(reference)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    times = {"bf16": frame_step_ms(reference, config, prompts, batches, args.context, args.repeat)}
+    scopes = {}
+    for scope in args.scopes.split(","):
+        candidate = load_backbone(checkpoint, config, device=device, dtype=dtype)
+        found = {"projections": quantize_backbone(candidate, scope)}
+        found["code_agreement"] = fidelity.code_agreement(reference_codes, free_running(candidate))
+        found["logit_error"] = fidelity.teacher_forced_logit_error(
+            fidelity.new_runner(reference, args.prompts, positions, graphs=False),
+            fidelity.new_runner(candidate, args.prompts, positions, graphs=False),
+            fidelity.greedy_requests(reference, prompts, args.frames, args.prompts),
+            args.frames,
+        )
+        times[scope] = frame_step_ms(candidate, config, prompts, batches, args.context, args.repeat)
+        print(f"FP8 {scope}: {json.dumps(found)}", flush=True)
+        scopes[scope] = found
+        del candidate
+    frame_step = [
+        {"batch": batch, **{name: times[name][i] for name in times}} for i, batch in enumerate(batches)
+    ]
+    for row in frame_step:
+        print(f"frame step (ms): {json.dumps(row)}", flush=True)
+
+    hardware = (
+        f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
+    result = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": git_commit(),
+            "hardware": hardware,
+            "torch": torch.__version__,
+            "command": shlex.join(["python", *sys.argv]),
+            "checkpoint": f"{config.model_size} ({checkpoint})",
+            "dtype": str(dtype),
+            "prompts": args.prompts,
+            "frames": args.frames,
+            "context": args.context,
+            "seconds": round(time.perf_counter() - started, 1),
+        },
+        "scopes": scopes,
+        "frame_step": frame_step,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fp8_check.json").write_text(json.dumps(result, indent=2))
+    (args.out / "fp8_check.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
