@@ -3,7 +3,7 @@
 1. Encoding, in this process on --device: the speaker encoder (x-vector) and the speech tokenizer's
    encoder (reference codes) over a batch of references of each length in --seconds, batches of
    --batches (the server's encoder thread batches up to 8 recordings of one length), median of
-   --repeats after a warm-up; and reading the file (decode; a 24 kHz WAV needs no resampling).
+   --repeats after two warm-up calls; and reading the file (decode; a 24 kHz WAV needs no resampling).
 2. TTFA through tritonservers over gRPC (voxtriton_client): sequential single streams of one text,
    seed and length (max_frames with ignore_eos), the cases interleaved request by request:
    - preset: a preset speaker of a CustomVoice checkpoint (--preset-checkpoint or --preset-url), the
@@ -15,9 +15,12 @@
    --warm-up requests per case go first and are not counted (a registered in-context voice's first
    stream primes the codec state that its later streams reuse; its TTFA is reported apart).
 
-Servers are started here (Triton launcher, one at a time) unless --url / --preset-url name running
-ones; with --url, --voices-dir must be the directory that server reads (`voxtriton serve --param
-tts:voices_dir=DIR`). Checkpoints are random-weight: timings are real, audio is noise.
+The TTFA cases run first and the encoders are timed after them, so this process holds no GPU
+context while the servers (MPS clients) run; the voices are registered with the encoders on the CPU,
+as `voxtriton voices add` does by default. Servers are started here (Triton launcher, one at a time)
+unless --url / --preset-url name running ones; with --url, --voices-dir must be the directory that
+server reads (`voxtriton serve --param tts:voices_dir=DIR`). Checkpoints are random-weight: timings
+are real, audio is noise.
 
     # the H200 run (benchmarks/gpu/run_clone.sh makes the checkpoints and runs this)
     python benchmarks/clone_bench.py --checkpoint /tmp/ck-1.7b-base --preset-checkpoint /tmp/ck-1.7b \
@@ -45,6 +48,7 @@ from voxtriton_client import TTSClient
 
 from voxtriton.bench.fleet import hardware
 from voxtriton.bench.summary import percentile
+from voxtriton.bench.timing import timed
 from voxtriton.models.config import load_config
 from voxtriton.serving.launcher import TritonServer, parse_params
 from voxtriton.serving.reference_audio import SAMPLE_RATE, read_reference_audio
@@ -74,35 +78,17 @@ def wav_bytes(wave: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def timed_median(run, repeats: int, device: torch.device) -> float:
-    """Median ms of `run()` over `repeats` calls, after one untimed call."""
-
-    def wait():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    run()
-    wait()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        wait()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def encoding_costs(encoder: VoiceEncoder, seconds: list[float], batches: list[int], repeats: int) -> list:
     rows = []
     for length in seconds:
         recording = wav_bytes(reference_wave(length))
-        read_ms = timed_median(lambda: read_reference_audio(recording), repeats, torch.device("cpu"))
+        read_ms = timed(lambda: read_reference_audio(recording), torch.device("cpu"), repeats) * 1e3
         for batch in batches:
             waves = torch.from_numpy(np.stack([reference_wave(length, seed) for seed in range(batch)]))
             waves = waves.to(encoder.device)
-            speaker_ms = timed_median(lambda: encoder.speaker_encoder(waves), repeats, encoder.device)
-            speech_ms = timed_median(lambda: encoder.speech_encoder(waves), repeats, encoder.device)
+            speaker_ms = timed(lambda: encoder.speaker_encoder(waves), encoder.device, repeats) * 1e3
+            speech_ms = timed(lambda: encoder.speech_encoder(waves), encoder.device, repeats) * 1e3
             reference_s = batch * length
             rows.append(
                 {
@@ -173,9 +159,10 @@ def measure_cases(url: str, cases: dict[str, dict], args) -> dict[str, dict]:
     return found
 
 
-def ttfa_cases(args, recording: bytes, base_config, encoder: VoiceEncoder) -> tuple[list, dict | None]:
+def ttfa_cases(args, recording: bytes, base_config) -> tuple[list, dict | None]:
     voices_dir = Path(args.voices_dir or Path(args.out) / "voices")
-    register(voices_dir, encoder, base_config, recording)
+    # Registered on the CPU, as `voxtriton voices add` does by default (see main for why).
+    register(voices_dir, VoiceEncoder(Path(args.checkpoint), base_config, "cpu"), base_config, recording)
     clones = {
         "inline x-vector": {"reference_audio": recording},
         "inline in-context": {"reference_audio": recording, "reference_text": REFERENCE_TEXT},
@@ -279,7 +266,7 @@ def main() -> None:
     parser.add_argument("--reference-seconds", type=float, default=10.0, help="the TTFA cases' reference")
     parser.add_argument("--requests", type=int, default=30, help="measured requests per TTFA case")
     parser.add_argument("--warm-up", type=int, default=3, help="uncounted requests per case first")
-    parser.add_argument("--frames", type=int, default=50, help="frames per request (12.5 per second)")
+    parser.add_argument("--frames", type=int, default=25, help="frames per request (12.5 per second)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="voxserve")
     parser.add_argument(
@@ -308,9 +295,12 @@ def main() -> None:
         parser.error("--url: give --voices-dir, the voices directory that server reads")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
     seconds = [float(x) for x in args.seconds.split(",") if x]
     batches = [int(x) for x in args.batches.split(",") if x]
+    ttfa, primed = [], None
+    if not args.no_ttfa:  # first: this process holds no GPU context while the servers (MPS clients) run
+        ttfa, primed = ttfa_cases(args, wav_bytes(reference_wave(args.reference_seconds)), config)
+    encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
     report = {
         "meta": {
             "date": time.strftime("%Y-%m-%d"),
@@ -327,12 +317,9 @@ def main() -> None:
             "text": TEXT,
         },
         "encoding": encoding_costs(encoder, seconds, batches, args.repeats),
-        "ttfa": [],
-        "codec_primings": None,
+        "ttfa": ttfa,
+        "codec_primings": primed,
     }
-    if not args.no_ttfa:
-        recording = wav_bytes(reference_wave(args.reference_seconds))
-        report["ttfa"], report["codec_primings"] = ttfa_cases(args, recording, config, encoder)
     (out / "clone_bench.json").write_text(json.dumps(report, indent=2))
     (out / "clone_bench.md").write_text(markdown(report))
     print(markdown(report))
