@@ -173,6 +173,7 @@ def ttfa_cases(args, recording: bytes, base_config) -> tuple[list, dict | None]:
     with served(args.url, args.checkpoint, args, {"tts": {"voices_dir": str(voices_dir)}}) as (url, metrics):
         before = primings(metrics)
         found |= measure_cases(url, clones, args)
+        time.sleep(0.5)  # the server writes its metrics within 0.1 s
         after = primings(metrics)
     counted = None
     if before is not None:
@@ -297,10 +298,6 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     seconds = [float(x) for x in args.seconds.split(",") if x]
     batches = [int(x) for x in args.batches.split(",") if x]
-    ttfa, primed = [], None
-    if not args.no_ttfa:  # first: this process holds no GPU context while the servers (MPS clients) run
-        ttfa, primed = ttfa_cases(args, wav_bytes(reference_wave(args.reference_seconds)), config)
-    encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
     report = {
         "meta": {
             "date": time.strftime("%Y-%m-%d"),
@@ -316,13 +313,23 @@ def main() -> None:
             "policy": args.policy,
             "text": TEXT,
         },
-        "encoding": encoding_costs(encoder, seconds, batches, args.repeats),
-        "ttfa": ttfa,
-        "codec_primings": primed,
+        "encoding": [],
+        "ttfa": [],
+        "codec_primings": None,
     }
+    if not args.no_ttfa:  # first: this process holds no GPU context while the servers (MPS clients) run
+        recording = wav_bytes(reference_wave(args.reference_seconds))
+        report["ttfa"], report["codec_primings"] = ttfa_cases(args, recording, config)
+        save(report, out)  # kept if the encoders' part is cut short
+    encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
+    report["encoding"] = encoding_costs(encoder, seconds, batches, args.repeats)
+    save(report, out)
+    print(markdown(report))
+
+
+def save(report: dict, out: Path) -> None:
     (out / "clone_bench.json").write_text(json.dumps(report, indent=2))
     (out / "clone_bench.md").write_text(markdown(report))
-    print(markdown(report))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@
 #   RATES  open-loop arrival rates, comma-separated (60,100); D seconds of arrivals per rate (20)
 #   SHARE  share of in-context requests in the open loop (0.5)
 #   P      more serving_bench arguments, e.g. P='--repeats 2'
-#   PRESET the model size (1.7b); PRESET=tiny runs the whole script on a CPU in a few minutes
+#   PRESET the model size (1.7b; 0.6b; tiny checks the script on a CPU, where its 540 s are too few)
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 PRESET=${PRESET:-1.7b}
