@@ -47,6 +47,7 @@ from first_requests import git_commit
 from voxtriton_client import TTSClient
 
 from voxtriton.bench.fleet import hardware
+from voxtriton.bench.server_metrics import codec_primings
 from voxtriton.bench.summary import percentile
 from voxtriton.bench.timing import timed
 from voxtriton.models.config import load_config
@@ -58,7 +59,6 @@ TEXT = "A cloned voice reads this sentence, and the listener hears it start."
 REFERENCE_TEXT = "The words that were spoken in the reference recording."
 XVECTOR, IN_CONTEXT = "bench-xvector", "bench-in-context"  # the registered voices' names
 CASES = ("preset", "inline x-vector", "inline in-context", "registered x-vector", "registered in-context")
-PRIMINGS = "voxtriton_codec_primings_total{"
 
 
 def reference_wave(seconds: float, seed: int = 0) -> np.ndarray:
@@ -126,16 +126,6 @@ def served(url: str | None, checkpoint: str | None, args, parameters: dict):
         yield server.grpc_url, server.metrics
 
 
-def primings(metrics) -> dict[str, float] | None:
-    if metrics is None:
-        return None
-    samples = metrics()
-    return {
-        state: sum(v for k, v in samples.items() if k.startswith(PRIMINGS) and f'state="{state}"' in k)
-        for state in ("decoded", "reused")
-    }
-
-
 def ttfa_ms(url: str, args, **options) -> float:
     synthesis = (
         TTSClient(url)
@@ -171,13 +161,11 @@ def ttfa_cases(args, recording: bytes, base_config) -> tuple[list, dict | None]:
     }
     found = {}
     with served(args.url, args.checkpoint, args, {"tts": {"voices_dir": str(voices_dir)}}) as (url, metrics):
-        before = primings(metrics)
+        before = codec_primings(metrics()) if metrics else None
         found |= measure_cases(url, clones, args)
         time.sleep(0.5)  # the server writes its metrics within 0.1 s
-        after = primings(metrics)
-    counted = None
-    if before is not None:
-        counted = {state: after[state] - before[state] for state in before}
+        after = codec_primings(metrics()) if metrics else None
+    counted = None if before is None else {state: after[state] - before[state] for state in before}
     if args.preset_checkpoint or args.preset_url:
         preset = {"speaker": args.preset_speaker} if args.preset_speaker else {}
         with served(args.preset_url, args.preset_checkpoint, args, {}) as (url, _):

@@ -22,6 +22,7 @@ from test_server import raw_request, typed
 from voxtriton_client import TTSClient
 from voxtriton_client.api import request_inputs
 
+from voxtriton.bench.server_metrics import codec_primings
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_codec
 from voxtriton.serving.reference_audio import read_reference_audio
@@ -102,20 +103,11 @@ def test_a_registered_voice_equals_its_inline_reference(client, encoder, voices_
     assert "unknown voice 'alice'" in clone(client, speaker="alice").error
 
 
-def primings(server) -> dict[str, float]:
-    """voxtriton_codec_primings_total summed over the codec lanes, by state (decoded, reused)."""
-    counts = {"decoded": 0.0, "reused": 0.0}
-    for name, value in server.metrics().items():
-        if name.startswith("voxtriton_codec_primings_total{"):
-            counts["reused" if 'state="reused"' in name else "decoded"] += value
-    return counts
-
-
 def primings_after(server, before: dict[str, float], decoded: int, reused: int) -> dict[str, float]:
     """Waits (metrics are written within 0.1 s) until the counts grew by `decoded` and `reused`."""
     expected = {"decoded": before["decoded"] + decoded, "reused": before["reused"] + reused}
     deadline = time.monotonic() + 10
-    while (counts := primings(server)) != expected and time.monotonic() < deadline:
+    while (counts := codec_primings(server.metrics())) != expected and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counts == expected, (counts, expected)
     return counts
@@ -127,7 +119,7 @@ def test_a_registered_voice_is_primed_once_and_its_state_reused(
     """Inline references prime with a codec call per request; a registered in-context voice primes at
     its first stream and its later streams start from the kept state, streaming the same samples."""
     recording = audio_file(reference_audio(2.5, seed=11))
-    before = primings(server)
+    before = codec_primings(server.metrics())
     inline = [clone(client, reference_audio=recording, reference_text=REFERENCE_TEXT) for _ in range(2)]
     counts = primings_after(server, before, decoded=2, reused=0)
     store = VoiceStore(voices_dir, load_config(tiny_base_checkpoint))
