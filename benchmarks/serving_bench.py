@@ -14,6 +14,9 @@ HTTP to any OpenAI-compatible streaming speech endpoint.
     python benchmarks/serving_bench.py --checkpoint DIR --concurrency 8,32,128 --out results/x
     # CPU smoke test (tiny random checkpoint, under a minute): what the test suite runs
     python benchmarks/serving_bench.py --smoke --out /tmp/smoke
+    # a Base checkpoint: voices registered in DIR, half the requests in-context, half x-vector only
+    python benchmarks/serving_bench.py --checkpoint BASE --param tts:voices_dir=DIR --voice xvec \
+        --voice-mix icl:0.5 --rates 8,16 --out results/z
 
 Workload: utterances of U(3, 20) seconds of audio (max_frames at 12.5 frames/s with ignore_eos, so
 random weights behave like real ones; over HTTP the frames go in --length-field), texts drawn from
@@ -47,7 +50,7 @@ from voxtriton.bench.goodput import same_rate, search_goodput
 from voxtriton.bench.server_metrics import server_side
 from voxtriton.bench.summary import TTFA_TARGET_S, summarize, verdicts
 from voxtriton.bench.targets import GATEWAY_EXTRA_BODY, Endpoint, parse_extra_body
-from voxtriton.bench.workload import Progress, closed_loop, one_request, open_loop
+from voxtriton.bench.workload import Progress, VoiceMix, closed_loop, one_request, open_loop
 
 # Goodput definition -> the key of a probe's verdict on it (summary.verdicts)
 RULES = {"strict": "meets", "attainment": "attains"}
@@ -261,6 +264,8 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
         "audio is noise).",
         "",
     ]
+    if meta.get("voice_mix"):
+        lines += [f"Voices: `{meta['voice_mix']}` (VOICE:SHARE per request), the rest {meta['voice']}.", ""]
     if meta.get("text_rate"):
         streamed = [f"{row['text_end_to_audio_end_p90_ms']}" for r in results for row in r["rates"]]
         lines += [
@@ -557,6 +562,12 @@ def main() -> None:
         "about a word each; TTFA counts from the first); 0: the whole text at once",
     )
     parser.add_argument("--speaker", "--voice", help="the voice (the request's speaker)")
+    parser.add_argument(
+        "--voice-mix",
+        default="",
+        help="VOICE:SHARE,...: that share of requests (drawn per request) names VOICE, e.g. a registered "
+        "voice (Base checkpoints: --param tts:voices_dir=DIR); the rest --voice",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="MODEL:KEY=VALUE config.pbtxt parameter")
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
@@ -596,6 +607,11 @@ def main() -> None:
     unknown = [rule for rule in args.goodput_rules if rule not in RULES]
     if unknown or not args.goodput_rules:
         parser.error(f"--goodput-rules: {','.join(unknown) or 'none given'}; choose from {', '.join(RULES)}")
+    if args.voice_mix:
+        try:
+            args.speaker = VoiceMix.parse(args.speaker, args.voice_mix)
+        except ValueError as error:
+            parser.error(str(error))
     if args.target == "openai":
         missing = [option for option in ("url", "model") if not getattr(args, option)]
         if missing:
@@ -620,6 +636,8 @@ def main() -> None:
         "utterance_seconds": [args.min_seconds, args.max_seconds],
         "ttfa_target_ms": TTFA_TARGET_S * 1e3,
         "text_rate": args.text_rate or None,  # words per second of input streaming; None: whole texts
+        "voice": args.speaker.default if isinstance(args.speaker, VoiceMix) else args.speaker,
+        "voice_mix": args.voice_mix or None,
     }
     # A run cut short (`timeout` sends SIGTERM) still stops its servers, MPS daemons and Python stubs
     # (run_policy's `finally`), which would otherwise hold the GPU beside the next run's server, and

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from test_server import raw_request, typed
 from voxtriton_client import TTSClient
 from voxtriton_client.api import request_inputs
 
+from voxtriton.bench.server_metrics import codec_primings
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_codec
 from voxtriton.serving.reference_audio import read_reference_audio
@@ -99,6 +101,44 @@ def test_a_registered_voice_equals_its_inline_reference(client, encoder, voices_
     np.testing.assert_array_equal(registered.audio, inline.audio)
     assert store.delete("alice")
     assert "unknown voice 'alice'" in clone(client, speaker="alice").error
+
+
+def primings_after(server, before: dict[str, float], decoded: int, reused: int) -> dict[str, float]:
+    """Waits (metrics are written within 0.1 s) until the counts grew by `decoded` and `reused`."""
+    expected = {"decoded": before["decoded"] + decoded, "reused": before["reused"] + reused}
+    deadline = time.monotonic() + 10
+    while (counts := codec_primings(server.metrics())) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counts == expected, (counts, expected)
+    return counts
+
+
+def test_a_registered_voice_is_primed_once_and_its_state_reused(
+    server, client, encoder, voices_dir, tiny_base_checkpoint
+):
+    """Inline references prime with a codec call per request; a registered in-context voice primes at
+    its first stream and its later streams start from the kept state, streaming the same samples."""
+    recording = audio_file(reference_audio(2.5, seed=11))
+    before = codec_primings(server.metrics())
+    inline = [clone(client, reference_audio=recording, reference_text=REFERENCE_TEXT) for _ in range(2)]
+    counts = primings_after(server, before, decoded=2, reused=0)
+    store = VoiceStore(voices_dir, load_config(tiny_base_checkpoint))
+    store.add("bob", encoder.encode([read_reference_audio(recording)], [REFERENCE_TEXT])[0])
+    registered = [clone(client, speaker="bob").raise_for_error()]
+    counts = primings_after(server, counts, decoded=1, reused=0)
+    registered += [clone(client, speaker="bob").raise_for_error() for _ in range(2)]
+    counts = primings_after(server, counts, decoded=0, reused=2)
+    for synthesis in inline[1:] + registered:
+        np.testing.assert_array_equal(synthesis.codes, inline[0].raise_for_error().codes)
+        np.testing.assert_array_equal(synthesis.audio, inline[0].audio)
+    # Replaced by another recording: other codes, so its state is primed afresh.
+    other = encoder.encode(
+        [read_reference_audio(audio_file(reference_audio(1.5, seed=12)))], [REFERENCE_TEXT]
+    )
+    store.add("bob", other[0], replace=True)
+    clone(client, speaker="bob").raise_for_error()
+    primings_after(server, counts, decoded=1, reused=0)
+    assert store.delete("bob")
 
 
 @pytest.mark.parametrize(

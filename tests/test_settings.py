@@ -43,6 +43,7 @@ def test_parameters_are_typed_and_scheduler_ones_go_to_the_scheduler():
         ("scheduler_ttfa_target_s", "-0.1", "scheduler_ttfa_target_s must be >= 0, got -0.1"),
         ("lane_workers", "0", "'lane_workers' must be at least 1, got 0"),
         ("max_draining", "-1", "'max_draining' must be 0 or more, got -1"),
+        ("primed_voices", "-2", "'primed_voices' must be 0 or more, got -2"),
         ("switch_interval_ms", "0", "'switch_interval_ms' must be between 0.001 and 1000, got 0.0"),
         ("switch_interval_ms", "inf", "'switch_interval_ms' must be between 0.001 and 1000, got inf"),
         (

@@ -13,7 +13,7 @@ import torch
 from voxtriton.models.loader import load_codec
 from voxtriton.serving.codec_service import CodecService
 from voxtriton.serving.settings import CodecSettings
-from voxtriton.serving.state_pool import CodecStatePool, attach
+from voxtriton.serving.state_pool import CodecStatePool, PrimedStates, attach
 
 ATTACH_FROM_STDIN = (
     "import os, sys; from voxtriton.serving.state_pool import attach; "
@@ -83,3 +83,22 @@ def test_chunks_decoded_through_the_pool_equal_one_whole_decode(tiny_checkpoint)
             )
     finally:
         pool.close()
+
+
+def test_primed_states_restore_exact_rows_and_drop_the_least_recently_used(pool):
+    primed = PrimedStates(pool.tensor, capacity=2)
+    for slot, value in enumerate((1.5, 2.5, 3.5)):
+        pool.tensor[slot] = torch.arange(1000) * value
+    primed.keep(("urgent", "a"), 0)
+    primed.keep(("urgent", "b"), 1)
+    pool.tensor[0] = -1  # the row moves on; the kept copy does not
+    assert primed.restore(("urgent", "a"), 3) and torch.equal(pool.tensor[3], torch.arange(1000) * 1.5)
+    primed.keep(("urgent", "c"), 2)  # "b" is now the least recently used
+    assert not primed.restore(("urgent", "b"), 3)
+    assert not primed.restore(("background", "a"), 3)  # kept per codec lane
+    assert primed.restore(("urgent", "c"), 3) and torch.equal(pool.tensor[3], torch.arange(1000) * 3.5)
+    none_kept = PrimedStates(pool.tensor, capacity=0)
+    none_kept.keep(("urgent", "a"), 0)
+    assert not none_kept.restore(("urgent", "a"), 3)
+    with pytest.raises(ValueError, match="capacity"):
+        PrimedStates(pool.tensor, capacity=-1)

@@ -70,6 +70,9 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics.frame_step(0.02, 5, StepTiming(admit_s=0.0, decode_s=0.02, decode_device_s=0.018), 0.0005)
     metrics.cancellation_checks(32, 0.0016)
     metrics.cancellation_checks(5, 0.0004)
+    metrics.codec_primed("urgent", False)
+    metrics.codec_primed("urgent", True)
+    metrics.codec_primed("urgent", True)
     metrics.gauges(3, 2, 1, 0, {"urgent": 1, "background": 0, "inline": 0}, 0)
     metrics.gauges(3, 2, 0, 1, {"urgent": 0, "background": 0, "inline": 0}, 1)
     assert calls == []  # nothing on the caller's thread
@@ -106,6 +109,11 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     assert [c[2:] for c in calls if c[0] == "voxtriton_waiting_requests"] == [("set", 0)]
     assert [c[2:] for c in calls if c[0] == "voxtriton_draining_streams"] == [("set", 1)]
     assert [c[3] for c in calls if c[0] == "voxtriton_deadline_misses_total"] == [1]
+    primings = {c[1]: c[2:] for c in calls if c[0] == "voxtriton_codec_primings_total"}
+    assert primings == {
+        (("lane", "urgent"), ("state", "decoded")): ("increment", 1),
+        (("lane", "urgent"), ("state", "reused")): ("increment", 2),
+    }
 
 
 def test_a_failing_update_does_not_stop_the_writer(metrics_module):

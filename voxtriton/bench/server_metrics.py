@@ -68,9 +68,23 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
         },
         "codec_models": triton_codec_models(delta),
         "server_ttfa_ms_mean": mean("voxtriton_ttfa_seconds"),
+        "codec_primings": codec_primings(delta),
         "deadline_misses": delta.get("voxtriton_deadline_misses_total", 0.0),
         "rejected": delta.get("voxtriton_rejected_requests_total", 0.0),
         "cancellation_watcher": cancellation_watcher(delta, wall_s * servers),
+    }
+
+
+def codec_primings(samples: dict) -> dict[str, float]:
+    """In-context voices' codec primings, summed over the lanes: decoded (a codec call before the
+    first audio) or reused (a registered voice's kept state)."""
+    return {
+        state: sum(
+            value
+            for key, value in samples.items()
+            if key.startswith("voxtriton_codec_primings_total{") and f'state="{state}"' in key
+        )
+        for state in ("decoded", "reused")
     }
 
 

@@ -8,6 +8,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from voxtriton.bench.summary import RequestResult
 from voxtriton.bench.targets import FRAME_RATE, Utterance
@@ -51,6 +52,40 @@ class Progress:
             sys.stderr.write("\n")
 
 
+@dataclass(frozen=True)
+class VoiceMix:
+    """Each request's voice: one of `shares` ((voice, probability), in all at most 1), else `default`."""
+
+    default: str | None
+    shares: tuple[tuple[str, float], ...]
+
+    @classmethod
+    def parse(cls, default: str | None, text: str) -> VoiceMix:
+        """ "anna:0.3,bob:0.2" -> anna for 30% of requests, bob for 20%, `default` for the rest;
+        ValueError saying what is wrong."""
+        shares = []
+        for item in text.split(","):
+            name, _, share = item.partition(":")
+            try:
+                value = float(share)
+            except ValueError:
+                raise ValueError(f"--voice-mix: {item!r} is not VOICE:SHARE (a share from 0 to 1)") from None
+            if not name or not 0 < value <= 1:
+                raise ValueError(f"--voice-mix: {item!r} is not VOICE:SHARE (a share from 0 to 1)")
+            shares.append((name, value))
+        if sum(share for _, share in shares) > 1 + 1e-9:
+            raise ValueError(f"--voice-mix: the shares of {text!r} add up to more than 1")
+        return cls(default, tuple(shares))
+
+    def pick(self, rng: random.Random) -> str | None:
+        draw = rng.random()
+        for name, share in self.shares:
+            if draw < share:
+                return name
+            draw -= share
+        return self.default
+
+
 def draw_utterance(rng: random.Random, seconds_range) -> Utterance:
     """A text of TEXTS, a length of U(seconds_range) seconds in whole frames, and a sampling seed."""
     seconds = rng.uniform(*seconds_range)
@@ -59,9 +94,15 @@ def draw_utterance(rng: random.Random, seconds_range) -> Utterance:
 
 
 async def one_request(
-    target, rng: random.Random, seconds_range, speaker: str | None, timeout: float = REQUEST_TIMEOUT_S
+    target,
+    rng: random.Random,
+    seconds_range,
+    speaker: str | VoiceMix | None,
+    timeout: float = REQUEST_TIMEOUT_S,
 ) -> RequestResult:
     utterance = draw_utterance(rng, seconds_range)
+    if isinstance(speaker, VoiceMix):  # drawn after the utterance, which stays what it is without a mix
+        speaker = speaker.pick(rng)
     sent = time.perf_counter()
     try:
         return await asyncio.wait_for(target.request(utterance, speaker, sent), timeout)
@@ -87,7 +128,7 @@ async def open_loop(
     burstiness: float,
     seconds_range,
     seed: int,
-    speaker: str | None,
+    speaker: str | VoiceMix | None,
     progress: Progress | None = None,
 ) -> tuple[list[RequestResult], list[float]]:
     rng = random.Random(seed)
@@ -119,7 +160,12 @@ async def open_loop(
 
 
 async def closed_loop(
-    make_target: Callable, streams: int, duration: float, seconds_range, seed: int, speaker: str | None
+    make_target: Callable,
+    streams: int,
+    duration: float,
+    seconds_range,
+    seed: int,
+    speaker: str | VoiceMix | None,
 ) -> tuple[list[RequestResult], list[float]]:
     rng = random.Random(seed)
     lag: list[float] = []

@@ -158,6 +158,7 @@ class Prompt:
     speaker_position: int = -1
     reference_codes: np.ndarray | None = None  # [T, codebooks] frames, from reference_position on
     reference_position: int = -1
+    reference_key: str | None = None  # a registered voice's `Voice.key`: its primed codec state is kept
 
 
 class PromptBuilder:
@@ -320,5 +321,6 @@ class PromptHead:
             trailing,
             reference_codes=self.voice.codes,
             reference_position=start,
+            reference_key=self.voice.key,
             **clone,
         )

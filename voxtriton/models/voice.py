@@ -3,11 +3,14 @@
 `embedding` is the speaker encoder's x-vector; `codes` the speech tokenizer's codes of the
 recording; `text` its transcript. With a transcript the prompt is in-context (the reference text
 and codes lead the prompt, and the codec decodes the generated frames after the reference codes);
-without one it is x-vector only, and `codes` are not used.
+without one it is x-vector only, and `codes` are not used. A registered voice has a `key`, a digest
+of its codes, under which the server keeps the codec state primed with them for the voice's next
+streams; an inline one has none.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +21,7 @@ class Voice:
     embedding: np.ndarray  # [enc_dim] float32
     codes: np.ndarray  # [frames, codebooks] int64
     text: str | None = None
+    key: str | None = None  # registered voices: `codes_key(codes)`
 
     @property
     def in_context(self) -> bool:
@@ -27,3 +31,9 @@ class Voice:
     def prime_codes(self) -> np.ndarray | None:
         """Codes the codec decodes, silently, before the generated frames (in-context prompts only)."""
         return self.codes if self.in_context else None
+
+
+def codes_key(codes: np.ndarray) -> str:
+    """Reference codes' identity: equal codes prime the codec to equal states."""
+    codes = np.ascontiguousarray(codes, dtype=np.int64)
+    return f"{codes.shape[0]}x{codes.shape[1]}:" + hashlib.sha256(codes.tobytes()).hexdigest()[:32]

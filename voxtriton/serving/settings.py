@@ -92,6 +92,9 @@ class TTSSettings:
     voices_dir: str = ""
     max_voices: int = 1000
     max_reference_bytes: int = 16 << 20
+    # Registered in-context voices whose primed codec state (about 5 MB each, on the engine's device)
+    # is kept, so their streams start without decoding the reference codes; 0: prime every stream.
+    primed_voices: int = 32
     # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (`lane_sms`).
     background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
@@ -162,6 +165,10 @@ class TTSSettings:
             raise ValueError(
                 f"config.pbtxt parameter 'switch_interval_ms' must be between 0.001 and 1000, "
                 f"got {self.switch_interval_ms}"
+            )
+        if self.primed_voices < 0:
+            raise ValueError(
+                f"config.pbtxt parameter 'primed_voices' must be 0 or more, got {self.primed_voices}"
             )
         if self.lane_workers < 1:
             raise ValueError(

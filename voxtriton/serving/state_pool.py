@@ -10,6 +10,9 @@ On a GPU the pool is device memory shared through CUDA IPC; on CPU it is a file 
 A stream has one chunk in flight at a time, so no row is ever touched by two lanes at once, and a
 codec call synchronises before it answers, so the next call (in any process) sees its writes.
 
+`PrimedStates` keeps copies of rows primed with registered voices' reference codes, so that a
+voice's next streams start from a copy instead of another codec call.
+
 The handle arrives as a model input, and clients can call the codec models too: a codec process
 only attaches the handle that the `tts` model of its own server published in a private file
 (keyed by the tritonserver process id), so a forged handle is refused before anything is opened.
@@ -21,6 +24,7 @@ import json
 import os
 import tempfile
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -98,6 +102,50 @@ class CodecStatePool:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+
+
+class PrimedStates:
+    """Codec states primed with registered voices' reference codes: copies of pool rows on the pool's
+    device, under a key naming the codes and the lane that decoded them (equal codes on one lane
+    prime equal states), at most `capacity` (about 5 MB each), the least recently used dropped first.
+
+    Pool rows are read and written by the codec processes between calls, so both methods wait for
+    their copy before returning: the next codec call on that row sees it, and may overwrite it.
+    """
+
+    def __init__(self, pool: torch.Tensor, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"primed states: capacity must be 0 or more, got {capacity}")
+        self.pool, self.capacity = pool, capacity
+        self.states: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def restore(self, key: tuple, slot: int) -> bool:
+        """Copy the state kept under `key` into row `slot`; False if none is kept."""
+        with self.lock:
+            state = self.states.get(key)
+            if state is None:
+                return False
+            self.states.move_to_end(key)
+        self.pool[slot].copy_(state)
+        self._wait()
+        return True
+
+    def keep(self, key: tuple, slot: int) -> None:
+        """Keep a copy of row `slot`, just primed with the codes `key` names."""
+        if self.capacity == 0:
+            return
+        state = self.pool[slot].clone()
+        self._wait()
+        with self.lock:
+            self.states[key] = state
+            self.states.move_to_end(key)
+            while len(self.states) > self.capacity:
+                self.states.popitem(last=False)
+
+    def _wait(self) -> None:
+        if self.pool.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.device).synchronize()
 
 
 def _map_file(path: str, rows: int, state_size: int) -> torch.Tensor:

@@ -126,6 +126,17 @@ class TritonMetrics:
         self.step_batch = _family(
             "voxtriton_frame_step_batch", "Requests in a backbone frame step", histogram
         ).Metric(labels={}, buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+        primings = _family(
+            "voxtriton_codec_primings_total",
+            "In-context voices' codec states primed with their reference codes, by codec lane: "
+            "decoded (a codec call) or reused (a registered voice's kept state copied)",
+            counter,
+        )
+        self.primings = {
+            (lane, reused): primings.Metric(labels={"lane": lane, "state": "reused" if reused else "decoded"})
+            for lane in (URGENT, BACKGROUND)
+            for reused in (False, True)
+        }
         depth = _family("voxtriton_lane_queue_depth", "Chunks waiting for a codec lane", gauge)
         self.depth = {lane: depth.Metric(labels={"lane": lane}) for lane in LANES}
         self.active = _family(
@@ -199,6 +210,9 @@ class TritonMetrics:
         queue.append((self.codec_calls[lane], "increment", 1))
         queue.append((self.codec_busy[lane], "increment", seconds))
         queue.append((self.codec_frames[lane], "increment", frames))
+
+    def codec_primed(self, lane, reused):
+        self._updates.append((self.primings[lane, reused], "increment", 1))
 
     def frame_step(self, seconds, batch, timing, host_cpu_s):
         queue = self._updates

@@ -34,7 +34,7 @@ from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, RequestParser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
 from .sequences import TextSequences
 from .settings import CodecSettings, TTSSettings, lane_sms, voices_dir
-from .state_pool import CodecStatePool, attach
+from .state_pool import CodecStatePool, PrimedStates, attach
 from .triton_metrics import TritonMetrics
 from .tts_service import TTSService, codec_slots
 from .voices import EncodingQueue, VoiceEncoder, VoiceStore
@@ -284,6 +284,7 @@ class TTSTritonModel:
             lane_workers=settings.lane_workers,
             max_draining=settings.max_draining,
             cancellation_lock_share=settings.cancellation_lock_share,
+            primed_states=PrimedStates(self.state_pool.tensor, settings.primed_voices) if voices else None,
         )
         self.sequences = TextSequences(
             self.parser, self.service, settings.text_idle_timeout_s, clock=self.service.clock

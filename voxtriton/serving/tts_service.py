@@ -31,6 +31,7 @@ from .service.lanes import LANE_CODES, LaneWorkers, own_stream, padded_codes
 from .service.protocols import CodecLane, ResponseSink, ServiceMetrics
 from .service.streams import Stream, StreamRegistry, WarmupSink, codec_slots
 from .service.trace import ChunkTrace
+from .state_pool import PrimedStates
 
 __all__ = [
     "LANE_CODES",
@@ -64,6 +65,7 @@ class TTSService(StreamRegistry, EngineLoop, LaneWorkers, CancellationWatcher, C
         lane_workers: int = 1,
         max_draining: int = 0,
         cancellation_lock_share: float = 1.0,
+        primed_states: PrimedStates | None = None,
     ):
         """lanes share one codec state pool of at least `codec_slots(...)` rows. `chunk_trace`, if
         given, gets one JSON line per chunk sent and per frame step (see `_write_trace`).
@@ -72,7 +74,9 @@ class TTSService(StreamRegistry, EngineLoop, LaneWorkers, CancellationWatcher, C
         state rows added to the shared pool for streams that have finished generating and still owe
         audio (not a cap of its own: see `submit`). `cancellation_lock_share`: the largest share of
         time the cancellation watcher holds the service lock (`_watch_cancellations`); the server
-        passes `TTSSettings.cancellation_lock_share` (0.1), direct users get no pacing unless they ask."""
+        passes `TTSSettings.cancellation_lock_share` (0.1), direct users get no pacing unless they ask.
+        `primed_states`: where registered in-context voices' primed codec states are kept (on the
+        lanes' shared pool); None: every in-context stream primes with a codec call."""
         self.engine = engine
         self.scheduler = ChunkScheduler(scheduler_config, clock)
         self.lanes = lanes
@@ -88,6 +92,7 @@ class TTSService(StreamRegistry, EngineLoop, LaneWorkers, CancellationWatcher, C
             )
         self.cancellation_lock_share = cancellation_lock_share
         self.metrics = metrics
+        self.primed_states = primed_states
         self.clock = clock
         self.chunk_trace = chunk_trace
         self.lock = threading.Condition()

@@ -30,7 +30,7 @@ import torch
 from ..errors import RequestError, ServerBusy
 from ..models.config import Qwen3TTSConfig
 from ..models.loader import load_speaker_encoder, load_speech_encoder
-from ..models.voice import Voice
+from ..models.voice import Voice, codes_key
 from .reference_audio import SAMPLE_RATE, read_reference_audio
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,8 @@ class VoiceStore:
         try:
             with np.load(path, allow_pickle=False) as data:
                 text = bytes(data["text"]).decode("utf-8") or None
-                voice = Voice(data["embedding"].astype(np.float32), data["codes"].astype(np.int64), text)
+                codes = data["codes"].astype(np.int64)
+                voice = Voice(data["embedding"].astype(np.float32), codes, text, codes_key(codes))
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as error:
             raise RequestError("speaker", f"registered voice {name!r} cannot be read ({error})") from None
         self._check(name, voice, "speaker")

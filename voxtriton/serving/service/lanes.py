@@ -24,12 +24,6 @@ def own_stream(device: torch.device):
     return torch.cuda.stream(torch.cuda.Stream(device))
 
 
-def prime_codes(request) -> np.ndarray | None:
-    """Codes the codec decodes silently before a stream's first frame: an in-context cloned voice's
-    reference codes, as the official implementation decodes them in front of the generated ones."""
-    return request.prompt.reference_codes
-
-
 def padded_codes(frames: list[np.ndarray], length: int) -> np.ndarray:
     """A chunk's frames [T, Q], the last one repeated up to `length` (see `Chunk.decode_frames`)."""
     codes = np.stack(frames)
@@ -73,6 +67,26 @@ class LaneWorkers:
             self.lane_free_at[lane] = max(ended, self.lane_free_at.get(lane, ended))
         return started, ended
 
+    def _prime(self, lane: str, stream) -> None:
+        """Put into the stream's codec state row what decoding its in-context voice's reference codes
+        from a fresh state leaves there, as the official implementation decodes them in front of the
+        generated ones (their audio is dropped). A registered voice's primed state is kept (in
+        `primed_states`) and copied into the row at its next streams: no codec call."""
+        prompt, slot = stream.request.prompt, stream.codec_slot
+        kept = self.primed_states if prompt.reference_key is not None else None
+        key = (lane, prompt.reference_key)
+        reused = kept is not None and kept.restore(key, slot)
+        if not reused:
+            self.lanes[lane].decode(
+                torch.from_numpy(prompt.reference_codes[None].astype(np.int32)),
+                torch.zeros(1, dtype=torch.int64),  # start 0: from a fresh state
+                torch.tensor([slot], dtype=torch.int64),
+            )
+            if kept is not None:
+                kept.keep(key, slot)
+        if self.metrics:
+            self.metrics.codec_primed(lane, reused)
+
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
             live = [(c, c.stream) for c in batch if not c.stream.closed]  # streams still open
@@ -87,18 +101,15 @@ class LaneWorkers:
             for _, stream in live:
                 stream.decoding = True
         issued = self.clock()
-        codec = self.lanes[URGENT if lane == INLINE else lane]
+        codec_lane = URGENT if lane == INLINE else lane
+        codec = self.lanes[codec_lane]
         try:
             offsets = []  # primed frames before each stream's first frame
             for chunk, stream in live:
-                prime = prime_codes(stream.request)
+                prime = stream.request.prompt.reference_codes
                 offsets.append(0 if prime is None else len(prime))
-                if prime is not None and chunk.first_frame == 0:  # start 0: from a fresh state
-                    codec.decode(
-                        torch.from_numpy(prime[None].astype(np.int32)),
-                        torch.zeros(1, dtype=torch.int64),
-                        torch.tensor([stream.codec_slot], dtype=torch.int64),
-                    )
+                if prime is not None and chunk.first_frame == 0:
+                    self._prime(codec_lane, stream)
             audio = codec.decode(
                 torch.from_numpy(codes.astype(np.int32)),
                 torch.tensor([c.first_frame + o for (c, _), o in zip(live, offsets)], dtype=torch.int64),

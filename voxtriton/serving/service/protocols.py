@@ -48,6 +48,10 @@ class ServiceMetrics(Protocol):
     def codec_call(self, lane: str, frames: int, seconds: float) -> None:
         """One decode call on `lane`, of `frames` frames in all (padding included)."""
 
+    def codec_primed(self, lane: str, reused: bool) -> None:
+        """A stream's codec state was primed with its in-context voice's reference codes: decoded on
+        `lane`, or (`reused`) copied from the state kept for its registered voice."""
+
     def rejected(self) -> None: ...
     def cancellation_checks(self, streams: int, seconds: float) -> None:
         """The cancellation watcher checked `streams` streams in one hold of the service lock,

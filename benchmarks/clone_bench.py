@@ -1,0 +1,324 @@
+"""What a cloned voice costs: encoding a reference, and the time to first audio it adds.
+
+1. Encoding, in this process on --device: the speaker encoder (x-vector) and the speech tokenizer's
+   encoder (reference codes) over a batch of references of each length in --seconds, batches of
+   --batches (the server's encoder thread batches up to 8 recordings of one length), median of
+   --repeats after two warm-up calls; and reading the file (decode; a 24 kHz WAV needs no resampling).
+2. TTFA through tritonservers over gRPC (voxtriton_client): sequential single streams of one text,
+   seed and length (max_frames with ignore_eos), the cases interleaved request by request:
+   - preset: a preset speaker of a CustomVoice checkpoint (--preset-checkpoint or --preset-url), the
+     baseline with no reference at all;
+   - inline x-vector / inline in-context: the --reference-seconds recording in every request (WAV
+     bytes), without and with its transcript;
+   - registered x-vector / registered in-context: the same recording registered once (the voices
+     directory), named in `speaker`.
+   --warm-up requests per case go first and are not counted (a registered in-context voice's first
+   stream primes the codec state that its later streams reuse; its TTFA is reported apart).
+
+The TTFA cases run first and the encoders are timed after them, so this process holds no GPU
+context while the servers (MPS clients) run; the voices are registered with the encoders on the CPU,
+as `voxtriton voices add` does by default. Servers are started here (Triton launcher, one at a time)
+unless --url / --preset-url name running ones; with --url, --voices-dir must be the directory that
+server reads (`voxtriton serve --param tts:voices_dir=DIR`). Checkpoints are random-weight: timings
+are real, audio is noise.
+
+    # the H200 run (benchmarks/gpu/run_clone.sh makes the checkpoints and runs this)
+    python benchmarks/clone_bench.py --checkpoint /tmp/ck-1.7b-base --preset-checkpoint /tmp/ck-1.7b \
+        --device cuda --out results/clone
+    # CPU smoke test (tiny random checkpoints, a few requests): what the test suite runs
+    python benchmarks/clone_bench.py --smoke --out /tmp/clone
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from first_requests import git_commit
+from voxtriton_client import TTSClient
+
+from voxtriton.bench.fleet import hardware
+from voxtriton.bench.server_metrics import codec_primings
+from voxtriton.bench.summary import percentile
+from voxtriton.bench.timing import timed
+from voxtriton.models.config import load_config
+from voxtriton.serving.launcher import TritonServer, parse_params
+from voxtriton.serving.reference_audio import SAMPLE_RATE, read_reference_audio
+from voxtriton.serving.voices import VoiceEncoder, VoiceStore
+
+TEXT = "A cloned voice reads this sentence, and the listener hears it start."
+REFERENCE_TEXT = "The words that were spoken in the reference recording."
+XVECTOR, IN_CONTEXT = "bench-xvector", "bench-in-context"  # the registered voices' names
+CASES = ("preset", "inline x-vector", "inline in-context", "registered x-vector", "registered in-context")
+
+
+def reference_wave(seconds: float, seed: int = 0) -> np.ndarray:
+    """A voiced-like signal at 24 kHz: harmonics of a gliding pitch, a syllable rhythm, a little noise."""
+    t = np.arange(int(SAMPLE_RATE * seconds)) / SAMPLE_RATE
+    phase = 2 * np.pi * np.cumsum(140 + 30 * np.sin(2 * np.pi * 0.7 * t)) / SAMPLE_RATE
+    wave = sum(np.sin(k * phase) / k for k in range(1, 6)) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
+    noise = np.random.default_rng(seed).standard_normal(t.size)
+    return (0.25 * wave + 0.01 * noise).astype(np.float32)
+
+
+def wav_bytes(wave: np.ndarray) -> bytes:
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, wave, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@torch.inference_mode()
+def encoding_costs(encoder: VoiceEncoder, seconds: list[float], batches: list[int], repeats: int) -> list:
+    rows = []
+    for length in seconds:
+        recording = wav_bytes(reference_wave(length))
+        read_ms = timed(lambda: read_reference_audio(recording), torch.device("cpu"), repeats) * 1e3
+        for batch in batches:
+            waves = torch.from_numpy(np.stack([reference_wave(length, seed) for seed in range(batch)]))
+            waves = waves.to(encoder.device)
+            speaker_ms = timed(lambda: encoder.speaker_encoder(waves), encoder.device, repeats) * 1e3
+            speech_ms = timed(lambda: encoder.speech_encoder(waves), encoder.device, repeats) * 1e3
+            reference_s = batch * length
+            rows.append(
+                {
+                    "seconds": length,
+                    "batch": batch,
+                    "read_ms": round(read_ms, 3),
+                    "speaker_encoder_ms": round(speaker_ms, 3),
+                    "speech_encoder_ms": round(speech_ms, 3),
+                    "ms_per_reference_second": round((speaker_ms + speech_ms) / reference_s, 3),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def register(voices_dir: Path, encoder: VoiceEncoder, config, recording: bytes) -> None:
+    store = VoiceStore(voices_dir, config)
+    waveform = read_reference_audio(recording)
+    for name, text in ((XVECTOR, None), (IN_CONTEXT, REFERENCE_TEXT)):
+        store.add(name, encoder.encode([waveform], [text])[0], replace=True)
+
+
+@contextlib.contextmanager
+def served(url: str | None, checkpoint: str | None, args, parameters: dict):
+    """(grpc url, metrics reader or None): a running server's, or one started here for the block."""
+    if url:
+        yield url, None
+        return
+    for model, values in parse_params(args.param).items():
+        parameters.setdefault(model, {}).update(values)
+    server = TritonServer(
+        checkpoint=checkpoint, policy=args.policy, tritonserver=args.tritonserver, parameters=parameters
+    )
+    with server:
+        yield server.grpc_url, server.metrics
+
+
+def ttfa_ms(url: str, args, **options) -> float:
+    synthesis = (
+        TTSClient(url)
+        .synthesize(TEXT, seed=args.seed, max_frames=args.frames, ignore_eos=True, **options)
+        .raise_for_error()
+    )
+    return synthesis.chunks[0].arrived_s * 1e3
+
+
+def measure_cases(url: str, cases: dict[str, dict], args) -> dict[str, dict]:
+    """Each case's warm-up requests, then --requests rounds of one request per case."""
+    found = {name: {"first_ms": None, "ttfa_ms": []} for name in cases}
+    for name, options in cases.items():
+        for index in range(args.warm_up):
+            ms = ttfa_ms(url, args, **options)
+            if index == 0:
+                found[name]["first_ms"] = round(ms, 3)
+    for _ in range(args.requests):
+        for name, options in cases.items():
+            found[name]["ttfa_ms"].append(ttfa_ms(url, args, **options))
+    return found
+
+
+def ttfa_cases(args, recording: bytes, base_config) -> tuple[list, dict | None]:
+    voices_dir = Path(args.voices_dir or Path(args.out) / "voices")
+    # Registered on the CPU, as `voxtriton voices add` does by default (see main for why).
+    register(voices_dir, VoiceEncoder(Path(args.checkpoint), base_config, "cpu"), base_config, recording)
+    clones = {
+        "inline x-vector": {"reference_audio": recording},
+        "inline in-context": {"reference_audio": recording, "reference_text": REFERENCE_TEXT},
+        "registered x-vector": {"speaker": XVECTOR},
+        "registered in-context": {"speaker": IN_CONTEXT},
+    }
+    found = {}
+    with served(args.url, args.checkpoint, args, {"tts": {"voices_dir": str(voices_dir)}}) as (url, metrics):
+        before = codec_primings(metrics()) if metrics else None
+        found |= measure_cases(url, clones, args)
+        time.sleep(0.5)  # the server writes its metrics within 0.1 s
+        after = codec_primings(metrics()) if metrics else None
+    counted = None if before is None else {state: after[state] - before[state] for state in before}
+    if args.preset_checkpoint or args.preset_url:
+        preset = {"speaker": args.preset_speaker} if args.preset_speaker else {}
+        with served(args.preset_url, args.preset_checkpoint, args, {}) as (url, _):
+            found |= measure_cases(url, {"preset": preset}, args)
+    rows = []
+    baseline = statistics.median(found["preset"]["ttfa_ms"]) if "preset" in found else None
+    for name in CASES:
+        if name not in found:
+            continue
+        values = found[name]["ttfa_ms"]
+        p50 = statistics.median(values)
+        rows.append(
+            {
+                "case": name,
+                "requests": len(values),
+                "ttfa_p50_ms": round(p50, 3),
+                "ttfa_p90_ms": round(percentile(values, 90), 3),
+                "first_warm_up_ms": found[name]["first_ms"],
+                "p50_over_preset_ms": None if baseline is None else round(p50 - baseline, 3),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows, counted
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [
+        f"# Voice cloning costs ({meta['date']}, commit {meta['commit']})",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Hardware: {meta['hardware']}. Checkpoints: {meta['checkpoint']}"
+        + (f", preset baseline {meta['preset_checkpoint']}" if meta["preset_checkpoint"] else "")
+        + " (random weights: timings are real, audio is noise).",
+        "",
+        f"## Encoding on {meta['device']} (median of {meta['repeats']})",
+        "",
+        "| reference s | batch | read file ms (one) | speaker encoder ms | speech encoder ms | "
+        "ms per reference second |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report["encoding"]:
+        lines.append(
+            f"| {row['seconds']:g} | {row['batch']} | {row['read_ms']} | {row['speaker_encoder_ms']} | "
+            f"{row['speech_encoder_ms']} | {row['ms_per_reference_second']} |"
+        )
+    if report["ttfa"]:
+        lines += [
+            "",
+            f"## TTFA, sequential single streams ({meta['reference_seconds']:g} s reference, "
+            f"{meta['frames']} frames, policy {meta['policy']})",
+            "",
+            "| case | requests | TTFA p50 ms | p90 ms | first warm-up ms | p50 over preset ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in report["ttfa"]:
+            over = "-" if row["p50_over_preset_ms"] is None else row["p50_over_preset_ms"]
+            lines.append(
+                f"| {row['case']} | {row['requests']} | {row['ttfa_p50_ms']} | {row['ttfa_p90_ms']} | "
+                f"{row['first_warm_up_ms']} | {over} |"
+            )
+        if report["codec_primings"] is not None:
+            lines += [
+                "",
+                "Codec primings during the TTFA runs (`voxtriton_codec_primings_total`): "
+                f"{report['codec_primings']['decoded']:g} decoded, "
+                f"{report['codec_primings']['reused']:g} reused.",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", help="the Base checkpoint (encoders; the server started here)")
+    parser.add_argument("--preset-checkpoint", help="a CustomVoice checkpoint for the preset baseline")
+    parser.add_argument("--url", help="a running server of --checkpoint (gRPC HOST:PORT)")
+    parser.add_argument("--preset-url", help="a running server of a CustomVoice checkpoint")
+    parser.add_argument("--preset-speaker", help="the baseline's speaker (default: the server's)")
+    parser.add_argument("--voices-dir", help="where the voices are registered (default: OUT/voices)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seconds", default="3,10,30", help="reference lengths to encode")
+    parser.add_argument("--batches", default="1,8", help="batch sizes to encode")
+    parser.add_argument("--repeats", type=int, default=20, help="timed encoder calls per shape")
+    parser.add_argument("--reference-seconds", type=float, default=10.0, help="the TTFA cases' reference")
+    parser.add_argument("--requests", type=int, default=30, help="measured requests per TTFA case")
+    parser.add_argument("--warm-up", type=int, default=3, help="uncounted requests per case first")
+    parser.add_argument("--frames", type=int, default=25, help="frames per request (12.5 per second)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="voxserve")
+    parser.add_argument(
+        "--param", action="append", default=[], help="MODEL:KEY=VALUE for servers started here"
+    )
+    parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
+    parser.add_argument("--no-ttfa", action="store_true", help="only the encoding costs (no server)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny random checkpoints, a few requests")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.smoke:
+        from voxtriton.models.random_checkpoint import make_checkpoint
+
+        made = Path(tempfile.mkdtemp())
+        args.checkpoint = args.checkpoint or str(make_checkpoint("tiny-base", made / "tiny-base"))
+        if not args.preset_url:
+            args.preset_checkpoint = args.preset_checkpoint or str(make_checkpoint("tiny", made / "tiny"))
+        args.device, args.seconds, args.batches, args.repeats = "cpu", "1.5,3", "1,2", 2
+        args.reference_seconds, args.requests, args.warm_up, args.frames = 2.0, 2, 1, 8
+    if not args.checkpoint:
+        parser.error("--checkpoint is required (the Base checkpoint; or --smoke)")
+    config = load_config(Path(args.checkpoint))
+    if not config.clones_voices:
+        parser.error(f"--checkpoint: {args.checkpoint} is {config.model_type}, not a Base checkpoint")
+    if args.url and not args.voices_dir:
+        parser.error("--url: give --voices-dir, the voices directory that server reads")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = [float(x) for x in args.seconds.split(",") if x]
+    batches = [int(x) for x in args.batches.split(",") if x]
+    report = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": git_commit(),
+            "hardware": hardware(),
+            "command": " ".join(["python", *sys.argv]),
+            "checkpoint": args.checkpoint,
+            "preset_checkpoint": args.preset_checkpoint or args.preset_url,
+            "device": args.device,
+            "repeats": args.repeats,
+            "reference_seconds": args.reference_seconds,
+            "frames": args.frames,
+            "policy": args.policy,
+            "text": TEXT,
+        },
+        "encoding": [],
+        "ttfa": [],
+        "codec_primings": None,
+    }
+    if not args.no_ttfa:  # first: this process holds no GPU context while the servers (MPS clients) run
+        recording = wav_bytes(reference_wave(args.reference_seconds))
+        report["ttfa"], report["codec_primings"] = ttfa_cases(args, recording, config)
+        save(report, out)  # kept if the encoders' part is cut short
+    encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
+    report["encoding"] = encoding_costs(encoder, seconds, batches, args.repeats)
+    save(report, out)
+    print(markdown(report))
+
+
+def save(report: dict, out: Path) -> None:
+    (out / "clone_bench.json").write_text(json.dumps(report, indent=2))
+    (out / "clone_bench.md").write_text(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
