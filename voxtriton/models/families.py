@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .config import CheckpointError, read_json
+from .config import _Fields, read_json
 from .csm.family import csm_family
 from .family import ModelFamily
 from .qwen3_tts_family import qwen3_tts_family
@@ -34,12 +34,7 @@ CHECKPOINT_FILES: dict[str, tuple[tuple[str, ...], ...]] = {
 def model_type(checkpoint_dir: Path) -> str:
     """The checkpoint's config.json `model_type`, checked against the families served."""
     path = Path(checkpoint_dir) / "config.json"
-    value = read_json(path).get("model_type")
-    if value not in FAMILIES:
-        raise CheckpointError(
-            f"{path}: model_type {value!r} is not served; expected one of {', '.join(FAMILIES)}"
-        )
-    return value
+    return _Fields(path, read_json(path)).equals("model_type", *FAMILIES)
 
 
 def load_family(checkpoint_dir: Path) -> ModelFamily:
