@@ -432,3 +432,12 @@ def test_the_end_frame_ends_the_request_and_is_not_returned(family, ours):
         [csm_request(family, "k", TEXT, temperature=0.0, max_frames=6, ignore_eos=True)],
     )
     assert kept["k"][1] == "max_frames" and torch.equal(kept["k"][0], frames)
+
+
+def test_serve_preflight_takes_a_csm_checkpoint_and_names_a_missing_file(checkpoint, tmp_path):
+    from voxtriton.launch.preflight import check_checkpoint
+
+    check_checkpoint(str(checkpoint))  # a CSM checkpoint has no speech_tokenizer/: not asked for
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    with pytest.raises(SystemExit, match="model.safetensors or model.safetensors.index.json is missing"):
+        check_checkpoint(str(tmp_path))
