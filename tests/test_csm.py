@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -313,3 +314,130 @@ def test_cli_writes_csm_tiny_and_the_byte_fallback_gives_the_tokenizer_ids(check
     assert builder.build(TEXT, speaker="1") == prompt[0].tolist()
     with pytest.raises(SystemExit, match="--shard-mb"):
         main(["make-checkpoint", "--preset", "csm-tiny", str(tmp_path), "--shard-mb", "10"])
+
+
+# -- the engine: CSM behind the model-family interface ------------------------------------------------
+
+
+def engine_codes(engine, requests, *, stagger: bool = False) -> dict[str, list]:
+    """Run requests to their ends (`stagger`: each joins one step after the one before); returns each
+    request's frames [frames, K] and its finish reasons."""
+    frames, reasons, pending = {r.request_id: [] for r in requests}, {}, list(requests)
+    while pending or engine.has_work:
+        if pending:
+            for request in pending[:1] if stagger else pending:
+                engine.add(request)
+            pending = pending[1:] if stagger else []
+        for output in engine.step():
+            frames[output.request.request_id].append(output.codes)
+            if output.finish_reason:
+                reasons[output.request.request_id] = output.finish_reason
+    return {key: (torch.tensor(np.array(value)), reasons.get(key)) for key, value in frames.items()}
+
+
+def csm_request(family, request_id: str, text: str, speaker=1, **params):
+    from voxtriton.engine.request import GenerationParams, Request
+    from voxtriton.models.text import Prompt
+
+    return Request(
+        request_id,
+        Prompt(family.prompt.build(text, speaker), [], []),
+        GenerationParams.create(family.sampling, 1000, **params),
+    )
+
+
+@pytest.fixture(scope="module")
+def family(checkpoint):
+    from voxtriton.models.families import load_family
+
+    return load_family(checkpoint)
+
+
+def new_engine(family, ours, rows=3, is_end=None, overlap=False):
+    from voxtriton.engine.csm_runner import CsmRunner
+    from voxtriton.engine.engine import Engine
+
+    if is_end is None:
+        runner = family.new_runner(ours[0], rows, 256, 64)
+    else:
+        runner = CsmRunner(ours[0], is_end, rows, 256, 64)
+    return Engine(runner, rows, overlap=overlap)
+
+
+def test_the_registry_picks_csm_from_the_checkpoint_config(family):
+    assert family.name == "csm" and family.codebooks == 32 and family.samples_per_frame == 1920
+    assert not family.input_streaming and not family.clones_voices
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_engine_greedy_codes_equal_transformers_generate(reference, family, ours, prompt, overlap):
+    """The engine's frame steps (backbone step + depth decoder, batched with other requests that join
+    at other steps) give transformers' greedy codes for the same prompt on the same random weights."""
+    model, _ = reference
+    with torch.inference_mode():
+        expected = model.generate(
+            input_ids=prompt, max_new_tokens=FRAMES, do_sample=False, depth_decoder_do_sample=False
+        )[0]
+    engine = new_engine(family, ours, overlap=overlap)
+    requests = [
+        csm_request(family, "other", "A longer sentence that shares the batch.", 0, seed=3, max_frames=9),
+        csm_request(family, "parity", TEXT, 1, temperature=0.0, max_frames=FRAMES),
+        csm_request(family, "short", "Hi.", 2, temperature=0.0, max_frames=4),
+    ]
+    assert requests[1].prompt.text_ids == prompt[0].tolist()
+    results = engine_codes(engine, requests, stagger=True)
+    codes, reason = results["parity"]
+    assert reason == "max_frames"
+    assert torch.equal(codes, expected)
+    assert results["other"][0].shape == (9, 32) and results["short"][0].shape == (4, 32)
+
+
+def test_sampled_codes_depend_on_the_seed_not_the_batch(family, ours):
+    alone = engine_codes(new_engine(family, ours), [csm_request(family, "a", TEXT, seed=7, max_frames=5)])
+    batched = engine_codes(
+        new_engine(family, ours),
+        [
+            csm_request(family, "b", "Something else entirely.", seed=1, max_frames=8),
+            csm_request(family, "a", TEXT, seed=7, max_frames=5),
+        ],
+        stagger=True,
+    )
+    assert torch.equal(alone["a"][0], batched["a"][0])
+    other = engine_codes(new_engine(family, ours), [csm_request(family, "a", TEXT, seed=8, max_frames=5)])
+    assert not torch.equal(alone["a"][0], other["a"][0])
+    assert int(alone["a"][0].max()) < family.codec_vocab  # only codes the codec decodes
+
+
+def test_the_end_frame_ends_the_request_and_is_not_returned(family, ours):
+    """With an end rule that matches the greedy frame 3, the request returns frames 0..2, the last
+    with reason eos; ignore_eos keeps going to max_frames."""
+    greedy = engine_codes(
+        new_engine(family, ours), [csm_request(family, "g", TEXT, temperature=0.0, max_frames=6)]
+    )
+    frames = greedy["g"][0]
+    end_frame = frames[3]
+
+    def is_end(codes):
+        return (codes == end_frame.to(codes.device)).all(dim=1)
+
+    for overlap in (False, True):
+        ended = engine_codes(
+            new_engine(family, ours, is_end=is_end, overlap=overlap),
+            [csm_request(family, "e", TEXT, temperature=0.0, max_frames=6)],
+        )
+        codes, reason = ended["e"]
+        assert reason == "eos" and torch.equal(codes, frames[:3])
+    kept = engine_codes(
+        new_engine(family, ours, is_end=is_end),
+        [csm_request(family, "k", TEXT, temperature=0.0, max_frames=6, ignore_eos=True)],
+    )
+    assert kept["k"][1] == "max_frames" and torch.equal(kept["k"][0], frames)
+
+
+def test_serve_preflight_takes_a_csm_checkpoint_and_names_a_missing_file(checkpoint, tmp_path):
+    from voxtriton.launch.preflight import check_checkpoint
+
+    check_checkpoint(str(checkpoint))  # a CSM checkpoint has no speech_tokenizer/: not asked for
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    with pytest.raises(SystemExit, match="model.safetensors or model.safetensors.index.json is missing"):
+        check_checkpoint(str(tmp_path))

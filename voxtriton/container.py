@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .models.config import CheckpointError, load_config
+from .models.config import CheckpointError
+from .models.families import load_family
 
 MOUNT = Path("/models/checkpoint")  # where docker/README.md tells users to mount a checkpoint
 REPOSITORY = Path("/opt/voxtriton/src/model_repository")  # the Dockerfile copies it here
@@ -63,7 +64,7 @@ def mounted_checkpoint(env: Mapping[str, str], mount: Path) -> tuple[Path | None
     if not any(not entry.name.startswith(".") for entry in path.iterdir()):
         return None, noise_notice(path)
     try:
-        load_config(path)
+        load_family(path)
     except CheckpointError as error:
         raise EntrypointError(f"{path} holds files but is not a usable checkpoint: {error}") from None
     return path, None

@@ -9,9 +9,9 @@ dropped. Shapes that were not captured run eagerly.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..kernels import check_kernels
-from ..models.codec import CodecModel
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -22,10 +22,11 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 class CodecRunner:
     def __init__(
-        self, model: CodecModel, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None
+        self, model: nn.Module, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None
     ):
+        """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`)."""
         self.model = model
-        param = model.decoder.pre_conv.conv.weight
+        param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         check_kernels(self.device)  # decided now, before any graph capture
         self.quantizers = model.config.num_quantizers

@@ -79,7 +79,7 @@ class Engine:
         self.streaming: set[Request] = set()
         self.max_running = max_running
         self.overlap = overlap
-        self.eos = runner.config.talker.codec_eos_id
+        self.end_marker = runner.end_marker
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # index == row; requests whose next frame is still to launch
         self.in_flight: _Launched | None = None
@@ -268,7 +268,7 @@ class Engine:
             reason = None
             if request.emitted >= request.params.max_frames:
                 reason = "max_frames"
-            elif codes[row, -1] == self.eos and not request.params.ignore_eos:
+            elif codes[row, -1] == self.end_marker and not request.params.ignore_eos:
                 reason = "eos"
             outputs.append(FrameOutput(request, codes[row, :-1], reason))
             if reason:

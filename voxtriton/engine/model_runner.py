@@ -1,12 +1,10 @@
-"""Tensors of the engine: the model, its KV cache, every running request's row state, CUDA graphs.
+"""Qwen3-TTS's frame runner: the talker, its KV cache, every running request's row state, CUDA graphs.
 
-Running requests occupy rows 0..B-1 of every buffer (the engine keeps them contiguous by moving the
-last row into a freed one), so a batch is a prefix of each buffer and the per-frame work has static
-shapes per batch size. On a GPU the whole frame step (15 code-predictor steps with sampling, the
-talker step, codebook-0 sampling) is captured as one CUDA graph per (batch bucket, attention-span
-bucket); a step pads the batch and the span up to the next bucket, in eager mode too, so graph and
-eager runs compute the same shapes and draw the same codes. Nothing here branches on a request in
-Python; the host learns one [B, 17] array per frame step.
+The frame step (15 code-predictor steps with sampling, the talker step, codebook-0 sampling) is one
+CUDA graph per (batch bucket, attention-span bucket), as `FrameRunner` describes; so are padded
+prefills and the writes of admitted rows. Nothing here branches on a request in Python; the host
+learns one [B, 17] array per frame step: the frame's 16 codes and the next codebook-0 token, whose
+value `end_marker` (end of speech) ends the request.
 """
 
 from __future__ import annotations
@@ -16,12 +14,12 @@ import contextlib
 import numpy as np
 import torch
 
-from ..kernels import check_kernels
 from ..models.config import Qwen3TTSConfig
 from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
 from .admission import AdmissionInputs, AdmissionLayout
 from .codec_runner import capture_stream
+from .frame_runner import FrameRunner
 from .request import Request
 from .row_state import RowState
 from .sampling import apply_repetition_penalty, noise_keys, sample
@@ -29,7 +27,7 @@ from .sampling import apply_repetition_penalty, noise_keys, sample
 NO_CODEC = -1
 
 
-class ModelRunner:
+class ModelRunner(FrameRunner):
     def __init__(
         self,
         model: Qwen3TTSBackbone,
@@ -45,15 +43,21 @@ class ModelRunner:
         talker = model.talker
         self.talker = talker
         param = talker.codec_head.weight
-        self.device, self.dtype = param.device, param.dtype
-        check_kernels(self.device)  # decided now, before any graph capture
+        super().__init__(
+            param.device,
+            param.dtype,
+            max_rows,
+            max_positions,
+            max_text_tokens,
+            config.talker.num_code_groups,
+            prefill_stream,
+        )
+        self.end_marker = config.talker.codec_eos_id
         t, p = config.talker.transformer, config.talker.predictor
-        self.max_rows, self.max_positions = max_rows, max_positions
 
         def zeros(*shape, dtype=None):
             return torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)
 
-        long = torch.long
         self.cache = StaticKV(
             zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
             zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
@@ -74,8 +78,6 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
         )
-        self.row_offsets = torch.arange(max_rows, device=self.device)
-        self.move_pair = torch.zeros(2, device=self.device, dtype=long)  # (source, target) of `move_row`
         self.true = torch.ones((), dtype=torch.bool, device=self.device)
         # Codebook-0 tokens the official generation never samples: the control ids above the
         # codec codebook, except end-of-speech.
@@ -84,55 +86,10 @@ class ModelRunner:
         self.suppressed[eos] = False
         self.is_eos = torch.arange(vocab, device=self.device) == eos
         self.code_groups = torch.arange(config.talker.num_code_groups, device=self.device)
-        self.max_text_tokens = max_text_tokens
-        self.step_output = zeros(max_rows, config.talker.num_code_groups + 1, dtype=long)
-        # Host transfers get a stream of their own: on the compute stream a pageable copy would wait
-        # for the frame step in flight (pinned memory would not, but aborts under a green context).
-        self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.stashed_codes = [torch.zeros_like(self.step_output) for _ in range(2)]  # see `stash_codes`
-        self.stashes = 0
-        self.prefill_stream = prefill_stream
-        # Recorded on the compute stream once it has read a prefill's inputs and outputs (the admission
-        # buffer, KV scratch and last hidden states), which the next prefill overwrites.
-        self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Writing admitted requests' rows, per (requests, prompt-length bucket): see `_write_admitted`.
         self.admission_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.move_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per attention-span bucket: see `move_row`
         self.set_buckets([], [])
-
-    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device, for use on the current stream, without waiting for its work."""
-        if self.transfer_stream is None:
-            return tensor
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.transfer_stream):
-            uploaded = tensor.to(self.device)
-        compute.wait_stream(self.transfer_stream)
-        uploaded.record_stream(compute)  # allocated on the transfer stream, used on the compute stream
-        return uploaded
-
-    def stash_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Keep a frame step's codes [B, groups + 1] for the host: the next step overwrites `decode`'s
-        output. On a GPU: a copy into one of two buffers (read before the step after next), and an
-        event for when it is there."""
-        if self.transfer_stream is None:
-            return codes.clone(), None
-        stash = self.stashed_codes[self.stashes % 2][: len(codes)]
-        self.stashes += 1
-        stash.copy_(codes)
-        ready = torch.cuda.Event()
-        ready.record()
-        return stash, ready
-
-    def read_codes(self, stash: torch.Tensor, ready: torch.cuda.Event | None) -> np.ndarray:
-        """Stashed codes on the host, once they are ready (not waiting for the steps queued after them)."""
-        if ready is None:
-            return stash.numpy()
-        ready.synchronize()
-        with torch.cuda.stream(self.transfer_stream):
-            return stash.to("cpu").numpy()
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -146,26 +103,6 @@ class ModelRunner:
     def set_holds(self, holds: list[bool]) -> None:
         """Which of rows 0..len(holds)-1 wait for text: a frame step leaves their state unchanged."""
         self.state.hold[: len(holds)].copy_(self._upload(torch.tensor(holds, dtype=torch.bool)))
-
-    def move_row(self, source: int, target: int, length: int) -> None:
-        """Move a running request from row `source` to row `target` (its first `length` positions, up
-        to their attention-span bucket). The rows go in as fills of a static index pair, so one graph
-        per span bucket moves any row: five PyTorch calls on the engine thread instead of 34."""
-        self.move_pair[0].fill_(source)
-        self.move_pair[1].fill_(target)
-        span = self._bucket(length, self.span_buckets)
-        graph = self.move_graphs.get(span)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._move_row_by_index(span)
-
-    def _move_row_by_index(self, span: int) -> None:
-        source, target = self.move_pair[:1], self.move_pair[1:]
-        self.state.move(source, target)
-        for cache in (self.cache.keys, self.cache.values):
-            window = cache[:, :, :, :span]
-            window.index_copy_(1, target, window.index_select(1, source))
 
     # -- codebook 0 --------------------------------------------------------------------------------
 
@@ -356,8 +293,7 @@ class ModelRunner:
     ) -> None:
         """Pad steps to these batch sizes and attention spans, and prompts to these prefill batch sizes
         and lengths (needed for graphs, allowed without)."""
-        self.batch_buckets = sorted(b for b in set(batch_sizes) if b <= self.max_rows)
-        self.span_buckets = sorted(s for s in set(spans) if s <= self.max_positions)
+        super().set_buckets(batch_sizes, spans)
         self.prefill_batch_buckets = sorted(b for b in set(prefill_batch_sizes) if b <= self.max_rows)
         self.prefill_length_buckets = sorted(n for n in set(prefill_lengths) if n <= self.max_positions)
         if self.prefill_batch_buckets and self.prefill_length_buckets:
@@ -388,9 +324,12 @@ class ModelRunner:
         else:
             self.prefill_batch_buckets, self.prefill_length_buckets = [], []
 
-    @staticmethod
-    def _bucket(value: int, buckets: list[int]) -> int:
-        return next((b for b in buckets if b >= value), value)
+    def graph_counts(self) -> dict[str, int]:
+        return {
+            **super().graph_counts(),
+            "prefill": len(self.prefill_graphs),
+            "admission": len(self.admission_graphs),
+        }
 
     @torch.inference_mode()
     def capture_graphs(
@@ -406,14 +345,7 @@ class ModelRunner:
         # Captures run their work on rows 0.. with placeholder inputs (and graph outputs never written):
         # the rows' state goes back to this afterwards.
         initial_rows = [tensor.clone() for tensor in self.state.tensors]
-        pool = None
-        for span in reversed(self.span_buckets):  # largest first: later graphs reuse its memory pool
-            for batch in reversed(self.batch_buckets):
-                self.state.reset(slice(0, batch))
-                graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
-                self.graphs[(batch, span)] = graph
-            # Captured moving row 0 onto itself.
-            self.move_graphs[span], pool = self._capture(lambda: self._move_row_by_index(span), pool)
+        pool = self._capture_steps()
         # Prefills may run beside a frame step (`_beside_the_step`): their graphs get a pool of their own
         # and are captured on the prefill stream, whose cuBLAS workspace they keep.
         prefill_pool, stream = None, self.prefill_stream or capture_stream(self.device)
@@ -435,31 +367,6 @@ class ModelRunner:
         for tensor, initial in zip(self.state.tensors, initial_rows):
             tensor.copy_(initial)
         torch.cuda.synchronize(self.device)
-
-    def _capture(self, work, pool, keep_output: bool = False, stream: torch.cuda.Stream | None = None):
-        for _ in range(2):  # warm up kernels and autotuning outside the capture
-            work()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream or capture_stream(self.device)):
-            output = work()
-        return ((graph, output) if keep_output else graph), graph.pool()
-
-    @torch.inference_mode()
-    def decode(self, batch: int, span: int) -> torch.Tensor:
-        """One frame for rows 0..batch-1: returns [batch, 17] = the frame's 16 codes + next codebook-0 token.
-
-        span: attention length, at least every row's position + 1. Both are padded to their buckets;
-        padding rows compute throw-away frames.
-        """
-        padded, span = self._bucket(batch, self.batch_buckets), self._bucket(span, self.span_buckets)
-        if padded > batch:
-            self.state.reset(slice(batch, padded))
-        graph = self.graphs.get((padded, span))
-        if graph is not None:
-            graph.replay()
-        else:
-            self._decode_into_output(padded, span)
-        return self.step_output[:batch]
 
     def _decode_into_output(self, batch: int, span: int) -> None:
         rows, state = slice(0, batch), self.state

@@ -8,15 +8,18 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import RequestError
+from ..models.family import SamplingDefaults
+from ..models.qwen3_tts_family import qwen3_tts_sampling
 from ..models.text import Prompt
 
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """Sampling for codebook 0 (talker) and codebooks 1..15 (code predictor), plus length control.
+    """Sampling for codebook 0 (backbone) and the later codebooks (depth predictor), plus length
+    control.
 
-    Defaults come from the checkpoint's generation_config.json; a request's temperature / top_k /
-    top_p override both the talker's and the predictor's values.
+    Defaults come from the model family (the checkpoint's generation_config.json); a request's
+    temperature / top_k / top_p override both the backbone's and the predictor's values.
     """
 
     temperature: float
@@ -32,7 +35,7 @@ class GenerationParams:
 
     @staticmethod
     def create(
-        generation_config: dict,
+        defaults: SamplingDefaults | dict,
         max_frames_limit: int,
         *,
         temperature: float | None = None,
@@ -43,29 +46,23 @@ class GenerationParams:
         max_frames: int | None = None,
         ignore_eos: bool = False,
     ) -> "GenerationParams":
-        g = generation_config
+        """defaults: the model family's sampling defaults, or a Qwen3-TTS generation_config.json."""
+        d = defaults if isinstance(defaults, SamplingDefaults) else qwen3_tts_sampling(defaults)
 
-        def pick(value, key, fallback):
-            return value if value is not None else g.get(key, fallback)
+        def pick(value, default):
+            return value if value is not None else default
 
-        def temperature_of(value, do_sample_key, key):
-            # do_sample=false in the checkpoint's generation config means greedy (temperature 0).
-            return value if value is not None else (g.get(key, 0.9) if g.get(do_sample_key, True) else 0.0)
-
+        default_frames = max_frames_limit if d.max_frames is None else min(d.max_frames, max_frames_limit)
         params = GenerationParams(
-            temperature=float(temperature_of(temperature, "do_sample", "temperature")),
-            top_k=int(pick(top_k, "top_k", 50)),
-            top_p=float(pick(top_p, "top_p", 1.0)),
-            repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.05)),
-            sub_temperature=float(temperature_of(temperature, "subtalker_dosample", "subtalker_temperature")),
-            sub_top_k=int(pick(top_k, "subtalker_top_k", 50)),
-            sub_top_p=float(pick(top_p, "subtalker_top_p", 1.0)),
+            temperature=float(pick(temperature, d.temperature)),
+            top_k=int(pick(top_k, d.top_k)),
+            top_p=float(pick(top_p, d.top_p)),
+            repetition_penalty=float(pick(repetition_penalty, d.repetition_penalty)),
+            sub_temperature=float(pick(temperature, d.depth_temperature)),
+            sub_top_k=int(pick(top_k, d.depth_top_k)),
+            sub_top_p=float(pick(top_p, d.depth_top_p)),
             seed=int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else int(seed),
-            max_frames=int(
-                max_frames
-                if max_frames is not None
-                else min(g.get("max_new_tokens", max_frames_limit), max_frames_limit)
-            ),
+            max_frames=int(pick(max_frames, default_frames)),
             ignore_eos=bool(ignore_eos),
         )
         params.validate(max_frames_limit)

@@ -8,17 +8,11 @@ import socket
 from pathlib import Path
 from typing import NoReturn
 
-from ..models.config import CheckpointError, load_config
+from ..models.config import CheckpointError
+from ..models.families import CHECKPOINT_FILES, load_family, model_type
 from ..serving.settings import CodecSettings, TTSSettings
 from .repository import CODEC_MODELS, model_configs, read_parameters
 
-# Files of the official layout, each with its alternatives (a sharded checkpoint has an index).
-CHECKPOINT_FILES = (
-    ("config.json",),
-    ("model.safetensors", "model.safetensors.index.json"),
-    ("speech_tokenizer/config.json",),
-    ("speech_tokenizer/model.safetensors", "speech_tokenizer/model.safetensors.index.json"),
-)
 # The parser each model of the repository reads its config.pbtxt parameters with.
 PARSERS = {"tts": TTSSettings.from_model_config} | dict.fromkeys(
     CODEC_MODELS, CodecSettings.from_model_config
@@ -35,14 +29,17 @@ def check_checkpoint(directory: str) -> None:
         fail(f"--checkpoint {directory}: no such directory")
     if not path.is_dir():
         fail(f"--checkpoint {directory}: not a directory")
-    for names in CHECKPOINT_FILES:
-        if not any((path / name).is_file() for name in names):
-            fail(
-                f"--checkpoint {directory}: {' or '.join(names)} is missing "
-                "(not a checkpoint in the official layout)"
-            )
+    if not (path / "config.json").is_file():
+        fail(f"--checkpoint {directory}: config.json is missing (not a checkpoint in the official layout)")
     try:
-        load_config(path)
+        family = model_type(path)  # which family serves it: the layout and the config to check
+        for names in CHECKPOINT_FILES[family]:
+            if not any((path / name).is_file() for name in names):
+                fail(
+                    f"--checkpoint {directory}: {' or '.join(names)} is missing "
+                    f"(not a {family} checkpoint in the official layout)"
+                )
+        load_family(path)
     except CheckpointError as error:
         fail(f"--checkpoint: {error}")
 

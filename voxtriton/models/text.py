@@ -161,14 +161,19 @@ class Prompt:
     reference_key: str | None = None  # a registered voice's `Voice.key`: its primed codec state is kept
 
 
+def languages_of(config: Qwen3TTSConfig) -> list[str]:
+    """What a request's `language` may name: auto, or a language of the talker (dialects are picked
+    by speaker)."""
+    return ["auto"] + sorted(n for n in config.talker.languages if "dialect" not in n)
+
+
 class PromptBuilder:
     def __init__(self, config: Qwen3TTSConfig, tokenizer: TextTokenizer):
         self.config, self.tokenizer = config, tokenizer
         self.newline = tokenizer.encode("\n")
         self.user = tokenizer.encode("user")
-        talker = config.talker
-        self.languages = ["auto"] + sorted(n for n in talker.languages if "dialect" not in n)
-        self.speakers = sorted(talker.speakers)
+        self.languages = languages_of(config)
+        self.speakers = sorted(config.talker.speakers)
 
     def _role(self, role_ids: list[int]) -> list[int]:
         return [self.config.im_start_token_id, *role_ids, *self.newline]

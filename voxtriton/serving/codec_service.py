@@ -8,7 +8,7 @@ import os
 import torch
 
 from ..engine.codec_runner import CodecRunner
-from ..models.loader import load_codec
+from ..models.families import load_family
 from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
 from .settings import CodecSettings, cache_dir, lane_sms
 
@@ -20,7 +20,8 @@ class CodecService:
         self.settings, self.name = settings, name
         self.device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, self.device)
-        self.model = load_codec(ensure_checkpoint(settings.checkpoint_dir), device=self.device, dtype=dtype)
+        self.family = load_family(ensure_checkpoint(settings.checkpoint_dir))
+        self.model = self.family.load_codec(device=self.device, dtype=dtype)
         sm_count = 0
         if self.device.type == "cuda":
             sm_count = lane_sms(

@@ -30,7 +30,8 @@ from tritonclient.utils import InferenceServerException
 from voxtriton_client import AsyncTTSClient, Chunk, Synthesis
 from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
-from ..models.config import CheckpointError, load_config
+from ..models.config import CheckpointError
+from ..models.families import load_family
 from .gateway_voices import add_voice_routes
 from .settings import default_checkpoint_dir, voices_dir
 from .voices import VoiceStore
@@ -382,11 +383,13 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
 
     async def model_card() -> dict:
         directory = await served_checkpoint()
+        offers = {}
         try:
-            config = load_config(directory)
+            family = load_family(directory)
             # A Base checkpoint's voices are the registered ones.
-            names = VoiceStore(voices_dir(voices), config).names() if config.clones_voices else []
-            voices_list = sorted(config.talker.speakers) + names
+            names = VoiceStore(voices_dir(voices), family.config).names() if family.clones_voices else []
+            voices_list = sorted(family.speakers) + names
+            offers = {"offers": family.describe()}
         except (OSError, CheckpointError) as error:  # a backend on another host: its path is not here
             log.warning("voices unknown (%s); give the gateway --checkpoint to list them", error)
             voices_list = []
@@ -397,6 +400,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
             "owned_by": "voxtriton",
             "aliases": list(MODEL_ALIASES),
             "voices": voices_list,
+            **offers,
         }
 
     @app.get("/v1/models")

@@ -1,4 +1,5 @@
-"""Turn the inputs of one `tts` request into an engine Request, or a RequestError naming the field.
+"""Turn the inputs of one `tts` request into an engine Request, or a RequestError naming the field;
+one parser per model family (`request_parser`).
 
 Triton already checks declared datatypes and shapes against config.pbtxt; this checks values.
 """
@@ -10,7 +11,8 @@ import numpy as np
 from ..engine.request import GenerationParams, Request
 from ..errors import RequestError
 from ..models.config import Qwen3TTSConfig
-from ..models.text import PromptBuilder, PromptHead
+from ..models.family import ModelFamily, SamplingDefaults
+from ..models.text import Prompt, PromptBuilder, PromptHead
 from ..models.voice import Voice
 from .settings import TTSSettings
 from .voices import VoiceStore
@@ -150,7 +152,7 @@ class RequestParser:
         registered one."""
         limit = self.settings.max_text_bytes
         strings = {name: _string(name, inputs[name], limit) for name in STRING_INPUTS if name in inputs}
-        scalars = {name: _single(name, inputs[name]).item() for name in SCALAR_INPUTS if name in inputs}
+        scalars = _scalars(inputs)
         speaker = strings.get("speaker") or (
             self.default_speaker if self.config.model_type == "custom_voice" else None
         )
@@ -160,18 +162,66 @@ class RequestParser:
         return strings, self.prompts.head(speaker, language, instruct, voice), scalars
 
     def _params(self, scalars: dict, prompt_length: int) -> GenerationParams:
-        frames_limit = min(self.settings.max_frames, self.settings.max_positions - prompt_length)
-        if frames_limit < 1:
-            raise RequestError("text", "too long for the server's KV cache (max_positions)")
-        # GenerationParams.create checks every sampling value and max_frames against frames_limit.
-        return GenerationParams.create(
-            self.config.generation,
-            frames_limit,
-            temperature=scalars.get("temperature"),
-            top_k=scalars.get("top_k"),
-            top_p=scalars.get("top_p"),
-            repetition_penalty=scalars.get("repetition_penalty"),
-            seed=scalars.get("seed"),
-            max_frames=scalars.get("max_frames"),
-            ignore_eos=bool(scalars.get("ignore_eos", False)),
+        return _generation_params(self.config.generation, self.settings, scalars, prompt_length)
+
+
+class CsmRequestParser:
+    """A CSM request: its text, a speaker id and sampling values; every field CSM does not take is
+    refused naming it (`ModelFamily.refused`). CSM reads its text whole: no input streams."""
+
+    def __init__(self, family: ModelFamily, settings: TTSSettings):
+        self.family, self.settings = family, settings
+
+    def reference(self, inputs: dict[str, np.ndarray]) -> None:
+        self.family.check_fields(set(inputs))  # a recording to clone is refused here, naming its field
+
+    def parse(self, request_id: str, inputs: dict[str, np.ndarray], voice: Voice | None = None) -> Request:
+        self.family.check_fields(set(inputs))
+        if "text" not in inputs:
+            raise RequestError("text", "is required")
+        limit = self.settings.max_text_bytes
+        text = _string("text", inputs["text"], limit)
+        if not text.strip():
+            raise RequestError("text", "is empty")
+        speaker = _string("speaker", inputs["speaker"], limit) if "speaker" in inputs else None
+        ids = self.family.prompt.build(text, speaker)
+        if len(ids) > self.settings.max_text_tokens:
+            raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
+        params = _generation_params(self.family.sampling, self.settings, _scalars(inputs), len(ids))
+        return Request(request_id, Prompt(ids, [], []), params)
+
+    def parse_stream(self, inputs: dict[str, np.ndarray]):
+        raise RequestError(
+            "text", "CSM reads its text whole: send it in one request, not as an input stream (sequence)"
         )
+
+
+def request_parser(family: ModelFamily, settings: TTSSettings, voices: VoiceStore | None = None):
+    """The parser of the family's requests (`voices`: a Qwen3-TTS Base model's registered voices)."""
+    if family.name == "csm":
+        return CsmRequestParser(family, settings)
+    return RequestParser(family.config, family.prompt, settings, voices)
+
+
+def _scalars(inputs: dict[str, np.ndarray]) -> dict:
+    return {name: _single(name, inputs[name]).item() for name in SCALAR_INPUTS if name in inputs}
+
+
+def _generation_params(
+    defaults: SamplingDefaults | dict, settings: TTSSettings, scalars: dict, prompt_length: int
+) -> GenerationParams:
+    frames_limit = min(settings.max_frames, settings.max_positions - prompt_length)
+    if frames_limit < 1:
+        raise RequestError("text", "too long for the server's KV cache (max_positions)")
+    # GenerationParams.create checks every sampling value and max_frames against frames_limit.
+    return GenerationParams.create(
+        defaults,
+        frames_limit,
+        temperature=scalars.get("temperature"),
+        top_k=scalars.get("top_k"),
+        top_p=scalars.get("top_p"),
+        repetition_penalty=scalars.get("repetition_penalty"),
+        seed=scalars.get("seed"),
+        max_frames=scalars.get("max_frames"),
+        ignore_eos=bool(scalars.get("ignore_eos", False)),
+    )

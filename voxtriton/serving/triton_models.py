@@ -7,6 +7,7 @@ empty or corrupted (outputs and BLS inputs alike), so nothing here builds a pb_u
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -21,16 +22,12 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..engine.engine import Engine
-from ..engine.model_runner import ModelRunner
 from ..errors import RequestError, ServerBusy
-from ..models.codec import CodecModel
-from ..models.config import load_config
+from ..models.families import load_family
 from ..models.fp8 import quantize_backbone
-from ..models.loader import load_backbone
-from ..models.text import PromptBuilder, TextTokenizer
 from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
-from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, RequestParser
+from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, request_parser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
 from .sequences import TextSequences
 from .settings import CodecSettings, TTSSettings, lane_sms, voices_dir
@@ -186,12 +183,15 @@ class TTSTritonModel:
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         checkpoint = ensure_checkpoint(settings.checkpoint_dir)
-        config = load_config(checkpoint)
+        family = load_family(checkpoint)
+        self.family, config = family, family.config
+        # The chunk scheduler's clock is the family's frames.
+        scheduler_config = dataclasses.replace(scheduler_config, frame_seconds=family.frame_seconds)
         log.info(
-            "tts: checkpoint %s (%s, %s), device %s %s, policy %s, GIL switch interval %g ms",
+            "tts: checkpoint %s (%s %s), device %s %s, policy %s, GIL switch interval %g ms",
             checkpoint,
-            config.model_type,
-            config.model_size,
+            family.name,
+            getattr(config, "model_type", ""),
             device,
             dtype,
             scheduler_config.policy,
@@ -215,20 +215,21 @@ class TTSTritonModel:
             shared = settings.backbone_partition == "shared"
             backbone_sms = 0 if shared else total - background_sms
         self.partition = SMPartition(device, backbone_sms, high_priority=shared)
-        backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
+        backbone = family.load_backbone(device=device, dtype=dtype)
         if settings.fp8_weights != "off":
+            if family.name != "qwen3_tts":
+                raise ValueError(f"fp8_weights: FP8 weights are for Qwen3-TTS checkpoints, not {family.name}")
             projections = quantize_backbone(backbone, settings.fp8_weights)
             log.info("tts: FP8 weights for %d projections (%s)", projections, settings.fp8_weights)
-        tokenizer = TextTokenizer(checkpoint)
         self.voice_encoder = self.encoding = voices = None
-        if config.clones_voices:
+        if family.clones_voices:
             # The encoders run on the engine's device, on a thread and a CUDA stream of their own.
             self.voice_encoder = VoiceEncoder(checkpoint, config, device)
             self.encoding = EncodingQueue(self.voice_encoder)
             voices = VoiceStore(voices_dir(settings.voices_dir), config, settings.max_voices)
             log.info("tts: Base checkpoint: voice cloning on, registered voices in %s", voices.directory)
-        self.parser = RequestParser(config, PromptBuilder(config, tokenizer), settings, voices)
-        runner = ModelRunner(
+        self.parser = request_parser(family, settings, voices)
+        runner = family.new_runner(
             backbone,
             settings.max_streams,
             settings.max_positions,
@@ -238,15 +239,8 @@ class TTSTritonModel:
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets())
-            log.info(
-                "tts: captured %d frame-step, %d prefill, %d admission and %d row-move CUDA graphs",
-                len(runner.graphs),
-                len(runner.prefill_graphs),
-                len(runner.admission_graphs),
-                len(runner.move_graphs),
-            )
-        with torch.device("meta"):
-            state_size = CodecModel(config.codec).state_size
+            log.info("tts: captured CUDA graphs: %s", runner.graph_counts())
+        state_size = family.codec_state_size()
         engine = Engine(
             runner,
             settings.max_streams,

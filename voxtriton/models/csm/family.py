@@ -1,66 +1,23 @@
-"""What the serving engine needs to know about CSM, in one plain description.
-
-The engine, the codec lanes and the scheduler serve Qwen3-TTS today; a model family gives them the
-same facts for another model: the frame clock, the shape of a frame, how a request becomes a prompt,
-which request fields the model takes, its sampling defaults and when an utterance ends.
-"""
+"""CSM as a model family: a Llama backbone with a depth decoder over 32 Mimi codebooks at 12.5 Hz,
+described for the engine, the codec lanes and the scheduler (`models.family`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ...errors import RequestError
 from ..config import read_json
+from ..family import ModelFamily, SamplingDefaults
 from .config import CsmConfig, load_csm_config
+from .loader import load_csm, load_mimi
+from .mimi import MimiCodec
 from .prompt import CsmPromptBuilder, CsmTokenizer
 
 
-@dataclass(frozen=True)
-class SamplingDefaults:
-    """Codebook 0 (backbone) and codebooks 1.. (depth decoder); temperature 0 means greedy."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    depth_temperature: float
-    depth_top_k: int
-    depth_top_p: float
-    max_frames: int
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    name: str
-    sample_rate: int
-    frame_rate: float  # frames per second of audio
-    samples_per_frame: int
-    codebooks: int  # codes per frame
-    codec_vocab: int  # codes below this are audio; the rest are the model's specials
-    depth_steps: int  # sequential predictor steps per frame after the backbone step
-    max_positions: int  # backbone positions: prompt plus frames
-    predictor_positions: int  # the predictor's scratch cache per frame
-    sampling: SamplingDefaults
-    fields: dict[str, str]  # request field -> what it means for this model
-    refused: dict[str, str]  # request field -> why this model does not take it
-    end_code: int  # a frame whose codebooks 0..K-2 all equal this ends the utterance
-    prompt: CsmPromptBuilder
-
-    def check_fields(self, present: set[str]) -> None:
-        """Refuse, naming the field, a request field this model does not take."""
-        for name in sorted(present):
-            if name in self.refused:
-                raise RequestError(name, self.refused[name])
-
-    def is_end(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, K] -> [B] bool: the frame is the end-of-audio frame (transformers' rule)."""
-        return (codes[:, :-1] == self.end_code).all(dim=1)
-
-
 def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFamily:
+    from ...engine.csm_runner import CsmRunner  # the engine imports models, not the other way
+
     checkpoint_dir = Path(checkpoint_dir)
     config = config or load_csm_config(checkpoint_dir)
     path = checkpoint_dir / "generation_config.json"
@@ -79,8 +36,16 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         depth_top_p=float(g.get("depth_decoder_top_p", 1.0)),
         max_frames=int(g.get("max_new_tokens", 125)),
     )
+    end = config.codebook_eos_token_id
+
+    def is_end(codes: torch.Tensor) -> torch.Tensor:
+        """transformers' rule: codebooks 0..K-2 all equal the end code (the last one does not count)."""
+        return (codes[:, :-1] == end).all(dim=1)
+
     return ModelFamily(
         name="csm",
+        checkpoint=checkpoint_dir,
+        config=config,
         sample_rate=config.codec.sample_rate,
         frame_rate=config.frame_rate,
         samples_per_frame=config.samples_per_frame,
@@ -104,7 +69,22 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         refused={
             "language": "CSM takes no language; it reads the text as written",
             "instruct": "CSM takes no style instruction; the voice comes from `speaker`",
+            "reference_audio": "CSM serves its speakers by id; it clones no voice",
+            "reference_text": "CSM serves its speakers by id; it clones no voice",
         },
-        end_code=config.codebook_eos_token_id,
-        prompt=CsmPromptBuilder(config, CsmTokenizer(checkpoint_dir)),
+        end_code=end,
+        is_end=is_end,
+        build_prompt=lambda: CsmPromptBuilder(config, CsmTokenizer(checkpoint_dir)),
+        speakers=(),
+        languages=(),
+        input_streaming=False,
+        clones_voices=False,
+        load_backbone=lambda device="cpu", dtype=torch.float32: load_csm(
+            checkpoint_dir, config, device=device, dtype=dtype
+        ),
+        load_codec=lambda device="cpu", dtype=torch.float32: load_mimi(
+            checkpoint_dir, config, device=device, dtype=dtype
+        ),
+        build_codec=lambda: MimiCodec(config.codec),
+        new_runner=lambda model, *args, **kwargs: CsmRunner(model, is_end, *args, **kwargs),
     )
