@@ -7,11 +7,24 @@ the fields CSM does not take are refused naming them, and the server keeps servi
 
 from __future__ import annotations
 
+import base64
+import json
+import urllib.request
+
 import numpy as np
 import pytest
 import torch
 from server_helpers import start_server
-from test_gateway import get, post, start_gateway, stop_gateway
+from test_gateway import (
+    browser,  # noqa: F401 (a fixture)
+    fetch,
+    get,
+    open_playground,
+    post,
+    screenshot,
+    start_gateway,
+    stop_gateway,
+)
 from test_server import raw_request, string_input
 from voxtriton_client import TTSClient
 
@@ -37,6 +50,16 @@ def server(checkpoint):
 @pytest.fixture(scope="module")
 def client(server):
     return TTSClient(server.grpc_url)
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    """No --checkpoint: the gateway reads the backend's checkpoint and lists the family's offer."""
+    process, url = start_gateway(server.grpc_url)
+    try:
+        yield url
+    finally:
+        stop_gateway(process)
 
 
 def speak(client, text, seed, frames=30, **options):
@@ -97,26 +120,64 @@ def test_an_input_stream_is_refused_naming_the_reason(client):
     assert speak(client, "still serving", seed=2, frames=3).completed
 
 
-def test_the_gateway_lists_what_the_csm_model_offers_and_speaks_by_speaker_id(server):
-    """No --checkpoint: the gateway reads the backend's checkpoint and lists the family's offer."""
-    gateway, url = start_gateway(server.grpc_url)
-    try:
-        _, _, models = get(url, "/v1/models")
-        offers = models["data"][0]["offers"]
-        assert offers["family"] == "csm" and offers["codebooks"] == 32 and offers["sample_rate"] == 24000
-        assert set(offers["fields"]) >= {"text", "speaker", "seed", "max_frames"}
-        assert {"language", "instruct", "reference_audio"} <= set(offers["refused"])
-        assert not offers["input_streaming"] and not offers["clones_voices"]
-        body = {
-            "input": "Hello.",
-            "voice": "1",
-            "max_frames": 6,
-            "ignore_eos": True,
-            "response_format": "pcm",
-        }
-        code, _, payload = post(url, body)
-        assert code == 200 and len(payload) == 6 * 1920 * 2
-        code, _, error = post(url, {**body, "instructions": "Whisper."})
-        assert code == 400 and b"instruct" in error and b"CSM takes no style instruction" in error
-    finally:
-        stop_gateway(gateway)
+def test_the_gateway_lists_what_the_csm_model_offers_and_speaks_by_speaker_id(gateway):
+    _, _, models = get(gateway, "/v1/models")
+    offers = models["data"][0]["offers"]
+    assert offers["family"] == "csm" and offers["codebooks"] == 32 and offers["sample_rate"] == 24000
+    assert set(offers["fields"]) >= {"text", "speaker", "seed", "max_frames"}
+    assert {"language", "instruct", "reference_audio"} <= set(offers["refused"])
+    assert not offers["input_streaming"] and not offers["clones_voices"]
+    assert offers["speakers"] == ["0", "1"] and models["data"][0]["voices"] == ["0", "1"]
+    body = {
+        "input": "Hello.",
+        "voice": "1",
+        "max_frames": 6,
+        "ignore_eos": True,
+        "response_format": "pcm",
+    }
+    code, _, payload = post(gateway, body)
+    assert code == 200 and len(payload) == 6 * 1920 * 2
+    code, _, error = post(gateway, {**body, "instructions": "Whisper."})
+    assert code == 400 and b"instruct" in error and b"CSM takes no style instruction" in error
+
+
+def test_the_gateway_lists_csm_speaker_ids_as_its_voices_and_refuses_registering_one(gateway):
+    code, _, listing = get(gateway, "/v1/audio/voices")
+    assert code == 200 and listing == {
+        "object": "list",
+        "data": [{"name": "0", "speaker": True}, {"name": "1", "speaker": True}],
+    }
+    body = {"name": "anna", "audio": base64.b64encode(b"RIFF").decode(), "text": "Hi."}
+    code, _, payload = post(gateway, body, "/v1/audio/voices")
+    error = json.loads(payload)["error"]
+    assert code == 400 and error["param"] == "audio", error
+    assert error["message"] == (
+        "audio: the served model takes no reference audio, so it registers no voices "
+        "(CSM serves its speakers by id; it clones no voice); its speakers: 0, 1"
+    )
+    code, _, payload = fetch(urllib.request.Request(f"{gateway}/v1/audio/voices/anna", method="DELETE"))
+    error = json.loads(payload)["error"]
+    assert code == 404 and error["param"] == "name" and error["type"] == "not_found_error"
+    assert error["message"].startswith("name: no voice 'anna': the served model takes no reference audio")
+    assert get(gateway, "/v1/audio/voices")[0] == 200  # still serving
+
+
+def test_the_playground_offers_csm_speaker_ids_and_hides_what_csm_does_not_take(gateway, browser):  # noqa: F811
+    page = open_playground(browser, gateway, ignore_eos=True, seed=4)
+    requests = []
+    page.on("request", lambda r: requests.append(r.post_data_json) if r.method == "POST" else None)
+    page.wait_for_function("document.getElementById('voice').options.length > 1")
+    options = page.eval_on_selector_all("#voice option", "options => options.map(o => [o.value, o.text])")
+    assert options == [["", "server default"], ["0", "speaker 0"], ["1", "speaker 1"]]
+    # No reference audio, no instruction and no input streams for CSM: their controls are hidden.
+    assert page.is_hidden("#clone") and page.is_hidden("#instruct-control")
+    assert page.is_hidden("#as-typed-control")
+    page.select_option("#voice", "1")
+    page.fill("#seconds", "1.6")
+    page.click("#speak")
+    page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
+    stats = page.evaluate("window.voxtritonStats")
+    screenshot(page, "playground-csm.png")
+    page.close()
+    assert stats["error"] is None and stats["samples"] == 20 * 1920, stats
+    assert requests[0]["voice"] == "1" and "instructions" not in requests[0]

@@ -230,6 +230,26 @@ def test_models_list_the_served_model_its_aliases_and_the_backends_voices(stack,
         client.models.retrieve("whisper-1")
 
 
+def test_the_voices_of_a_model_that_clones_none_are_its_speakers_and_registering_is_refused(
+    stack, tiny_checkpoint
+):
+    """A CustomVoice checkpoint: the voice list is its preset speakers; a registration or a deletion
+    says the model takes no reference audio."""
+    url, _ = stack
+    speakers = sorted(load_config(tiny_checkpoint).talker.speakers)
+    code, _, listing = get(url, "/v1/audio/voices")
+    assert code == 200 and listing["data"] == [{"name": name, "speaker": True} for name in speakers]
+    body = {"name": "anna", "audio": base64.b64encode(b"RIFF").decode()}
+    code, _, payload = post(url, body, "/v1/audio/voices")
+    error = json.loads(payload)["error"]
+    assert code == 400 and error["param"] == "audio", error
+    assert error["message"].startswith("audio: the served model takes no reference audio"), error
+    assert "its speakers: " + ", ".join(speakers) in error["message"]
+    code, _, payload = fetch(urllib.request.Request(f"{url}/v1/audio/voices/ryan", method="DELETE"))
+    error = json.loads(payload)["error"]
+    assert code == 404 and error["param"] == "name" and "takes no reference audio" in error["message"]
+
+
 def test_openai_model_names_and_voices_in_any_case_are_the_served_ones(stack):
     url, _ = stack
     body = {"input": "Same voice.", "max_frames": 12, "ignore_eos": True, "seed": 3, "response_format": "pcm"}
@@ -362,7 +382,14 @@ def test_playground_plays_streamed_audio_in_a_browser(stack, browser):
     # A random-weight model may sample its end-of-speech code after one chunk: the page's request in
     # flight gets ignore_eos and a seed, and its length control sets max_frames.
     page = open_playground(browser, url, ignore_eos=True, seed=7)
+    requests = []
+    page.on("request", lambda r: requests.append(r.post_data_json) if r.method == "POST" else None)
     page.wait_for_function("document.getElementById('voice').options.length > 1")  # the backend's voices
+    # What the model offers: the tiny CustomVoice checkpoint takes instruct and input streams, no clones.
+    assert page.is_visible("#instruct-control") and page.is_visible("#as-typed-control")
+    assert page.is_hidden("#clone")
+    page.select_option("#voice", "ryan")
+    page.fill("#instruct", "Speak slowly.")
     page.fill("#text", "The browser plays this as it streams.")
     page.fill("#seconds", str(FRAMES * 0.08))
     page.click("#speak")
@@ -376,6 +403,7 @@ def test_playground_plays_streamed_audio_in_a_browser(stack, browser):
     screenshot(page, "playground.png")
     page.close()
     assert stats["error"] is None, stats
+    assert requests[0]["voice"] == "ryan" and requests[0]["instructions"] == "Speak slowly."
     assert stats["samples"] == FRAMES * 1920 and stats["chunks"] >= 2  # all of it reached WebAudio, streamed
     assert 0 < stats["ttfaMs"] < 10_000 and "TTFA" in status_line
     assert len(dots) == stats["chunks"] and set(dots) <= LANE_COLORS

@@ -53,7 +53,7 @@ class ModelFamily:
     end_code: int  # the code that marks the end-of-utterance frame (see `is_end`)
     is_end: Callable[[torch.Tensor], torch.Tensor]  # codes [B, K] -> [B] bool: an end frame, not audio
     build_prompt: Callable[[], Any]  # the family's prompt builder (loads the tokenizer): see `prompt`
-    speakers: tuple[str, ...]  # what `speaker` may name (empty: any id the model takes, or none)
+    speakers: tuple[str, ...]  # the speakers listed for `speaker` (empty: none to list)
     languages: tuple[str, ...]  # what `language` may name (empty: not taken)
     input_streaming: bool  # text may arrive in pieces (Triton sequences)
     clones_voices: bool  # takes reference recordings and registered voices

@@ -1,8 +1,11 @@
-"""The gateway's registered-voice endpoints (Base checkpoints), beside `POST /v1/audio/speech`.
+"""The gateway's voice endpoints, beside `POST /v1/audio/speech`, for the served model's family.
 
     POST   /v1/audio/voices         {"name", "audio": base64 file bytes, "text"?, "replace"?} -> 201
-    GET    /v1/audio/voices         the registered voices
+    GET    /v1/audio/voices         the registered voices, or the model's speakers where it clones none
     DELETE /v1/audio/voices/{name}  remove one
+
+Only a model that clones voices (a Qwen3-TTS Base checkpoint) registers them; for any other the
+list is its speakers and a registration is refused, naming that the model takes no reference audio.
 
 The gateway encodes a recording once (the served checkpoint's encoders, on its own CPU, one
 registration at a time, off the event loop) and writes the voice into the voices directory it shares
@@ -17,7 +20,9 @@ import json
 from pathlib import Path
 
 from ..errors import RequestError
-from ..models.config import CheckpointError, load_config
+from ..models.config import CheckpointError
+from ..models.families import load_family
+from ..models.family import ModelFamily
 from .voices import VoiceEncoder, VoiceStore, check_name, register_voice
 
 MAX_BODY_BYTES = 24 << 20  # a 16 MiB recording in base64, and the rest of the JSON
@@ -34,22 +39,27 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
     def refused(error: RequestError):
         return error_type(400, str(error), error.field)
 
-    async def voices() -> tuple[Path, VoiceStore]:
+    async def served_family() -> ModelFamily:
         directory = await served_checkpoint()
         try:
-            config = load_config(directory)
+            return load_family(directory)
         except (OSError, CheckpointError) as error:
             raise error_type(503, f"the served checkpoint is not readable here ({error}); give --checkpoint")
-        if not config.clones_voices:
-            raise error_type(
-                400, f"voices: the served checkpoint is {config.model_type}; voices need a Base one"
-            )
-        return directory, VoiceStore(voices_directory, config)
+
+    def clones_none(family: ModelFamily) -> str:
+        """Why a model that clones no voice has no registered ones, in words."""
+        reason = family.refused.get("reference_audio", "it speaks in its own voices")
+        speakers = f"; its speakers: {', '.join(family.speakers)}" if family.speakers else ""
+        return f"the served model takes no reference audio, so it registers no voices ({reason}){speakers}"
 
     @app.post("/v1/audio/voices", status_code=201)
     async def add_voice(request: Request):
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise error_type(413, f"request body too large (at most {MAX_BODY_BYTES} bytes)", "audio")
+        family = await served_family()  # a model that clones none is refused whatever the body
+        if not family.clones_voices:
+            raise error_type(400, "audio: " + clones_none(family), "audio")
+        directory, store = family.checkpoint, VoiceStore(voices_directory, family.config)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -79,7 +89,6 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
             raise error_type(400, "audio: not valid base64", "audio") from None
         except RequestError as error:
             raise refused(error) from None
-        directory, store = await voices()
         async with one_at_a_time:
             try:
                 if directory not in encoders:
@@ -92,7 +101,10 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
 
     @app.get("/v1/audio/voices")
     async def list_voices():
-        _, store = await voices()
+        family = await served_family()
+        if not family.clones_voices:
+            return {"object": "list", "data": [{"name": name, "speaker": True} for name in family.speakers]}
+        store = VoiceStore(voices_directory, family.config)
         return {"object": "list", "data": [store.describe(name) for name in store.names()]}
 
     @app.delete("/v1/audio/voices/{name}")
@@ -101,7 +113,10 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
             check_name(name)
         except RequestError as error:
             raise refused(error) from None
-        _, store = await voices()
-        if not store.delete(name):
+        family = await served_family()
+        if not family.clones_voices:
+            message = f"name: no voice {name!r}: {clones_none(family)}"
+            raise error_type(404, message, "name", "not_found_error")
+        if not VoiceStore(voices_directory, family.config).delete(name):
             raise error_type(404, f"name: no voice {name!r}", "name", "not_found_error")
         return {"name": name, "deleted": True}

@@ -14,6 +14,10 @@ from .loader import load_csm, load_mimi
 from .mimi import MimiCodec
 from .prompt import CsmPromptBuilder, CsmTokenizer
 
+# The speaker ids listed to clients: the two of CSM's official conversation examples. Any
+# non-negative id is taken (`prompt.parse_speaker`).
+LISTED_SPEAKERS = ("0", "1")
+
 
 def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFamily:
     from ...engine.csm_runner import CsmRunner  # the engine imports models, not the other way
@@ -75,7 +79,7 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         end_code=end,
         is_end=is_end,
         build_prompt=lambda: CsmPromptBuilder(config, CsmTokenizer(checkpoint_dir)),
-        speakers=(),
+        speakers=LISTED_SPEAKERS,
         languages=(),
         input_streaming=False,
         clones_voices=False,
