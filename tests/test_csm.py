@@ -392,6 +392,40 @@ def test_engine_greedy_codes_equal_transformers_generate(reference, family, ours
     assert results["other"][0].shape == (9, 32) and results["short"][0].shape == (4, 32)
 
 
+@pytest.mark.parametrize("lengths", [[16, 48], [16, 32]], ids=["padded", "longer-than-buckets"])
+def test_prefills_padded_to_buckets_give_the_exact_shape_codes(reference, family, ours, prompt, lengths):
+    """Prompts padded to prefill buckets (admitted in groups of at most 2, the last with a padding row)
+    give the greedy codes of exact-shape prefills, and transformers' own; prompts longer than every
+    length bucket prefill eagerly at their exact shapes."""
+    model, _ = reference
+    with torch.inference_mode():
+        expected = model.generate(
+            input_ids=prompt, max_new_tokens=FRAMES, do_sample=False, depth_decoder_do_sample=False
+        )[0]
+
+    def requests():
+        return [
+            csm_request(
+                family,
+                "other",
+                "A longer sentence that shares the batch.",
+                0,
+                max_frames=FRAMES,
+                temperature=0.0,
+            ),
+            csm_request(family, "parity", TEXT, 1, max_frames=FRAMES, temperature=0.0),
+            csm_request(family, "short", "Hi.", 2, max_frames=4, temperature=0.0),
+        ]
+
+    exact = engine_codes(new_engine(family, ours), requests())
+    engine = new_engine(family, ours)
+    engine.runner.set_buckets([], [], prefill_batch_sizes=[2], prefill_lengths=lengths)
+    padded = engine_codes(engine, requests())
+    assert torch.equal(padded["parity"][0], expected)
+    for name, (codes, _) in exact.items():
+        assert torch.equal(padded[name][0], codes), name
+
+
 def test_sampled_codes_depend_on_the_seed_not_the_batch(family, ours):
     alone = engine_codes(new_engine(family, ours), [csm_request(family, "a", TEXT, seed=7, max_frames=5)])
     batched = engine_codes(

@@ -5,7 +5,9 @@ depth decoder: frame 0. A frame step feeds the held frame t to the backbone, sam
 frame t+1 and runs the depth decoder over its other codebooks, and returns frame t with, in the last
 column, whether frame t+1 is the end frame (transformers' rule, `ModelFamily.is_end`). So the end
 frame, which is not audio, is never returned, and the frame before it is returned as the last one,
-as transformers' generate cuts its audio. The whole step is one CUDA graph per (batch, span) bucket.
+as transformers' generate cuts its audio. The whole step is one CUDA graph per (batch, span) bucket;
+padded prefills and the admitted rows' writes (the first frame's depth decoder included) are graphs
+per (batch, length) and (requests, length) bucket, as `FrameRunner` describes.
 
 Sampling is the engine's (`sampling`): seeded per row, greedy at temperature 0. Codes the codec
 cannot decode (the specials above Mimi's codebook) are never drawn; the repetition penalty applies to
@@ -21,14 +23,10 @@ import torch
 
 from ..models.csm.model import CsmModel
 from ..models.layers import StaticKV
-from .admission import AdmissionLayout
+from .admission import AdmissionInputs
 from .frame_runner import FrameRunner
-from .request import Request
 from .row_state import Rows
 from .sampling import apply_repetition_penalty, noise_keys, sample
-
-NO_CODEC = -1  # the admission layout's codec column: CSM prompts are text only
-TEXT_PAD = 0  # a padded prompt's tail: causal attention never lets a real position see it
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,6 +38,7 @@ class CsmRows(Rows):
 
 class CsmRunner(FrameRunner):
     end_marker = 1  # the last column: the next frame is the end frame
+    pad_text_id = 0  # CSM feeds no text per frame: an admission's trailing text is unused
 
     def __init__(
         self,
@@ -50,12 +49,18 @@ class CsmRunner(FrameRunner):
         max_text_tokens: int,
         prefill_stream: torch.cuda.Stream | None = None,
     ):
-        """is_end: the family's end rule. Prefills run eagerly on the caller's stream between steps, at
-        their exact shapes (`prefill_stream` is accepted for the runner interface and not used)."""
+        """is_end: the family's end rule; prefill_stream: where padded prefills run, beside the frame
+        step in flight; None: on the caller's stream, between steps."""
         config = model.config
         param = model.lm_head.weight
         super().__init__(
-            param.device, param.dtype, max_rows, max_positions, max_text_tokens, config.num_codebooks
+            param.device,
+            param.dtype,
+            max_rows,
+            max_positions,
+            max_text_tokens,
+            config.num_codebooks,
+            prefill_stream,
         )
         self.model, self.config, self.is_end = model, config, is_end
         self.cache, (self.depth_keys, self.depth_values) = model.new_caches(max_rows, max_positions)
@@ -69,18 +74,25 @@ class CsmRunner(FrameRunner):
             frame=torch.zeros(max_rows, config.num_codebooks, device=self.device, dtype=torch.long),
         )
         self.codebook_ids = torch.arange(config.num_codebooks, device=self.device)
+        self.true = torch.ones((), dtype=torch.bool, device=self.device)
         self.undecodable = torch.arange(config.vocab_size, device=self.device) >= config.codec.codebook_size
 
     # -- sampling --------------------------------------------------------------------------------
 
-    def _complete_frame(self, hidden: torch.Tensor, logits: torch.Tensor, rows: slice) -> torch.Tensor:
-        """The next frame [B, K] of `rows` from the backbone's last state [B, D] and its codebook-0
-        logits [B, vocab]: codebook 0 (penalised, sampled), then the depth decoder's codebooks."""
+    def _complete_frame(
+        self, hidden: torch.Tensor, logits: torch.Tensor, rows: slice | torch.Tensor
+    ) -> torch.Tensor:
+        """The next frame [B, K] of `rows` (the batch's slice, or admitted rows' indices) from the
+        backbone's last state [B, D] and its codebook-0 logits [B, vocab]: codebook 0 (penalised,
+        sampled), then the depth decoder's codebooks."""
         state = self.state
         keys = noise_keys(state.main.seeds[rows], state.frame_index[rows, None], self.codebook_ids)
         logits = apply_repetition_penalty(logits.float(), state.seen[rows], state.penalty[rows])
         first = sample(logits.masked_fill(self.undecodable, float("-inf")), state.main[rows], keys[:, 0])
-        state.seen[rows].scatter_(1, first[:, None], True)
+        if isinstance(rows, slice):
+            state.seen[rows].scatter_(1, first[:, None], True)
+        else:  # indexing by a tensor reads a copy: write through the indices
+            state.seen.index_put_((rows, first), self.true)
         sub = state.sub[rows]
 
         def draw(depth_logits: torch.Tensor, codebook: int) -> torch.Tensor:
@@ -92,25 +104,32 @@ class CsmRunner(FrameRunner):
 
     # -- steps ----------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def prefill(self, requests: list[Request], first_row: int) -> None:
-        """Run the prompts of new requests into rows first_row.. and complete their first frames."""
-        count, length = len(requests), max(len(r.prompt.text_ids) for r in requests)
-        layout = AdmissionLayout(count, 1)
-        flat = layout.pack(requests, first_row, count, length, TEXT_PAD, NO_CODEC)
-        inputs = layout.views(self._upload(torch.from_numpy(flat)), count, count, length)
-        rows, state = slice(first_row, first_row + count), self.state
-        for index, column in enumerate(state.scalar_columns):
-            column[rows] = inputs.scalars[:, index].to(column.dtype)
-        state.seen[rows] = False
-        state.frame_index[rows] = 0
-        positions = torch.arange(length, device=self.device).expand(count, length)
-        cache = StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows])
+    def _prompt_last_hidden(
+        self,
+        text: torch.Tensor,
+        codec: torch.Tensor,
+        last_index: torch.Tensor,
+        cache: StaticKV,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Text prompts [B, L] into `cache` (CSM prompts hold no codec ids and no extra embeddings);
+        returns each prompt's final hidden state [B, D]. A padded prompt's tail is never seen by its
+        real positions (causal attention)."""
+        batch, length = text.shape
+        positions = torch.arange(length, device=self.device).expand(batch, length)
         hidden = self.model.backbone_model(
-            self.model.text_embeds(inputs.text), positions, cache.bind(positions, length)
+            self.model.text_embeds(text), positions, cache.bind(positions, length)
         )
-        last = hidden[torch.arange(count, device=self.device), inputs.last_index]
-        state.frame[rows] = self._complete_frame(last, self.model.lm_head(last), rows)
+        return hidden[torch.arange(batch, device=self.device), last_index]
+
+    def _write_admitted(
+        self, inputs: AdmissionInputs, last_hidden: torch.Tensor, scratch_length: int | None
+    ) -> None:
+        """Write admitted requests' rows (`FrameRunner._write_admitted`) and complete their first
+        frames: codebook 0 from the prompt's last state, then the depth decoder."""
+        state, rows = self.state, self._admit_rows(inputs, scratch_length)
+        last = last_hidden[: len(rows)]
+        state.frame.index_copy_(0, rows, self._complete_frame(last, self.model.lm_head(last), rows))
 
     def _decode_into_output(self, batch: int, span: int) -> None:
         rows, state = slice(0, batch), self.state
@@ -123,14 +142,3 @@ class CsmRunner(FrameRunner):
         state.frame[rows] = frame
         self.step_output[rows, :-1] = fed
         self.step_output[rows, -1] = (self.is_end(frame) & ~state.ignore_eos[rows]).long()
-
-    @torch.inference_mode()
-    def capture_graphs(self, batch_sizes: list[int], spans: list[int], **prefill_buckets) -> None:
-        """Capture the frame step for every (batch, span) bucket and the row moves. Prefill buckets are
-        accepted for the runner interface: CSM prefills run eagerly. Run before any admission."""
-        self.set_buckets(batch_sizes, spans)
-        initial_rows = [tensor.clone() for tensor in self.state.tensors]
-        self._capture_steps()
-        for tensor, initial in zip(self.state.tensors, initial_rows):
-            tensor.copy_(initial)
-        torch.cuda.synchronize(self.device)

@@ -8,21 +8,36 @@ so graph and eager runs compute the same shapes and draw the same codes. The hos
 [B, codebooks + 1] array per frame step: the frame's codes and a last column that says, when it
 equals `end_marker`, that the frame is its request's last (end of speech).
 
-A family's runner subclasses this with its state (`RowState` or a subclass), its KV `cache`, its
-`prefill` and its `_decode_into_output`.
+Prefills pad prompts to (batch, length) buckets too, when buckets are set: one upload into a static
+admission buffer, the prompts through the backbone into a scratch KV cache (beside the frame step in
+flight, on the prefill stream), then the admitted rows written. On a GPU the last two are CUDA
+graphs, per (batch, length) bucket and per (requests, length). Prompts no bucket fits prefill
+eagerly at their exact shapes, straight into their rows.
+
+A family's runner subclasses this with its state (a `Rows` subclass), its KV `cache`, `pad_text_id`,
+`_prompt_last_hidden` (prompts through the backbone), `_write_admitted` (the admitted rows and their
+first step) and `_decode_into_output` (the frame step).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
 
 from ..kernels import check_kernels
+from ..models.layers import StaticKV
+from .admission import AdmissionInputs, AdmissionLayout
 from .codec_runner import capture_stream
+from .request import Request
+
+NO_CODEC = -1  # an admission's codec ids past a prompt's
 
 
 class FrameRunner:
     end_marker: int  # a step output's last column equal to this ends the row's request
+    pad_text_id: int  # what fills the trailing text of an admission's rows
 
     def __init__(
         self,
@@ -53,8 +68,14 @@ class FrameRunner:
         self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.move_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per attention-span bucket: see `move_row`
+        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Writing admitted requests' rows, per (requests, prompt-length bucket): see `_write_admitted`.
+        self.admission_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.batch_buckets: list[int] = []
         self.span_buckets: list[int] = []
+        self.prefill_batch_buckets: list[int] = []
+        self.prefill_length_buckets: list[int] = []
+        self.prefill_extra: torch.Tensor | None = None  # a family's extra prompt embeddings, if any
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device, for use on the current stream, without waiting for its work."""
@@ -112,10 +133,39 @@ class FrameRunner:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def set_buckets(self, batch_sizes: list[int], spans: list[int]) -> None:
-        """Pad steps to these batch sizes and attention spans (needed for graphs, allowed without)."""
+    def set_buckets(
+        self,
+        batch_sizes: list[int],
+        spans: list[int],
+        prefill_batch_sizes: list[int] = (),
+        prefill_lengths: list[int] = (),
+    ) -> None:
+        """Pad steps to these batch sizes and attention spans, and prompts to these prefill batch sizes
+        and lengths (needed for graphs, allowed without)."""
         self.batch_buckets = sorted(b for b in set(batch_sizes) if b <= self.max_rows)
         self.span_buckets = sorted(s for s in set(spans) if s <= self.max_positions)
+        self.prefill_batch_buckets = sorted(b for b in set(prefill_batch_sizes) if b <= self.max_rows)
+        self.prefill_length_buckets = sorted(n for n in set(prefill_lengths) if n <= self.max_positions)
+        if not (self.prefill_batch_buckets and self.prefill_length_buckets):
+            self.prefill_batch_buckets, self.prefill_length_buckets = [], []
+            return
+        batch, length = self.prefill_batch_buckets[-1], self.prefill_length_buckets[-1]
+        layers, _, kv_heads, _, head_dim = self.cache.keys.shape
+
+        def scratch():
+            shape = (layers, batch, kv_heads, length, head_dim)
+            return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+        self.prefill_kv = StaticKV(scratch(), scratch())
+        self.admission_layout = AdmissionLayout(batch, self.trailing_width)
+        self.admission = torch.zeros(
+            self.admission_layout.size(batch, length), device=self.device, dtype=torch.long
+        )
+
+    @property
+    def trailing_width(self) -> int:
+        """Trailing text ids an admission carries per row (a family that feeds text per frame: more)."""
+        return 1
 
     @staticmethod
     def _bucket(value: int, buckets: list[int]) -> int:
@@ -123,7 +173,49 @@ class FrameRunner:
 
     def graph_counts(self) -> dict[str, int]:
         """CUDA graphs captured, by kind (for the server's log)."""
-        return {"frame step": len(self.graphs), "row move": len(self.move_graphs)}
+        return {
+            "frame step": len(self.graphs),
+            "row move": len(self.move_graphs),
+            "prefill": len(self.prefill_graphs),
+            "admission": len(self.admission_graphs),
+        }
+
+    @torch.inference_mode()
+    def capture_graphs(
+        self,
+        batch_sizes: list[int],
+        spans: list[int],
+        prefill_batch_sizes: list[int] = (),
+        prefill_lengths: list[int] = (),
+    ) -> None:
+        """Capture the frame step for every (batch, span) bucket and the prefill for every (batch,
+        length) bucket. Run before any request is admitted."""
+        self.set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
+        # Captures run their work on rows 0.. with placeholder inputs (and graph outputs never written):
+        # the rows' state goes back to this afterwards.
+        initial_rows = [tensor.clone() for tensor in self.state.tensors]
+        pool = self._capture_steps()
+        # Prefills may run beside a frame step (`_beside_the_step`): their graphs get a pool of their own
+        # and are captured on the prefill stream, whose cuBLAS workspace they keep.
+        prefill_pool, stream = None, self.prefill_stream or capture_stream(self.device)
+        for length in reversed(self.prefill_length_buckets):
+            for batch in reversed(self.prefill_batch_buckets):
+                graph, prefill_pool = self._capture(
+                    lambda: self._prefill_padded(batch, length), prefill_pool, keep_output=True, stream=stream
+                )
+                self.prefill_graphs[(batch, length)] = graph
+        # The rows' writes run on the compute stream between frame steps: the steps' pool serves them.
+        for length in self.prefill_length_buckets:
+            for count in range(1, max(self.prefill_batch_buckets, default=0) + 1):
+                batch = self._bucket(count, self.prefill_batch_buckets)
+                last = self.prefill_graphs[(batch, length)][1]
+                self.admission_graphs[(count, length)], pool = self._capture(
+                    lambda: self._write_admitted(self._admission_inputs(count, batch, length), last, length),
+                    pool,
+                )
+        for tensor, initial in zip(self.state.tensors, initial_rows):
+            tensor.copy_(initial)
+        torch.cuda.synchronize(self.device)
 
     def _capture_steps(self):
         """Capture the frame step for every (batch, span) bucket and the row move for every span;
@@ -164,4 +256,140 @@ class FrameRunner:
         return self.step_output[:batch]
 
     def _decode_into_output(self, batch: int, span: int) -> None:
+        raise NotImplementedError
+
+    # -- prefills -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, requests: list[Request], first_row: int) -> None:
+        """Run the prompts of new requests into rows first_row.. and start their first frames.
+
+        Admissions larger than the largest prefill batch bucket go in groups of that size.
+        """
+        group = max(self.prefill_batch_buckets, default=len(requests))
+        for start in range(0, len(requests), group):
+            self._prefill_group(requests[start : start + group], first_row + start)
+
+    def _prefill_group(self, requests: list[Request], first_row: int) -> None:
+        count, longest = len(requests), max(len(r.prompt.text_ids) for r in requests)
+        batch = self._bucket(count, self.prefill_batch_buckets)
+        length = self._bucket(longest, self.prefill_length_buckets)
+        if batch in self.prefill_batch_buckets and length in self.prefill_length_buckets:
+            self._prefill_padded_group(requests, first_row, batch, length)
+        else:  # no bucket fits: eager, exact shapes, straight into the rows
+            layout = AdmissionLayout(count, self.trailing_width)
+            flat = self._upload(torch.from_numpy(self._pack(layout, requests, first_row, count, longest)))
+            inputs = layout.views(flat, count, count, longest)
+            rows = slice(first_row, first_row + count)
+            last = self._prompt_last_hidden(
+                inputs.text,
+                inputs.codec,
+                inputs.last_index,
+                StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]),
+                self._extra_embeds(requests, longest),
+            )
+            self._write_admitted(inputs, last, None)
+
+    def _extra_embeds(self, requests: list[Request], length: int) -> torch.Tensor | None:
+        """What a family adds to its prompts' embeddings [count, length, D]; None: nothing."""
+        return None
+
+    def _prefill_padded_group(self, requests: list[Request], first_row: int, batch: int, length: int) -> None:
+        """Prompts padded to a prefill bucket: one upload into the admission buffer, the prefill (beside
+        the step in flight) into the scratch cache, then the rows written: two graph replays on a GPU.
+        A family's extra embeddings go into the prefill's extra-embedding buffer for this prefill only,
+        so the buffer holds zeros for every other admission."""
+        count = len(requests)
+        host = torch.from_numpy(self._pack(self.admission_layout, requests, first_row, batch, length))
+        with self._beside_the_step():
+            self.admission[: host.numel()].copy_(self._upload(host))
+            longest = max(len(r.prompt.text_ids) for r in requests)
+            extra = self._extra_embeds(requests, longest)
+            if extra is not None:
+                self.prefill_extra[:count, :longest].copy_(extra)
+            entry = self.prefill_graphs.get((batch, length))
+            if entry is not None:
+                entry[0].replay()
+                last = entry[1]
+            else:
+                last = self._prefill_padded(batch, length)
+            if extra is not None:
+                self.prefill_extra[:count, :longest].zero_()
+        graph = self.admission_graphs.get((count, length))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._write_admitted(self._admission_inputs(count, batch, length), last, length)
+        if self.prefill_read is not None:
+            self.prefill_read.record()
+
+    def _pack(
+        self, layout: AdmissionLayout, requests: list[Request], first_row: int, batch: int, length: int
+    ) -> np.ndarray:
+        return layout.pack(requests, first_row, batch, length, self.pad_text_id, NO_CODEC)
+
+    def _admission_inputs(self, count: int, batch: int, length: int) -> AdmissionInputs:
+        return self.admission_layout.views(self.admission, count, batch, length)
+
+    @contextlib.contextmanager
+    def _beside_the_step(self):
+        """Run the block on the prefill stream, so a prefill overlaps the frame step in flight instead of
+        queueing behind it; the caller's stream then waits for it. The block must touch only the
+        prefill's own buffers (uploads, static inputs, KV scratch, graph outputs): rows beyond the
+        batch are padding rows of the step in flight. It starts once the caller's stream has read the
+        previous prefill's outputs; memory it allocates (eager runs) is reused only after that too."""
+        if self.prefill_stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.prefill_stream.wait_event(self.prefill_read)
+        self.prefill_stream.wait_stream(self.transfer_stream)  # the prompts' uploads
+        with torch.cuda.stream(self.prefill_stream):
+            yield
+        caller.wait_stream(self.prefill_stream)
+
+    def _prefill_padded(self, batch: int, length: int) -> torch.Tensor:
+        """The prefill of one (batch, length) bucket from the admission buffer into the scratch cache
+        (what its graph replays)."""
+        cache = StaticKV(self.prefill_kv.keys[:, :batch], self.prefill_kv.values[:, :batch])
+        inputs = self._admission_inputs(batch, batch, length)
+        extra = None if self.prefill_extra is None else self.prefill_extra[:batch, :length]
+        return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache, extra)
+
+    def _admit_rows(self, inputs: AdmissionInputs, scratch_length: int | None) -> torch.Tensor:
+        """Start the admitted rows (`Rows.admit`), with their prompts' KV entries when prefilled into
+        the scratch cache (its first `scratch_length` positions); returns the rows' indices, which
+        follow the uploaded first row. Padding positions beyond a prompt are overwritten by its frames
+        before any step reads them."""
+        rows = inputs.first_row + self.row_offsets[: inputs.scalars.shape[0]]
+        self.state.admit(rows, inputs)
+        if scratch_length is not None:
+            for cache, scratch in (
+                (self.cache.keys, self.prefill_kv.keys),
+                (self.cache.values, self.prefill_kv.values),
+            ):
+                cache[:, :, :, :scratch_length].index_copy_(
+                    1, rows, scratch[:, : len(rows), :, :scratch_length]
+                )
+        return rows
+
+    def _prompt_last_hidden(
+        self,
+        text: torch.Tensor,
+        codec: torch.Tensor,
+        last_index: torch.Tensor,
+        cache: StaticKV,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Prompts [B, L] (text ids, codec ids, plus `extra` embeddings [B, L, D]) into `cache`; returns
+        each prompt's final hidden state [B, D]."""
+        raise NotImplementedError
+
+    def _write_admitted(
+        self, inputs: AdmissionInputs, last_hidden: torch.Tensor, scratch_length: int | None
+    ) -> None:
+        """Write admitted requests' rows from their inputs and their prompts' last hidden states, with
+        their prompts' KV entries when prefilled into the scratch cache (`scratch_length` positions of
+        it). The rows follow the uploaded first row, so one graph per (requests, length bucket) serves
+        admissions into any rows."""
         raise NotImplementedError

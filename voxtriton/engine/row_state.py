@@ -91,6 +91,13 @@ class Rows:
         self.position[rows] = 0
         self.frame_index[rows] = 0
 
+    def admit(self, rows: torch.Tensor, inputs: AdmissionInputs) -> None:
+        """Start `rows` (indices) for admitted requests: their scalars, nothing seen, frame 0."""
+        for index, column in enumerate(self.scalar_columns):
+            column.index_copy_(0, rows, inputs.scalars[:, index].to(column.dtype))
+        self.seen.index_fill_(0, rows, False)
+        self.frame_index.index_fill_(0, rows, 0)
+
 
 @dataclass(frozen=True, eq=False)
 class RowState(Rows):
@@ -124,11 +131,7 @@ class RowState(Rows):
         )
 
     def admit(self, rows: torch.Tensor, inputs: AdmissionInputs) -> None:
-        """Start `rows` (indices) for admitted requests: their scalars and trailing text, nothing seen,
-        frame 0."""
-        for index, column in enumerate(self.scalar_columns):
-            column.index_copy_(0, rows, inputs.scalars[:, index].to(column.dtype))
+        """`Rows.admit`, with their trailing text and no hold."""
+        super().admit(rows, inputs)
         self.trailing.index_copy_(0, rows, inputs.trailing)
-        self.seen.index_fill_(0, rows, False)
         self.hold.index_fill_(0, rows, False)
-        self.frame_index.index_fill_(0, rows, 0)
