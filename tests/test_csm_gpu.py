@@ -1,5 +1,6 @@
-"""CSM on the GPU (skipped on machines without CUDA): its frame step captured as CUDA graphs gives the
-eager codes, and the Mimi codec's graphs give the eager audio (random-weight `csm-tiny` checkpoint)."""
+"""CSM on the GPU (skipped on machines without CUDA): its frame step and padded prefills captured as
+CUDA graphs give the eager codes, also with prefills beside the step in flight, and the Mimi codec's
+graphs give the eager audio (random-weight `csm-tiny` checkpoint)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,21 @@ def family(tmp_path_factory):
 
 def generate(family, graphs: bool, dtype=torch.bfloat16, overlap: bool = False) -> dict[str, np.ndarray]:
     """A request per text through the engine, the first three admitted at step 0, the rest at step 2
-    (so rows move and batches pad to their buckets); sampled with per-request seeds."""
-    runner = family.new_runner(family.load_backbone(device=DEVICE, dtype=dtype), 8, 512, 64)
-    buckets = dict(batch_sizes=[1, 2, 4, 8], spans=[128, 512])
+    (so rows move and batches pad to their buckets); sampled with per-request seeds. Prompts go in
+    groups of 2 padded to 16 or 32 positions, the third (33 positions) eagerly at its own shape;
+    `overlap`: prefills on a stream of their own, beside the step in flight."""
+    backbone = family.load_backbone(device=DEVICE, dtype=dtype)
+    runner = family.new_runner(
+        backbone, 8, 512, 64, prefill_stream=torch.cuda.Stream(DEVICE) if overlap else None
+    )
+    buckets = dict(
+        batch_sizes=[1, 2, 4, 8], spans=[128, 512], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32]
+    )
     if graphs:
         runner.capture_graphs(**buckets)
         assert len(runner.graphs) == 8 and len(runner.move_graphs) == 2
+        # (1 or 2 requests) x (16 or 32 positions).
+        assert len(runner.prefill_graphs) == 4 and len(runner.admission_graphs) == 4
     else:
         runner.set_buckets(**buckets)
     engine = Engine(runner, max_running=8, overlap=overlap)
@@ -59,6 +69,7 @@ def generate(family, graphs: bool, dtype=torch.bfloat16, overlap: bool = False) 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_cuda_graphs_give_the_eager_codes(family, overlap):
+    assert [len(family.prompt.build(text, 0)) for text in TEXTS[:3]] == [9, 20, 33]
     eager = generate(family, graphs=False)
     graphed = generate(family, graphs=True, overlap=overlap)
     assert eager.keys() == graphed.keys() and len(eager) == 5
@@ -71,7 +82,8 @@ def test_greedy_codes_on_the_gpu_equal_the_model_in_fp32(family):
     """fp32 on the GPU: the engine's greedy frames (graphs) are the model's own greedy frames."""
     model = family.load_backbone(device=DEVICE, dtype=torch.float32)
     runner = family.new_runner(model, 2, 256, 64)
-    runner.capture_graphs(batch_sizes=[1, 2], spans=[256])
+    runner.capture_graphs(batch_sizes=[1, 2], spans=[256], prefill_batch_sizes=[1], prefill_lengths=[64])
+    assert len(runner.prefill_graphs) == 1  # the prompt is padded to 64 positions
     engine = Engine(runner, max_running=2)
     ids = family.prompt.build(TEXTS[2], 1)
     engine.add(
