@@ -134,7 +134,8 @@ def test_playground_registers_an_upload_and_a_recording_and_speaks_with_them(sta
     upload.write_bytes(audio_file(reference_audio(2.0, seed=11)[::3], rate=8000))
     page = open_playground(browser, url, ignore_eos=True, seed=3)
     page.wait_for_function("document.body.dataset.family === 'qwen3_tts'")  # the model card was read
-    assert page.is_visible("#clone") and page.is_hidden("#instruct-control")  # a Base model's voice comes from its reference
+    # A Base model clones voices and takes no instruction (its voice comes from the reference).
+    assert page.is_visible("#clone") and page.is_hidden("#instruct-control")
     page.click("#clone summary")
     page.click("#register")
     assert wait_for_clone_status(page, "Error") == "Error: record or choose a file first"
