@@ -48,7 +48,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
 
     def clones_none(family: ModelFamily) -> str:
         """Why a model that clones no voice has no registered ones, in words."""
-        reason = family.refused.get("reference_audio", "it speaks in its own voices")
+        reason = family.refused.get("reference_audio", "it clones no voice")
         speakers = f"; its speakers: {', '.join(family.speakers)}" if family.speakers else ""
         return f"the served model takes no reference audio, so it registers no voices ({reason}){speakers}"
 
