@@ -141,6 +141,20 @@ def test_the_gateway_lists_what_the_csm_model_offers_and_speaks_by_speaker_id(ga
     assert code == 400 and b"instruct" in error and b"CSM takes no style instruction" in error
 
 
+def test_the_gateways_text_stream_says_csm_reads_its_text_whole(gateway):
+    from websockets.sync.client import connect
+
+    with connect(gateway.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=10) as socket:
+        socket.send(json.dumps({"input": "Hello ", "voice": "0", "max_frames": 4}))
+        socket.send(json.dumps({"input": "there.", "end": True}))
+        while isinstance(message := socket.recv(timeout=60), bytes):
+            pass
+    error = json.loads(message)
+    assert error["type"] == "error" and error["error"]["param"] == "input", error
+    assert "CSM reads its text whole" in error["error"]["message"]
+    assert get(gateway, "/v1/models")[0] == 200  # still serving
+
+
 def test_the_gateway_lists_csm_speaker_ids_as_its_voices_and_refuses_registering_one(gateway):
     code, _, listing = get(gateway, "/v1/audio/voices")
     assert code == 200 and listing == {
