@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import sys
 import time
@@ -85,6 +87,15 @@ def prepare(args: argparse.Namespace) -> TritonServer:
     return server
 
 
+def client_command() -> str:
+    """voxtriton-client as this shell runs it: its name when PATH finds it (an active venv), else
+    its path beside this interpreter (`.venv/bin/voxtriton-client` after `make serve`)."""
+    beside = Path(sys.executable).parent / "voxtriton-client"
+    if shutil.which("voxtriton-client") or not beside.exists():
+        return "voxtriton-client"
+    return os.path.relpath(beside) if beside.is_relative_to(Path.cwd()) else str(beside)
+
+
 def serve(args: argparse.Namespace) -> int:
     server = prepare(args)
     if not args.checkpoint:
@@ -110,7 +121,7 @@ def serve(args: argparse.Namespace) -> int:
         print(
             f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
             f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
-            f'  try: voxtriton-client speak "Hello from voxtriton" -o hello.wav --max-frames 50 '
+            f'  try: {client_command()} speak "Hello from voxtriton" -o hello.wav --max-frames 50 '
             f"--server {server.grpc_url}\n"
             f"  log: {server.log_file}",
             flush=True,
