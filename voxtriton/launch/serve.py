@@ -22,25 +22,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory in the official layout (default: the embedded "
         "tiny RANDOM-weight checkpoint, which produces noise)",
     )
-    parser.add_argument("--policy", choices=POLICY_NAMES)
+    parser.add_argument(
+        "--policy", choices=POLICY_NAMES, help="codec scheduling (default voxserve: docs/architecture.md)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--tritonserver", help="path to the tritonserver binary")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC, streaming (default 8001)")
+    parser.add_argument("--http-port", type=int, default=8000, help="Triton HTTP, health (default 8000)")
+    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics (default 8002)")
+    parser.add_argument(
+        "--tritonserver",
+        help="path to the tritonserver binary (default: NGC's /opt/tritonserver, else the one in the "
+        "nvidia-pytriton wheel)",
+    )
     parser.add_argument(
         "--gpu",
         type=int,
         help="pin the server and its MPS daemon to this GPU (one server per "
         "GPU, each on its own ports, behind a proxy such as Envoy: docs/deploy.md)",
     )
-    parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    parser.add_argument("--model-repository", type=Path, default=REPOSITORY, help="default: the packaged one")
     parser.add_argument(
         "--param",
         action="append",
         default=[],
         metavar="MODEL:KEY=VALUE",
-        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)",
+        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all; "
+        "every key: docs/configuration.md)",
     )
 
 
