@@ -28,7 +28,10 @@ METRIC = re.compile(r"\bvoxtriton_[a-z0-9_]+")
 MODEL_KEY = re.compile(r"(?<![\w-])(tts|codec_urgent|codec_background|\*):([a-z_][a-z0-9_]*)")
 COMMAND = re.compile(r"\b(voxtriton(?:-client)?) ((?:[a-z][a-z-]*)(?: (?:add|list|delete))?)")
 SHELL_END = r" \| |[&;#>]"  # where a command in a code line ends (`a|b` lists alternatives, not a pipe)
-ids = {"ids": lambda path: str(path.relative_to(ROOT))}
+COMMANDS = {("voxtriton", sub) for sub in ("serve", "gateway", "voices", "make-checkpoint")} | {
+    ("voxtriton-client", "speak")
+}
+BY_PATH = {"ids": lambda path: str(path.relative_to(ROOT))}
 
 
 def anchors(markdown: Path) -> set[str]:
@@ -55,7 +58,7 @@ def test_readme_is_at_most_10_kb():
     assert (ROOT / "README.md").stat().st_size <= 10240
 
 
-@pytest.mark.parametrize("markdown", DOCS, **ids)
+@pytest.mark.parametrize("markdown", DOCS, **BY_PATH)
 def test_relative_links_resolve(markdown):
     broken = []
     for link in relative_links(markdown):
@@ -85,7 +88,7 @@ def settings() -> dict[str, dict[str, object]]:
     return loaded
 
 
-@pytest.mark.parametrize("markdown", DOCS, **ids)
+@pytest.mark.parametrize("markdown", DOCS, **BY_PATH)
 def test_model_parameters_named_in_the_docs_exist(markdown):
     """`tts:KEY`, `codec_urgent:KEY`, `*:KEY` (as in `--param tts:KEY=VALUE`) name real settings."""
     known = settings()
@@ -114,7 +117,7 @@ def same(documented: str, value) -> bool:
     return text == value
 
 
-@pytest.mark.parametrize("markdown", [ROOT / "docs" / "configuration.md", ROOT / "README.md"], **ids)
+@pytest.mark.parametrize("markdown", [ROOT / "docs" / "configuration.md", ROOT / "README.md"], **BY_PATH)
 def test_settings_tables_give_the_defaults_the_models_load(markdown):
     """Every key of a settings table is a setting and its default column is the value it loads with;
     docs/configuration.md lists every setting of every model."""
@@ -150,7 +153,7 @@ def defined_metrics() -> set[str]:
     return set(re.findall(r'"(voxtriton_[a-z0-9_]+)"', source))
 
 
-@pytest.mark.parametrize("markdown", DOCS, **ids)
+@pytest.mark.parametrize("markdown", DOCS, **BY_PATH)
 def test_metrics_named_in_the_docs_exist(markdown):
     defined = defined_metrics()
     named = {re.sub(r"_(bucket|count|sum)$", "", m) for m in METRIC.findall(markdown.read_text())}
@@ -170,7 +173,7 @@ def help_text(main, words: list[str]) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("markdown", DOCS, **ids)
+@pytest.mark.parametrize("markdown", DOCS, **BY_PATH)
 def test_command_line_flags_in_the_docs_exist(markdown):
     """`voxtriton SUB --flag`, `voxtriton-client speak --flag`, `--preset NAME` and
     `benchmarks/SCRIPT.py --flag` name options their parsers have."""
@@ -180,9 +183,7 @@ def test_command_line_flags_in_the_docs_exist(markdown):
     for line in command_lines(markdown):
         for match in COMMAND.finditer(line):
             program, words = match.group(1), match.group(2).split()
-            if (program, words[0]) not in {
-                ("voxtriton", w) for w in ("serve", "gateway", "voices", "make-checkpoint")
-            } | {("voxtriton-client", "speak")}:
+            if (program, words[0]) not in COMMANDS:
                 continue
             rest = re.split(SHELL_END + r"| [a-z_/]+\.py", line[match.end() :])[0]
             key = (program, " ".join(words))
