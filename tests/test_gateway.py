@@ -22,7 +22,8 @@ from voxtriton_client import TTSClient
 
 from voxtriton.models.config import load_config
 from voxtriton.serving.gateway import MODEL_ALIASES
-from voxtriton.serving.launcher import free_port
+from voxtriton.serving.launcher import TritonServer, free_port
+from voxtriton.serving.settings import default_checkpoint_dir
 
 pytestmark = pytest.mark.server
 
@@ -214,6 +215,20 @@ def test_busy_servers_answer_503(tiny_checkpoint):
         error["type"] == "server_busy" and error["message"] == "The voxtriton server is busy; retry shortly."
     )
     assert models["data"][0]["voices"] == sorted(load_config(tiny_checkpoint).talker.speakers)
+
+
+def test_models_list_the_voices_of_a_server_run_without_a_checkpoint(tmp_path, monkeypatch):
+    """`voxtriton serve` with no --checkpoint leaves tts's checkpoint_dir empty, which Triton's JSON
+    config omits: the gateway then reads the default checkpoint's voices."""
+    monkeypatch.setenv("VOXTRITON_CACHE", str(tmp_path))  # the server and the gateway share it
+    with TritonServer(use_mps=False) as server:
+        gateway, url = start_gateway(server.grpc_url)
+        try:
+            status, _, models = get(url, "/v1/models")
+        finally:
+            stop_gateway(gateway)
+    assert status == 200
+    assert models["data"][0]["voices"] == sorted(load_config(default_checkpoint_dir()).talker.speakers)
 
 
 def test_models_list_the_served_model_its_aliases_and_the_backends_voices(stack, tiny_checkpoint):

@@ -141,3 +141,20 @@ def test_input_streams_take_x_vector_voices_only(tiny_base_checkpoint):
     assert streamed.speaker_embedding is not None and streamed.trailing_text_ids == text_ids[1:]
     with pytest.raises(RequestError, match="speaker: an in-context voice .* needs the whole text"):
         builder.head(voice=voice(0)).prompt(text_ids, interleaved=True, text_ended=False)
+
+
+def test_the_voices_command_says_what_is_wrong_in_one_line(tmp_path, tiny_base_checkpoint, capsys):
+    from voxtriton.cli import main
+
+    common = ["--voices-dir", str(tmp_path)]
+    assert main(["voices", "list", "--checkpoint", str(tmp_path / "none"), *common]) == 2
+    assert "--checkpoint: " in capsys.readouterr().err
+    missing = str(tmp_path / "missing.wav")
+    assert (
+        main(["voices", "add", "x", "--checkpoint", str(tiny_base_checkpoint), "--audio", missing, *common])
+        == 2
+    )
+    assert (
+        capsys.readouterr().err
+        == f"voxtriton voices: audio: cannot read {missing}: No such file or directory\n"
+    )

@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     say = commands.add_parser("speak", help="synthesize text to a WAV file, streaming")
     say.add_argument("text", help='the text; "-": read it from stdin, speaking each line as it comes')
     say.add_argument("-o", "--output", required=True)
-    say.add_argument("--server", default="127.0.0.1:8001", help="Triton gRPC address")
-    say.add_argument("--speaker")
+    say.add_argument(
+        "--server", default="127.0.0.1:8001", help="Triton gRPC address (default 127.0.0.1:8001)"
+    )
+    say.add_argument("--speaker", help="a preset speaker, a speaker id (CSM) or a registered voice (Base)")
     say.add_argument("--language")
     say.add_argument("--instruct")
     say.add_argument("--seed", type=int)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import sys
 import time
@@ -20,25 +22,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint directory in the official layout (default: the embedded "
         "tiny RANDOM-weight checkpoint, which produces noise)",
     )
-    parser.add_argument("--policy", choices=POLICY_NAMES)
+    parser.add_argument(
+        "--policy", choices=POLICY_NAMES, help="codec scheduling (default voxserve: docs/architecture.md)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--tritonserver", help="path to the tritonserver binary")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC, streaming (default 8001)")
+    parser.add_argument("--http-port", type=int, default=8000, help="Triton HTTP, health (default 8000)")
+    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics (default 8002)")
+    parser.add_argument(
+        "--tritonserver",
+        help="path to the tritonserver binary (default: NGC's /opt/tritonserver, else the one in the "
+        "nvidia-pytriton wheel)",
+    )
     parser.add_argument(
         "--gpu",
         type=int,
         help="pin the server and its MPS daemon to this GPU (one server per "
         "GPU, each on its own ports, behind a proxy such as Envoy: docs/deploy.md)",
     )
-    parser.add_argument("--model-repository", type=Path, default=REPOSITORY)
+    parser.add_argument("--model-repository", type=Path, default=REPOSITORY, help="default: the packaged one")
     parser.add_argument(
         "--param",
         action="append",
         default=[],
         metavar="MODEL:KEY=VALUE",
-        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all)",
+        help="set a config.pbtxt parameter, e.g. tts:max_streams=128 (MODEL * for all; "
+        "every key: docs/configuration.md)",
     )
 
 
@@ -85,6 +94,15 @@ def prepare(args: argparse.Namespace) -> TritonServer:
     return server
 
 
+def client_command() -> str:
+    """voxtriton-client as this shell runs it: its name when PATH finds it (an active venv), else
+    its path beside this interpreter (`.venv/bin/voxtriton-client` after `make serve`)."""
+    beside = Path(sys.executable).parent / "voxtriton-client"
+    if shutil.which("voxtriton-client") or not beside.exists():
+        return "voxtriton-client"
+    return os.path.relpath(beside) if beside.is_relative_to(Path.cwd()) else str(beside)
+
+
 def serve(args: argparse.Namespace) -> int:
     server = prepare(args)
     if not args.checkpoint:
@@ -110,7 +128,7 @@ def serve(args: argparse.Namespace) -> int:
         print(
             f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
             f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
-            f'  try: voxtriton-client speak "Hello from voxtriton" -o hello.wav --max-frames 50 '
+            f'  try: {client_command()} speak "Hello from voxtriton" -o hello.wav --max-frames 50 '
             f"--server {server.grpc_url}\n"
             f"  log: {server.log_file}",
             flush=True,

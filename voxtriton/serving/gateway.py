@@ -203,7 +203,8 @@ class Backend:
         config = await self.client().client.get_model_config(
             MODEL, as_json=True, client_timeout=HEALTH_TIMEOUT_S
         )
-        configured = config["config"]["parameters"]["checkpoint_dir"]["string_value"]
+        # Triton's JSON leaves out an empty string: the parameter then has no "string_value".
+        configured = config["config"]["parameters"].get("checkpoint_dir", {}).get("string_value", "")
         return Path(configured) if configured else default_checkpoint_dir()
 
     async def synthesize(self, text: str, on_chunk=None, **options) -> Synthesis:

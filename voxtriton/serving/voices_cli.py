@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import RequestError
@@ -34,18 +35,28 @@ def add_voices_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def voices_command(args: argparse.Namespace) -> int:
-    from ..models.config import load_config
+    from ..models.config import CheckpointError, load_config
     from .settings import voices_dir
     from .voices import VoiceEncoder, VoiceStore, register_voice
 
-    config = load_config(Path(args.checkpoint))
+    try:
+        config = load_config(Path(args.checkpoint))
+    except CheckpointError as error:
+        print(
+            f"voxtriton voices: --checkpoint: {error} (voices need a Qwen3-TTS Base checkpoint)",
+            file=sys.stderr,
+        )
+        return 2
     store = VoiceStore(voices_dir(args.voices_dir), config)
     try:
         if args.action == "add":
             if not config.clones_voices:
                 raise RequestError("checkpoint", f"is {config.model_type}; voices need a Base checkpoint")
+            try:
+                audio = Path(args.audio).read_bytes()
+            except OSError as error:
+                raise RequestError("audio", f"cannot read {args.audio}: {error.strerror}") from None
             encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
-            audio = Path(args.audio).read_bytes()
             print(json.dumps(register_voice(store, encoder, args.name, audio, args.text, args.replace)))
         elif args.action == "list":
             for name in store.names():
@@ -53,6 +64,6 @@ def voices_command(args: argparse.Namespace) -> int:
         elif not store.delete(args.name):
             raise RequestError("name", f"no voice {args.name!r} in {store.directory}")
     except RequestError as error:
-        print(f"voxtriton voices: {error}")
+        print(f"voxtriton voices: {error}", file=sys.stderr)
         return 2
     return 0
