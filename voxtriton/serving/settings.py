@@ -132,7 +132,7 @@ class TTSSettings:
     prefill_graph_lengths: str = "32,64,128,256"  # prompt-length buckets; longer prompts prefill eagerly
 
     def graph_buckets(self) -> dict[str, list[int]]:
-        """The shapes `ModelRunner.capture_graphs` captures."""
+        """The shapes `FrameRunner.capture_graphs` captures."""
         return {
             "batch_sizes": int_list(self.graph_batch_sizes),
             "spans": int_list(self.graph_spans),
