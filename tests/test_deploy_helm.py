@@ -16,6 +16,7 @@ EVERYTHING = {
     "checkpoint": {"persistentVolumeClaim": "qwen3-tts-1.7b"},
     "metrics": {"serviceMonitor": {"enabled": True}},
     "autoscaling": {"enabled": True},
+    "voices": {"persistentVolumeClaim": "voxtriton-voices"},
 }
 VALUES = {
     "defaults": {},
@@ -26,6 +27,7 @@ VALUES = {
         "envoy": {"enabled": False},
         "metrics": {"annotations": False},
     },
+    "shared voices, the built-in checkpoint": {"voices": {"persistentVolumeClaim": "voxtriton-voices"}},
 }
 # Custom resources have no schema in kubernetes-validate: their fields are checked below.
 CUSTOM = {"ServiceMonitor"}
@@ -110,7 +112,7 @@ def test_one_server_per_gpu_with_its_shared_memory_probes_and_checkpoint():
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     assert volumes["checkpoint"]["persistentVolumeClaim"] == {"claimName": "qwen3-tts-1.7b", "readOnly": True}
     mounts = {mount["name"]: mount["mountPath"] for mount in server["volumeMounts"]}
-    assert mounts == {"dshm": "/dev/shm", "checkpoint": "/models/checkpoint"}
+    assert mounts == {"dshm": "/dev/shm", "checkpoint": "/models/checkpoint", "voices": "/voices"}
     assert server["readinessProbe"]["httpGet"]["path"] == "/v2/models/tts/ready"
     assert server["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     startup = server["startupProbe"]
@@ -162,3 +164,25 @@ def test_metrics_are_scraped_and_the_servers_scale_on_streams_in_flight():
     assert "replicas" not in by_kind(manifests, "Deployment", "-triton")["spec"]  # the autoscaler's
     annotations = by_kind(render({}), "Deployment", "-triton")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "8002"
+
+
+@pytest.mark.parametrize("checkpoint", [{}, {"persistentVolumeClaim": "qwen3-tts-1.7b"}])
+def test_servers_and_gateways_share_the_registered_voices(checkpoint):
+    """A voice registered through any gateway pod is written where every server reads voices."""
+    manifests = render({"checkpoint": checkpoint, "voices": {"persistentVolumeClaim": "voxtriton-voices"}})
+    for component in ("-triton", "-gateway"):
+        pod = by_kind(manifests, "Deployment", component)["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
+        assert volumes["voices"]["persistentVolumeClaim"] == {"claimName": "voxtriton-voices"}
+        mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+        assert mounts["voices"] == "/voices" and ("checkpoint" in mounts) == bool(checkpoint)
+    server = by_kind(manifests, "Deployment", "-triton")["spec"]["template"]["spec"]["containers"][0]
+    assert server["args"][-2:] == ["--param", "tts:voices_dir=/voices"]
+    gateway = by_kind(manifests, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["args"][-2:] == ["--voices-dir", "/voices"]
+    # without a claim no pod mounts one
+    for manifest in render({}):
+        if manifest["kind"] == "Deployment":
+            volumes = manifest["spec"]["template"]["spec"].get("volumes", [])
+            assert "voices" not in {volume["name"] for volume in volumes}

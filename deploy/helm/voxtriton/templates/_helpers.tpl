@@ -46,3 +46,15 @@ app.kubernetes.io/component: {{ index . 1 }}
   mountPath: /models/checkpoint
   readOnly: true
 {{- end -}}
+
+{{/* the shared registered-voices volume and its mount, as list items: only when a claim is set */}}
+{{- define "voxtriton.voicesVolume" -}}
+- name: voices
+  persistentVolumeClaim:
+    claimName: {{ .Values.voices.persistentVolumeClaim }}
+{{- end -}}
+
+{{- define "voxtriton.voicesMount" -}}
+- name: voices
+  mountPath: /voices
+{{- end -}}
