@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import shlex
+import subprocess
 import time
 
 import numpy as np
@@ -23,6 +25,7 @@ from voxtriton_client import TTSClient
 from voxtriton_client.api import request_inputs
 
 from voxtriton.bench.server_metrics import codec_primings
+from voxtriton.launch.serve import first_request_hint
 from voxtriton.models.config import load_config
 from voxtriton.models.loader import load_codec
 from voxtriton.serving.reference_audio import read_reference_audio
@@ -185,3 +188,26 @@ def test_concurrent_clones_match_their_solo_runs(client):
     for alone, shared in zip(solo, together):
         np.testing.assert_array_equal(shared.codes, alone.codes)
         assert np.abs(shared.audio - alone.audio).max() <= 1e-4
+
+
+def test_the_ready_hint_of_a_base_checkpoint_registers_a_voice_and_speaks_in_it(
+    server, tiny_base_checkpoint, voices_dir, tmp_path
+):
+    """`voxtriton serve` prints this hint once ready: both of its commands, run as printed (a reference
+    recording in place of REFERENCE.wav), register a voice where the server reads voices and speak."""
+    hint = first_request_hint(
+        str(tiny_base_checkpoint), server.grpc_url, {"tts": {"voices_dir": str(voices_dir)}}
+    )
+    register, speak = (line.split(": ", 1)[1] for line in hint.splitlines())
+    reference = tmp_path / "reference.wav"
+    reference.write_bytes(audio_file(reference_audio(2.0, seed=9)))
+    output = tmp_path / "hello.wav"
+    for command in (
+        register.replace("REFERENCE.wav", str(reference)),
+        speak.replace("hello.wav", str(output)),
+    ):
+        done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{command}\n{done.stdout}{done.stderr}"
+    audio, rate = soundfile.read(output)
+    assert rate == 24000 and len(audio) == 50 * 1920
+    assert (voices_dir / "anna.npz").is_file()  # where the server reads voices from

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..models.families import load_family
 from ..scheduler import POLICY_NAMES
 from . import preflight
 from .repository import REPOSITORY
@@ -94,13 +95,31 @@ def prepare(args: argparse.Namespace) -> TritonServer:
     return server
 
 
-def client_command() -> str:
-    """voxtriton-client as this shell runs it: its name when PATH finds it (an active venv), else
-    its path beside this interpreter (`.venv/bin/voxtriton-client` after `make serve`)."""
-    beside = Path(sys.executable).parent / "voxtriton-client"
-    if shutil.which("voxtriton-client") or not beside.exists():
-        return "voxtriton-client"
+def installed_command(name: str) -> str:
+    """A console script as this shell runs it: its name when PATH finds it (an active venv), else its
+    path beside this interpreter (`.venv/bin/voxtriton-client` after `make serve`)."""
+    beside = Path(sys.executable).parent / name
+    if shutil.which(name) or not beside.exists():
+        return name
     return os.path.relpath(beside) if beside.is_relative_to(Path.cwd()) else str(beside)
+
+
+def first_request_hint(checkpoint: str | None, grpc_url: str, parameters: dict[str, dict[str, str]]) -> str:
+    """What to try once the server is ready. A Base checkpoint speaks only in a cloned voice, so its
+    hint registers one first, in the directory the server reads voices from."""
+    speak = (
+        f'{installed_command("voxtriton-client")} speak "Hello from voxtriton" -o hello.wav '
+        f"--max-frames 50 --server {grpc_url}"
+    )
+    if not (checkpoint and load_family(Path(checkpoint)).clones_voices):
+        return f"  try: {speak}"
+    register = (
+        f"{installed_command('voxtriton')} voices add anna --audio REFERENCE.wav --checkpoint {checkpoint}"
+    )
+    voices_dir = parameters.get("tts", {}).get("voices_dir")
+    if voices_dir:
+        register += f" --voices-dir {voices_dir}"
+    return f"  try: {register}\n  then: {speak} --speaker anna"
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -128,8 +147,7 @@ def serve(args: argparse.Namespace) -> int:
         print(
             f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
             f"metrics http://{args.host}:{server.metrics_port}/metrics\n"
-            f'  try: {client_command()} speak "Hello from voxtriton" -o hello.wav --max-frames 50 '
-            f"--server {server.grpc_url}\n"
+            f"{first_request_hint(args.checkpoint, server.grpc_url, parse_params(args.param))}\n"
             f"  log: {server.log_file}",
             flush=True,
         )
