@@ -61,6 +61,8 @@ class ModelFamily:
     load_codec: Callable[..., nn.Module]  # (device, dtype) -> the codec decoder with its weights
     build_codec: Callable[[], nn.Module]  # the codec decoder without weights (shapes, state size)
     new_runner: Callable[..., Any]  # (backbone, max_rows, max_positions, max_text_tokens, prefill_stream)
+    # (backbone, fp8_weights scope) -> projections swapped to FP8 in place; None: the family has no FP8 path
+    quantize_fp8: Callable[[nn.Module, str], int] | None
 
     def check_fields(self, present: set[str]) -> None:
         """Refuse, naming the field, a request field this model does not take."""

@@ -10,6 +10,7 @@ import torch
 from .codec import CodecModel
 from .config import Qwen3TTSConfig, load_config
 from .family import ModelFamily, SamplingDefaults
+from .fp8 import quantize_backbone
 from .loader import load_backbone, load_codec
 from .text import PromptBuilder, TextTokenizer, languages_of
 
@@ -93,4 +94,5 @@ def qwen3_tts_family(checkpoint_dir: Path, config: Qwen3TTSConfig | None = None)
         ),
         build_codec=lambda: CodecModel(config.codec),
         new_runner=ModelRunner,
+        quantize_fp8=quantize_backbone,
     )

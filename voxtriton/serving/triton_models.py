@@ -24,7 +24,6 @@ import triton_python_backend_utils as pb_utils
 from ..engine.engine import Engine
 from ..errors import RequestError, ServerBusy
 from ..models.families import load_family
-from ..models.fp8 import quantize_backbone
 from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
 from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, request_parser
@@ -217,9 +216,9 @@ class TTSTritonModel:
         self.partition = SMPartition(device, backbone_sms, high_priority=shared)
         backbone = family.load_backbone(device=device, dtype=dtype)
         if settings.fp8_weights != "off":
-            if family.name != "qwen3_tts":
+            if family.quantize_fp8 is None:
                 raise ValueError(f"fp8_weights: FP8 weights are for Qwen3-TTS checkpoints, not {family.name}")
-            projections = quantize_backbone(backbone, settings.fp8_weights)
+            projections = family.quantize_fp8(backbone, settings.fp8_weights)
             log.info("tts: FP8 weights for %d projections (%s)", projections, settings.fp8_weights)
         self.voice_encoder = self.encoding = voices = None
         if family.clones_voices:

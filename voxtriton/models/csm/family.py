@@ -91,4 +91,5 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         ),
         build_codec=lambda: MimiCodec(config.codec),
         new_runner=lambda model, *args, **kwargs: CsmRunner(model, is_end, *args, **kwargs),
+        quantize_fp8=None,
     )
