@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import os
 import shlex
 import subprocess
 import time
@@ -142,6 +143,36 @@ def test_a_registered_voice_is_primed_once_and_its_state_reused(
     clone(client, speaker="bob").raise_for_error()
     primings_after(server, counts, decoded=1, reused=0)
     assert store.delete("bob")
+
+
+def test_registered_voices_are_primed_before_ready_newest_first(encoder, tiny_base_checkpoint, tmp_path):
+    """A server started on registered voices primes the newest in-context ones on every lane before it
+    reports ready, as many as `primed_voices` keeps (2 states, 2 lanes: one voice), so that voice's
+    first stream makes no codec call before its audio; an older one primes at its first stream."""
+    store = VoiceStore(tmp_path, load_config(tiny_base_checkpoint))
+    recordings = {
+        name: audio_file(reference_audio(2.0, seed=seed)) for name, seed in (("old", 21), ("new", 22))
+    }
+    for age, name in enumerate(("new", "old")):
+        store.add(name, encoder.encode([read_reference_audio(recordings[name])], [REFERENCE_TEXT])[0])
+        os.utime(tmp_path / f"{name}.npz", ns=(10**18 - age * 10**9,) * 2)
+    store.add("plain", encoder.encode([read_reference_audio(recordings["old"])], [None])[0])  # x-vector only
+    os.utime(tmp_path / "plain.npz", ns=(2 * 10**18,) * 2)  # newest, but with nothing to prime
+    parameters = {"tts": {"voices_dir": str(tmp_path), "primed_voices": "2"}}
+    with start_server(tiny_base_checkpoint, parameters=parameters) as restarted:
+        client = TTSClient(restarted.grpc_url)
+        assert codec_primings(restarted.metrics()) == {
+            "decoded": 0,
+            "reused": 0,
+        }  # the warm-up's are not counted
+        first = clone(client, speaker="new").raise_for_error()
+        counts = primings_after(restarted, {"decoded": 0, "reused": 0}, decoded=0, reused=1)
+        clone(client, speaker="old").raise_for_error()
+        primings_after(restarted, counts, decoded=1, reused=0)
+        clone(client, speaker="plain").raise_for_error()
+        inline = clone(client, reference_audio=recordings["new"], reference_text=REFERENCE_TEXT)
+    np.testing.assert_array_equal(first.codes, inline.raise_for_error().codes)
+    np.testing.assert_array_equal(first.audio, inline.audio)
 
 
 @pytest.mark.parametrize(

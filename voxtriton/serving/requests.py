@@ -105,7 +105,7 @@ class RequestParser:
         if voice is None:
             known = ", ".join(self.voices.names()) if self.voices is not None else ""
             raise RequestError(
-                "speaker", f"unknown voice {name!r}; registered: {known or 'none'} (or send reference_audio)"
+                "speaker", f"unknown voice {name!r}; registered: {known or 'none'}"
             )
         return voice
 

@@ -220,13 +220,14 @@ class TTSTritonModel:
                 raise ValueError(f"fp8_weights: FP8 weights are for Qwen3-TTS checkpoints, not {family.name}")
             projections = family.quantize_fp8(backbone, settings.fp8_weights)
             log.info("tts: FP8 weights for %d projections (%s)", projections, settings.fp8_weights)
-        self.voice_encoder = self.encoding = voices = None
+        self.voice_encoder = self.encoding = self.voices = voices = None
         if family.clones_voices:
             # The encoders run on the engine's device, on a thread and a CUDA stream of their own.
             self.voice_encoder = VoiceEncoder(checkpoint, config, device)
             self.encoding = EncodingQueue(self.voice_encoder)
             voices = VoiceStore(voices_dir(settings.voices_dir), config, settings.max_voices)
             log.info("tts: Base checkpoint: voice cloning on, registered voices in %s", voices.directory)
+            self.voices = voices
         self.parser = request_parser(family, settings, voices)
         runner = family.new_runner(
             backbone,
@@ -371,11 +372,13 @@ class TTSTritonModel:
                 voice = self.voice_encoder.encode([tone], ["Warming up."])[0]
             requests = {lane: self.parser.parse(f"warmup-{lane}", inputs, voice) for lane in config.lanes}
             self.service.warm_up(requests, WARMUP_TIMEOUT_S)
+            primed = self._prime_registered_voices(inputs, config.lanes)
             log.info(
-                "tts: warmed up in %.2f s (%d frames on each of the lanes %s)",
+                "tts: warmed up in %.2f s (%d frames on each of the lanes %s; %d registered voices primed)",
                 time.perf_counter() - started,
                 frames,
                 ", ".join(config.lanes),
+                primed,
             )
         except Exception as error:
             log.error(
@@ -386,6 +389,30 @@ class TTSTritonModel:
         finally:
             for lane in self.lanes.values():
                 lane.warming = False
+
+    def _prime_registered_voices(self, inputs: dict, lanes: tuple[str, ...]) -> int:
+        """One frame on every lane for each registered in-context voice, the newest first, as many as
+        `primed_voices` keeps on every lane: their codec states are primed before ready, so a voice's
+        first stream after a restart starts from a kept state too. Returns how many were primed."""
+        kept = self.service.primed_states
+        if self.voices is None or kept is None:
+            return 0
+        inputs = {**inputs, "max_frames": np.array([1], np.int32)}
+        primed = 0
+        for name in self.voices.newest():
+            if primed == kept.capacity // len(lanes):
+                break
+            try:
+                voice = self.voices.get(name)
+            except RequestError as error:  # an unreadable file: its requests get this error
+                log.warning("tts: registered voice %r not primed: %s", name, error)
+                continue
+            if voice is None or not voice.in_context:  # deleted meanwhile, or nothing to prime
+                continue
+            requests = {lane: self.parser.parse(f"prime-{lane}", inputs, voice) for lane in lanes}
+            self.service.warm_up(requests, WARMUP_TIMEOUT_S)
+            primed += 1
+        return primed
 
     def finalize(self):
         try:

@@ -186,6 +186,17 @@ class VoiceStore:
             return []
         return sorted(p.stem for p in self.directory.glob("*.npz") if NAME.fullmatch(p.stem))
 
+    def newest(self) -> list[str]:
+        """The names, the most recently registered (or replaced) first."""
+        if not self.directory.is_dir():
+            return []
+        registered = {}
+        for path in self.directory.glob("*.npz"):
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                if NAME.fullmatch(path.stem):
+                    registered[path.stem] = path.stat().st_mtime_ns
+        return sorted(registered, key=registered.get, reverse=True)
+
     def add(self, name: str, voice: Voice, replace: bool = False) -> None:
         path = self._path(name)
         self._check(name, voice)
