@@ -2,6 +2,9 @@
 
     python benchmarks/single_stream.py --checkpoint /tmp/ckpt-1.7b --runs 5 --frames 100 --json out.json
 
+Any model family voxtriton serves (the checkpoint's config.json says which); the peer runs for
+Qwen3-TTS CustomVoice checkpoints only.
+
 Ours: the serving code of the `tts` model (engine with CUDA graphs, chunk scheduler, codec with
 graphs) with both codec lanes in this process instead of behind BLS, so it compares like for like
 with the peer, which is a single-process library. Through the full Triton server: serving_bench.py.
@@ -27,13 +30,10 @@ import numpy as np
 import torch
 
 from voxtriton.engine.engine import Engine
-from voxtriton.engine.model_runner import ModelRunner
-from voxtriton.models.config import load_config
-from voxtriton.models.loader import load_backbone
-from voxtriton.models.text import PromptBuilder, TextTokenizer
+from voxtriton.models.families import load_family
 from voxtriton.scheduler.policy import BACKGROUND, URGENT, SchedulerConfig
 from voxtriton.serving.codec_service import CodecService, InProcessLane
-from voxtriton.serving.requests import RequestParser
+from voxtriton.serving.requests import request_parser
 from voxtriton.serving.settings import CodecSettings, TTSSettings
 from voxtriton.serving.state_pool import CodecStatePool
 from voxtriton.serving.tts_service import TTSService, codec_slots
@@ -104,12 +104,12 @@ class TimingSink:
 
 def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> dict:
     gpu = device.type == "cuda"
-    config = load_config(checkpoint)
+    family = load_family(checkpoint)
     settings = TTSSettings(checkpoint_dir=str(checkpoint), max_streams=8, max_positions=1024)
-    backbone = load_backbone(
-        checkpoint, config, device=device, dtype=torch.bfloat16 if gpu else torch.float32
+    backbone = family.load_backbone(device=device, dtype=torch.bfloat16 if gpu else torch.float32)
+    runner = family.new_runner(
+        backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens
     )
-    runner = ModelRunner(backbone, settings.max_streams, settings.max_positions, settings.max_text_tokens)
     if gpu:
         runner.capture_graphs(**settings.graph_buckets())
     codec = CodecService(
@@ -120,7 +120,7 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
             high_priority=True,
         )
     )
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(checkpoint)), settings)
+    parser = request_parser(family, settings)
     trace: list = []
     engine = TracedEngine(runner, settings.max_streams, trace=trace)
     pool = CodecStatePool(codec_slots(engine, 8, SchedulerConfig()), codec.state_size, device)
@@ -146,7 +146,7 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
             if run:
                 breakdown = ttfa_breakdown(trace, started, sink.times[0])
                 ttfa.append((sink.times[0] - started) * 1e3)
-                rtf.append((sink.times[-1] - started) / (sink.samples / config.codec.sample_rate))
+                rtf.append((sink.times[-1] - started) / (sink.samples / family.sample_rate))
     finally:
         service.shutdown()
         pool.close()
@@ -221,9 +221,11 @@ def main() -> None:
         json.dumps({k: v for k, v in ours.items() if "median" in k or "breakdown" in k}),
         flush=True,
     )
+    family = load_family(args.checkpoint)
+    peer_runs = family.name == "qwen3_tts" and bool(family.speakers)  # the peer's CustomVoice speakers
     peer = (
         {"error": "skipped"}
-        if args.skip_peer or device.type != "cuda"
+        if args.skip_peer or device.type != "cuda" or not peer_runs
         else run_peer(args.checkpoint, args.runs, args.frames)
     )
     print(
@@ -236,7 +238,7 @@ def main() -> None:
         "peer": peer,
         "meta": {
             "checkpoint": str(args.checkpoint),
-            "config": load_config(args.checkpoint).model_size,
+            "family": family.name,
             "frames": args.frames,
             "runs": args.runs,
             "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",

@@ -173,3 +173,46 @@ def test_a_server_that_never_answers_fails_the_request_instead_of_hanging_the_pr
     result, elapsed, connections = asyncio.run(scenario())
     assert result.error == "no final response within 0.5 s" and result.ttfa_s is None
     assert connections == 1 and elapsed < 5
+
+
+@pytest.fixture(scope="module")
+def csm_tiny(tmp_path_factory):
+    from voxtriton.models.csm.checkpoint import make_csm_checkpoint
+
+    return make_csm_checkpoint("csm-tiny", tmp_path_factory.mktemp("csm-tiny"), seed=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_tts", "csm"])
+def test_single_stream_runs_any_family(tmp_path, tiny_checkpoint, csm_tiny, family):
+    """single_stream.py times one stream through the serving code of the checkpoint's family."""
+    checkpoint = tiny_checkpoint if family == "qwen3_tts" else csm_tiny
+    out = tmp_path / "single.json"
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "single_stream.py"), "--checkpoint", str(checkpoint)]
+        + ["--runs", "2", "--frames", "12", "--device", "cpu", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["family"] == family and result["peer"] == {"error": "skipped"}
+    assert len(result["ours"]["ttfa_ms"]) == 2 and all(t > 0 for t in result["ours"]["ttfa_ms"])
+    assert result["ours"]["rtf_median"] > 0
+
+
+def test_serving_benchmark_drives_a_csm_server(tmp_path, csm_tiny):
+    """The open-loop harness serves CSM as it serves Qwen3-TTS: every request plays to its asked length."""
+    out = tmp_path / "bench"
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke", "--checkpoint"]
+        + [str(csm_tiny), "--warm-up-load", "0", "--repeats", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [policy] = json.loads((out / "results.json").read_text())["policies"]
+    [row] = policy["rates"]
+    assert row["requests"] >= 1 and row["failed"] == 0 and row["completed"] == row["requests"]
+    assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)

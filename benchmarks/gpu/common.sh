@@ -16,7 +16,8 @@ checkpoint() {
   mkdir -p "$CKPTS/locks"
   (
     flock 9
-    [ -f "$CKPTS/ck-$1/speech_tokenizer/model.safetensors" ] ||
-      run $PY -m voxtriton.cli make-checkpoint --preset "$1" "$CKPTS/ck-$1"
+    last=speech_tokenizer/model.safetensors  # the file make-checkpoint writes last
+    case $1 in csm-*) last=model.safetensors ;; esac
+    [ -f "$CKPTS/ck-$1/$last" ] || run $PY -m voxtriton.cli make-checkpoint --preset "$1" "$CKPTS/ck-$1"
   ) 9> "$CKPTS/locks/$1"
 }
