@@ -15,6 +15,7 @@ from voxtriton_client import TTSClient
 
 from voxtriton.launch.gpus import gpu_count
 from voxtriton.launch.repository import REPOSITORY, render_repository, set_parameter
+from voxtriton.launch.serve import first_request_hint
 from voxtriton.launch.server import TritonServer, free_port
 
 
@@ -206,3 +207,24 @@ def test_the_codecs_capture_the_shapes_the_scheduler_will_ask_for():
         assert "1,2,4,25" not in urgent and "16,24" not in urgent
     finally:
         server.cleanup()
+
+
+@pytest.mark.parametrize("model", ["embedded", "custom_voice", "base", "csm"])
+def test_the_ready_hint_registers_a_voice_only_for_a_model_without_speakers(
+    model, tiny_checkpoint, tiny_base_checkpoint, tmp_path
+):
+    """A model with speakers of its own is asked to speak at once; a Base model needs a voice first."""
+    from voxtriton.models.csm.checkpoint import make_csm_checkpoint
+
+    checkpoint = {
+        "embedded": lambda: None,
+        "custom_voice": lambda: tiny_checkpoint,
+        "base": lambda: tiny_base_checkpoint,
+        "csm": lambda: make_csm_checkpoint("csm-tiny", tmp_path / "csm"),
+    }[model]()
+    hint = first_request_hint(checkpoint and str(checkpoint), "localhost:8001", {})
+    lines = hint.splitlines()
+    if model == "base":
+        assert "voices add anna" in lines[0] and lines[1].endswith("--speaker anna")
+    else:
+        assert len(lines) == 1 and " speak " in lines[0] and "--speaker" not in lines[0]
