@@ -17,6 +17,7 @@ import wave
 
 import numpy as np
 import pytest
+import soundfile
 from server_helpers import start_server, wait_for_metric
 from voxtriton_client import TTSClient
 
@@ -306,6 +307,29 @@ def test_sse_events_carry_the_audio_and_each_chunks_lane(stack):
     code, _, payload = post(url, {**body, "max_frames": 4, "stream_format": "sse"})
     wav = b"".join(base64.b64decode(e["audio"]) for e in sse_events(payload)[:-1])
     assert code == 200 and wav[:4] == b"RIFF" and len(wav) == 44 + 4 * 1920 * 2
+
+
+def test_opus_streams_compressed_audio_chunk_by_chunk(stack):
+    """`opus` is Ogg Opus of the asked length at a fraction of pcm's bytes; as events, every chunk's
+    delta carries its encoded audio and one last delta closes the Ogg stream."""
+    url, _ = stack
+    body = dict(model="tts", input="Compressed.", voice="ryan", max_frames=30, ignore_eos=True, seed=4)
+    code, headers, payload = post(url, {**body, "response_format": "opus"})
+    assert code == 200 and headers["content-type"] == "audio/ogg" and payload[:4] == b"OggS"
+    code, _, plain = post(url, {**body, "response_format": "pcm"})
+    plain = np.frombuffer(plain, "<i2") / 32767.0
+    with soundfile.SoundFile(io.BytesIO(payload)) as decoded:
+        assert (decoded.samplerate, decoded.channels, decoded.frames) == (24000, 1, 30 * 1920)
+        samples = decoded.read(dtype="float32")
+    assert len(payload) < len(plain) * 2 / 4 and np.corrcoef(samples, plain)[0, 1] > 0.5
+    code, _, events = post(url, {**body, "response_format": "opus", "stream_format": "sse"})
+    *deltas, closing, done = sse_events(events)
+    assert code == 200 and done == {"type": "speech.audio.done"} and "chunk" not in closing
+    assert sum(delta["chunk"]["frames"] for delta in deltas) == 30 and len(deltas) >= 2
+    pieces = [base64.b64decode(event["audio"]) for event in deltas + [closing]]
+    assert all(pieces)
+    with soundfile.SoundFile(io.BytesIO(b"".join(pieces))) as decoded:  # the same audio (another serial)
+        np.testing.assert_array_equal(decoded.read(dtype="float32"), samples)
 
 
 def test_the_gateway_takes_one_backend_and_says_where_several_go():

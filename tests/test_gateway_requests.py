@@ -8,6 +8,7 @@ import wave
 import pytest
 from voxtriton_client import Synthesis
 
+from voxtriton.serving.audio_formats import streaming_wav_header
 from voxtriton.serving.gateway import (
     MODEL_ALIASES,
     REQUEST_FIELDS,
@@ -16,7 +17,6 @@ from voxtriton.serving.gateway import (
     SpeechStream,
     error_from_server,
     parse_speech_request,
-    streaming_wav_header,
 )
 
 
@@ -59,7 +59,7 @@ def test_unknown_fields_are_named_all_at_once():
         ("ignore_eos", 1, "ignore_eos: must be true or false"),
         ("voice", 3, "voice: must be a string"),
         ("stream_format", "chunks", "stream_format: 'chunks' is not one of audio, sse"),
-        ("response_format", "mp3", "response_format: 'mp3' is not supported (use wav or pcm)"),
+        ("response_format", "mp3", "response_format: 'mp3' is not supported (use wav, pcm, opus)"),
         ("speed", 2, "speed: only 1.0 is supported (the model has no speed control)"),
     ],
 )

@@ -178,7 +178,7 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
     from test_gateway import start_gateway, stop_gateway
     from websockets.sync.client import connect
 
-    from voxtriton.serving.gateway import pcm16
+    from voxtriton.serving.audio_formats import pcm16
 
     def speak(url: str, messages: list[dict]) -> tuple[bytes, dict]:
         """Send every message, then read binary audio until the text message that ends the stream."""

@@ -9,8 +9,9 @@
 
 Audio streams from Triton over gRPC (Triton's own HTTP endpoint cannot stream decoupled models).
 `pcm` is 16-bit little-endian mono at 24 kHz, as the OpenAI API defines it; `wav` is the same behind
-a header of unknown length; `stream_format: "sse"` sends OpenAI's `speech.audio.delta` events, each
-with the chunk's index, frames and codec lane. docs/gateway.md lists the fields and errors.
+a header of unknown length; `opus` is Ogg Opus (audio_formats.py); `stream_format: "sse"` sends
+OpenAI's `speech.audio.delta` events, each with the chunk's index, frames and codec lane.
+docs/gateway.md lists the fields and errors.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations at runtime,
@@ -20,25 +21,23 @@ import asyncio
 import base64
 import json
 import logging
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import numpy as np
 from tritonclient.utils import InferenceServerException
 from voxtriton_client import AsyncTTSClient, Chunk, Synthesis
 from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
 from ..models.config import CheckpointError
 from ..models.families import load_family
+from .audio_formats import MEDIA_TYPES, new_encoder, pcm16
 from .gateway_voices import add_voice_routes
 from .settings import default_checkpoint_dir, voices_dir
 from .voices import VoiceStore
 
 log = logging.getLogger("voxtriton.gateway")
 
-SAMPLE_RATE = 24000
 PLAYGROUND = Path(__file__).parent / "playground.html"
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for clients that insist on them
 HEALTH_TIMEOUT_S = 2.0
@@ -59,22 +58,10 @@ TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
 FIELD_NAMES = {"text": "input", "speaker": "voice", "instruct": "instructions"}
 
 
-def pcm16(audio: np.ndarray) -> bytes:
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
-
-
-def streaming_wav_header() -> bytes:
-    """A WAV header for a stream of unknown length (sizes set to the maximum, as streaming servers do)."""
-    unknown = 0xFFFFFFFF
-    return (
-        b"RIFF"
-        + struct.pack("<I", unknown)
-        + b"WAVE"
-        + b"fmt "
-        + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, SAMPLE_RATE * 2, 2, 16)
-        + b"data"
-        + struct.pack("<I", unknown)
-    )
+async def encoded(encoder, method, *args) -> bytes:
+    """An encoder call: on a worker thread for one that blocks (opus), so the event loop keeps serving
+    the other streams; in place for pcm and wav."""
+    return await asyncio.to_thread(method, *args) if encoder.blocking else method(*args)
 
 
 class SpeechError(Exception):
@@ -119,9 +106,11 @@ def parse_speech_request(body: dict) -> dict:
         raise SpeechError(400, "input: must be a non-empty string", "input")
     resolve_model(body.get("model", MODEL))
     response_format = body.get("response_format", "wav")
-    if response_format not in ("wav", "pcm"):
+    if response_format not in MEDIA_TYPES:
         raise SpeechError(
-            400, f"response_format: {response_format!r} is not supported (use wav or pcm)", "response_format"
+            400,
+            f"response_format: {response_format!r} is not supported (use {', '.join(MEDIA_TYPES)})",
+            "response_format",
         )
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
@@ -427,40 +416,44 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         stream = SpeechStream(
             lambda on_chunk: backend.synthesize(text, on_chunk=on_chunk, info=sse, **options)
         )
+        encoder = new_encoder(response_format)
         await stream.start()
 
         async def audio():
             try:
-                if response_format == "wav":
-                    yield streaming_wav_header()
+                if header := encoder.start():
+                    yield header
                 async for chunk in stream.chunks():
-                    yield pcm16(chunk.audio)
+                    yield await encoded(encoder, encoder.encode, chunk.audio)
             finally:
                 stream.cancel()
             if stream.failure is not None:
                 # The status line has gone out: ending the body without its last chunk is how HTTP
                 # tells the client the audio is incomplete.
                 raise StreamCutShort(stream.failure.message)
+            if tail := await encoded(encoder, encoder.finish):
+                yield tail
 
         async def events():
-            header = streaming_wav_header() if response_format == "wav" else b""
             try:
                 async for chunk in stream.chunks():
-                    audio = base64.b64encode(header + pcm16(chunk.audio)).decode()
-                    header = b""
+                    audio = base64.b64encode(await encoded(encoder, encoder.encode, chunk.audio)).decode()
                     delta = {"type": "speech.audio.delta", "audio": audio, "chunk": chunk_description(chunk)}
                     yield sse_event(delta)
             finally:
                 stream.cancel()
-            yield sse_event(
-                {"type": "error", **stream.failure.body()}
-                if stream.failure
-                else {"type": "speech.audio.done"}
-            )
+            if stream.failure is not None:
+                yield sse_event({"type": "error", **stream.failure.body()})
+                return
+            if tail := await encoded(
+                encoder, encoder.finish
+            ):  # the end of an Ogg stream: no chunk of its own
+                yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
+            yield sse_event({"type": "speech.audio.done"})
 
         if sse:
             return StreamingResponse(events(), media_type="text/event-stream")
-        return StreamingResponse(audio(), media_type="audio/wav" if response_format == "wav" else "audio/pcm")
+        return StreamingResponse(audio(), media_type=MEDIA_TYPES[response_format])
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket):
