@@ -3,6 +3,7 @@ Triton sequence on one gRPC stream, audio back on the first piece's request."""
 
 from __future__ import annotations
 
+import io
 import json
 import queue
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 import tritonclient.grpc as grpcclient
 from server_helpers import start_server, wait_for_metric
 from voxtriton_client import TTSClient
@@ -206,6 +208,23 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
         got, expected = np.frombuffer(audio, "<i2"), np.frombuffer(pcm16(whole.audio), "<i2")
         assert got.shape == expected.shape and len(got) > 0
         assert np.abs(got.astype(np.int32) - expected).max() <= 1
+
+        # As Ogg Opus: a binary message per chunk and one closing page, the same audio, compressed.
+        opus, done = speak(
+            url,
+            [{"input": first, **options, "response_format": "opus"}]
+            + [{"input": p} for p in middle]
+            + [{"input": last, "end": True}],
+        )
+        assert done["type"] == "speech.audio.done" and opus[:4] == b"OggS" and len(opus) < len(audio) / 4
+        with soundfile.SoundFile(io.BytesIO(opus)) as decoded:
+            assert (decoded.samplerate, decoded.frames) == (24000, len(expected))
+            assert np.corrcoef(decoded.read(dtype="float32"), expected / 32767.0)[0, 1] > 0.5
+        _, error = speak(url, [{"input": "Hello", "response_format": "mp3"}])
+        assert (
+            error["error"]["param"] == "response_format"
+            and "'mp3' is not supported" in error["error"]["message"]
+        )
 
         _, error = speak(url, [{"input": "Hello", "voice": "nobody"}, {"input": " there.", "end": True}])
         assert error["type"] == "error" and error["error"]["param"] == "voice", error

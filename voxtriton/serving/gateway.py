@@ -31,7 +31,7 @@ from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
 from ..models.config import CheckpointError
 from ..models.families import load_family
-from .audio_formats import MEDIA_TYPES, new_encoder, pcm16
+from .audio_formats import MEDIA_TYPES, new_encoder
 from .gateway_voices import add_voice_routes
 from .settings import default_checkpoint_dir, voices_dir
 from .voices import VoiceStore
@@ -105,13 +105,7 @@ def parse_speech_request(body: dict) -> dict:
     if not isinstance(text, str) or not text.strip():
         raise SpeechError(400, "input: must be a non-empty string", "input")
     resolve_model(body.get("model", MODEL))
-    response_format = body.get("response_format", "wav")
-    if response_format not in MEDIA_TYPES:
-        raise SpeechError(
-            400,
-            f"response_format: {response_format!r} is not supported (use {', '.join(MEDIA_TYPES)})",
-            "response_format",
-        )
+    response_format = parse_response_format(body.get("response_format", "wav"))
     stream_format = body.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise SpeechError(400, f"stream_format: {stream_format!r} is not one of audio, sse", "stream_format")
@@ -136,12 +130,22 @@ def voice_options(body: dict) -> dict:
     return options
 
 
+def parse_response_format(value) -> str:
+    if value not in MEDIA_TYPES:
+        raise SpeechError(
+            400,
+            f"response_format: {value!r} is not supported (use {', '.join(MEDIA_TYPES)})",
+            "response_format",
+        )
+    return value
+
+
 def parse_text_piece(message, first: bool) -> tuple[str, bool, dict]:
     """One message of a text stream (`/v1/audio/speech/stream`) -> (text piece, whether it is the last,
-    the tts options: the first message's only); SpeechError(400) naming the field."""
+    the tts options and "format": the first message's only); SpeechError(400) naming the field."""
     if not isinstance(message, dict):
         raise SpeechError(400, "each message must be a JSON object")
-    allowed = STREAM_FIELDS + (tuple(OPTIONAL_FIELDS) + ("model",) if first else ())
+    allowed = STREAM_FIELDS + (tuple(OPTIONAL_FIELDS) + ("model", "response_format") if first else ())
     unknown = [name for name in message if name not in allowed]
     if unknown:
         where = "the first message" if first else "a later message (options go in the first)"
@@ -156,7 +160,8 @@ def parse_text_piece(message, first: bool) -> tuple[str, bool, dict]:
     if not first:
         return text, end, {}
     resolve_model(message.get("model", MODEL))
-    return text, end, voice_options(message)
+    response_format = parse_response_format(message.get("response_format", "pcm"))
+    return text, end, {"format": response_format, **voice_options(message)}
 
 
 class BackendUnreachable(ConnectionError):
@@ -458,8 +463,9 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket):
         """Input streaming: JSON text messages in ({"input": piece}, the first with the options, the
-        last with "end": true), PCM chunks out as binary messages, then one JSON message: done (with
-        the latencies seen here) or an error. docs/gateway.md has the protocol."""
+        last with "end": true), audio chunks out as binary messages (pcm unless the first message asks
+        for another `response_format`), then one JSON message: done (with the latencies seen here) or
+        an error. docs/gateway.md has the protocol."""
         await websocket.accept()
         pieces: asyncio.Queue = asyncio.Queue()  # (text, end)
         problems: list[SpeechError] = []  # a bad later message, or the client gone
@@ -507,19 +513,22 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
             return
         times["first_piece"] = loop.time()
         pieces.put_nowait((piece, end))
+        encoder = new_encoder(options.pop("format"))
         stream = SpeechStream(
             lambda on_chunk: backend.synthesize_text_stream(text(), on_chunk=on_chunk, **options)
         )
         reader = asyncio.create_task(read_rest(end, stream))
         try:
             async for chunk in stream.chunks():
-                await websocket.send_bytes(pcm16(chunk.audio))
+                await websocket.send_bytes(await encoded(encoder, encoder.encode, chunk.audio))
                 times.setdefault("first_audio", loop.time())
                 times["last_audio"] = loop.time()
             failure = problems[0] if problems else stream.failure
             if failure is not None:
                 await websocket.send_json({"type": "error", **failure.body()})
             else:
+                if tail := await encoded(encoder, encoder.finish):
+                    await websocket.send_bytes(tail)
                 await websocket.send_json({"type": "speech.audio.done", **stream_latencies(times)})
             await websocket.close()
         except WebSocketDisconnect:  # the client went away: stop generating for it
