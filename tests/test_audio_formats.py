@@ -49,3 +49,20 @@ def test_pcm_and_wav_encode_in_place_and_the_wav_header_leads_once():
     assert sse_wav.encode(audio[FRAME:]) == pcm16(audio[FRAME:])
     pcm = new_encoder("pcm")
     assert pcm.start() == b"" and pcm.encode(audio) == pcm16(audio)
+
+
+def test_mp3_streams_every_chunk_and_decodes_to_the_audio_after_the_encoders_delay():
+    audio = speech_like(32)
+    encoder = new_encoder("mp3")
+    pieces = [encoder.encode(chunk) for chunk in chunks_of(audio)]
+    tail = encoder.finish()
+    assert all(len(piece) > 0 for piece in pieces), [len(p) for p in pieces]
+    stream = b"".join(pieces) + tail
+    samples, rate = soundfile.read(io.BytesIO(stream), dtype="float32")
+    # No LAME tag in a stream: the decoder keeps the encoder's delay, and its own delay holds back
+    # the last few milliseconds.
+    delay = int(np.argmax(np.correlate(samples[: 2 * FRAME], audio[:FRAME], "valid")))
+    kept = len(samples) - delay
+    assert rate == SAMPLE_RATE and delay < 0.1 * SAMPLE_RATE and len(audio) - 0.03 * SAMPLE_RATE < kept
+    assert np.corrcoef(samples[delay:], audio[:kept])[0, 1] > 0.95
+    assert len(stream) < len(pcm16(audio)) / 5

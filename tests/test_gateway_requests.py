@@ -59,7 +59,7 @@ def test_unknown_fields_are_named_all_at_once():
         ("ignore_eos", 1, "ignore_eos: must be true or false"),
         ("voice", 3, "voice: must be a string"),
         ("stream_format", "chunks", "stream_format: 'chunks' is not one of audio, sse"),
-        ("response_format", "mp3", "response_format: 'mp3' is not supported (use wav, pcm, opus)"),
+        ("response_format", "aac", "response_format: 'aac' is not supported (use wav, pcm, opus, mp3)"),
         ("speed", 2, "speed: only 1.0 is supported (the model has no speed control)"),
     ],
 )

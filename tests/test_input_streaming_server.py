@@ -220,10 +220,10 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
         with soundfile.SoundFile(io.BytesIO(opus)) as decoded:
             assert (decoded.samplerate, decoded.frames) == (24000, len(expected))
             assert np.corrcoef(decoded.read(dtype="float32"), expected / 32767.0)[0, 1] > 0.5
-        _, error = speak(url, [{"input": "Hello", "response_format": "mp3"}])
+        _, error = speak(url, [{"input": "Hello", "response_format": "flac"}])
         assert (
             error["error"]["param"] == "response_format"
-            and "'mp3' is not supported" in error["error"]["message"]
+            and "'flac' is not supported" in error["error"]["message"]
         )
 
         _, error = speak(url, [{"input": "Hello", "voice": "nobody"}, {"input": " there.", "end": True}])

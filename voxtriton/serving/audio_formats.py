@@ -6,6 +6,10 @@ they arrive, so the first audio leaves with the first chunk.
 - `opus`: Ogg Opus (libsndfile's encoder, about a tenth of pcm's bytes), the format browsers and
   voice apps stream. Ogg pages are closed every OPUS_PAGE_MS of audio instead of about every second,
   so each chunk's encoded audio is out as soon as the chunk is.
+- `mp3`: MPEG-2 Layer III at MP3_KBPS, constant bit rate (LAME, through lameenc), OpenAI's default
+  format. A stream carries no LAME tag (it is written at the end, which a stream cannot revisit), so
+  decoders keep the encoder's delay (under 0.1 s of silence before the audio) and may hold back the
+  last few milliseconds.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import numpy as np
 import soundfile
 
 SAMPLE_RATE = 24000
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "opus": "audio/ogg"}
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "opus": "audio/ogg", "mp3": "audio/mpeg"}
 OPUS_PAGE_MS = 20.0
+MP3_KBPS = 64
 # libsndfile's SFC_SET_OGG_PAGE_LATENCY_MS (sndfile.h); soundfile has no wrapper for it
 _SET_OGG_PAGE_LATENCY_MS = 0x1302
 
@@ -96,7 +101,35 @@ class OpusEncoder:
         return data
 
 
-def new_encoder(response_format: str) -> PcmEncoder | OpusEncoder:
-    if response_format == "opus":
-        return OpusEncoder()
+class Mp3Encoder:
+    """LAME, fed 16-bit samples; `encode` returns the frames a chunk completed (LAME keeps up to about
+    a frame, 48 ms, until the next chunk or `finish`)."""
+
+    blocking = True
+
+    def __init__(self):
+        import lameenc  # the gateway extra
+
+        self.lame = lameenc.Encoder()
+        self.lame.set_in_sample_rate(SAMPLE_RATE)
+        self.lame.set_channels(1)
+        self.lame.set_bit_rate(MP3_KBPS)
+        self.lame.set_quality(5)  # LAME's default speed and quality trade
+
+    def start(self) -> bytes:
+        return b""
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        return bytes(self.lame.encode(pcm16(audio)))
+
+    def finish(self) -> bytes:
+        return bytes(self.lame.flush())
+
+
+ENCODERS = {"opus": OpusEncoder, "mp3": Mp3Encoder}
+
+
+def new_encoder(response_format: str) -> PcmEncoder | OpusEncoder | Mp3Encoder:
+    if response_format in ENCODERS:
+        return ENCODERS[response_format]()
     return PcmEncoder(streaming_wav_header() if response_format == "wav" else b"")
