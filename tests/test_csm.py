@@ -2,7 +2,8 @@
 of our implementation with transformers' `CsmForConditionalGeneration` on the same files (fp32).
 
 Logits agree to a relative error of 1e-4, greedy decoding gives identical codes, the Mimi decoder
-gives the same waveform, and decoding in chunks with carried state equals decoding whole.
+gives the same waveform, decoding in chunks with carried state equals decoding whole, and the Mimi
+encoder gives the same codes for context audio.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from voxtriton.models.config import CheckpointError
 from voxtriton.models.csm.checkpoint import TIED, checkpoint_shapes, make_csm_checkpoint, preset_config
 from voxtriton.models.csm.config import load_csm_config
 from voxtriton.models.csm.family import csm_family
-from voxtriton.models.csm.loader import load_csm, load_mimi
+from voxtriton.models.csm.loader import load_csm, load_mimi, load_mimi_encoder
 from voxtriton.models.csm.prompt import CsmPromptBuilder, CsmTokenizer
 from voxtriton.models.text import BYTE_TOKEN_ID
 
@@ -215,6 +216,21 @@ def test_mimi_rows_are_independent(ours, codec_codes):
     assert (both[1:] - second).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("samples", [24000, 2 * 24000 + 777, 13 * 1920])
+def test_mimi_encoder_codes_equal_transformers_encode(reference, checkpoint, samples):
+    """24 kHz audio -> 32 codebooks at 12.5 Hz: one frame per started 1920 samples, as transformers'
+    `MimiModel.encode` (SEANet encoder, encoder transformer, downsample, split RVQ)."""
+    model, _ = reference
+    encoder = load_mimi_encoder(checkpoint)
+    audio = torch.randn(2, samples, generator=torch.Generator().manual_seed(samples)) * 0.3
+    with torch.inference_mode():
+        expected = model.codec_model.encode(audio[:, None]).audio_codes.transpose(1, 2)
+        codes = encoder(audio)
+    assert codes.shape == (2, -(-samples // 1920), 32)
+    assert torch.equal(codes, expected)
+    assert all(len(codes[0, :, k].unique()) > 1 for k in range(32))  # not a constant code
+
+
 def test_loader_names_the_file_and_tensor(checkpoint, tmp_path):
     tensors = load_file(str(checkpoint / "model.safetensors"))
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
@@ -233,6 +249,21 @@ def test_loader_names_the_file_and_tensor(checkpoint, tmp_path):
         CheckpointError, match=r"model\.safetensors.*decoder\.layers\.0\.conv\.weight has shape"
     ):
         load_mimi(tmp_path)
+    broken = dict(tensors)
+    del broken["codec_model.encoder_transformer.layers.1.mlp.fc2.weight"]
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors \(tensors under 'codec_model\.'\): missing tensor\(s\) "
+        r"encoder_transformer\.layers\.1\.mlp\.fc2\.weight",
+    ):
+        load_mimi_encoder(tmp_path)
+    broken = dict(tensors)
+    name = "codec_model.quantizer.acoustic_residual_vector_quantizer.input_proj.weight"
+    broken[name] = broken[name][:-1].contiguous()
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor .*input_proj\.weight has shape"):
+        load_mimi_encoder(tmp_path)
 
 
 def test_config_errors_name_the_field(checkpoint, tmp_path):
