@@ -368,11 +368,10 @@ def engine_codes(engine, requests, *, stagger: bool = False) -> dict[str, list]:
 
 def csm_request(family, request_id: str, text: str, speaker=1, **params):
     from voxtriton.engine.request import GenerationParams, Request
-    from voxtriton.models.text import Prompt
 
     return Request(
         request_id,
-        Prompt(family.prompt.build(text, speaker), [], []),
+        family.prompt.prompt(text, speaker),
         GenerationParams.create(family.sampling, 1000, **params),
     )
 
@@ -506,3 +505,109 @@ def test_serve_preflight_takes_a_csm_checkpoint_and_names_a_missing_file(checkpo
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
     with pytest.raises(SystemExit, match="model.safetensors or model.safetensors.index.json is missing"):
         check_checkpoint(str(tmp_path))
+
+
+# -- a context turn: a voice from reference audio -------------------------------------------------------
+
+CONTEXT_TEXT = "This is what the reference says."
+
+
+@pytest.fixture(scope="module")
+def context_audio():
+    """1.2 s of noise at 24 kHz (random weights: any signal makes codes): 15 context frames."""
+    return (torch.randn(28800, generator=torch.Generator().manual_seed(21)) * 0.3).numpy()
+
+
+@pytest.fixture(scope="module")
+def context_voice(checkpoint, context_audio):
+    from voxtriton.models.voice import Voice
+
+    with torch.inference_mode():
+        codes = load_mimi_encoder(checkpoint)(torch.from_numpy(context_audio)[None])[0]
+    return Voice(np.zeros(0, np.float32), codes.numpy().astype(np.int64), CONTEXT_TEXT)
+
+
+@pytest.fixture(scope="module")
+def context_expected(reference, checkpoint, context_audio):
+    """transformers' greedy codes for the conversation [speaker 1: CONTEXT_TEXT + its audio], then
+    [speaker 1: TEXT]: the processor's layout of CSM's chat template, the audio encoded by its codec."""
+    transformers = pytest.importorskip("transformers")
+    model, _ = reference
+    processor = transformers.AutoProcessor.from_pretrained(str(checkpoint))
+    conversation = (
+        f"<|begin_of_text|>[1]{CONTEXT_TEXT}<|end_of_text|><|AUDIO|><|audio_eos|>"
+        f"<|begin_of_text|>[1]{TEXT}<|end_of_text|>"
+    )
+    inputs = processor(conversation, audio=[context_audio])
+    with torch.inference_mode():
+        codes = model.generate(
+            **inputs, max_new_tokens=FRAMES, do_sample=False, depth_decoder_do_sample=False
+        )
+    return inputs["input_ids"][0].tolist(), codes[0]
+
+
+def test_context_prompt_is_the_processors_conversation(family, context_voice, context_expected):
+    prompt = family.prompt.prompt(TEXT, 1, context_voice)
+    ids, _ = context_expected
+    assert prompt.text_ids == ids
+    frames = len(context_voice.codes)
+    assert frames == 15 and prompt.context_position + frames + 1 == ids.index(128000, 1)
+    assert prompt.context_codes.shape == (frames + 1, 32) and not prompt.context_codes[-1].any()
+    assert prompt.text_tokens == len(ids) - frames - 1
+
+
+def test_a_context_turn_needs_its_words(family, context_voice):
+    import dataclasses
+
+    with pytest.raises(RequestError) as error:
+        family.prompt.prompt(TEXT, 1, dataclasses.replace(context_voice, text=None))
+    assert error.value.field == "reference_text" and "required" in str(error.value)
+
+
+def context_request(family, request_id, voice, **params):
+    from voxtriton.engine.request import GenerationParams, Request
+
+    prompt = family.prompt.prompt(TEXT, 1, voice)
+    return Request(request_id, prompt, GenerationParams.create(family.sampling, 1000, **params))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_engine_with_a_context_turn_equals_transformers_generate(
+    family, ours, context_voice, context_expected, overlap
+):
+    """The context turn's frames enter the prefill as frame embeddings; greedy codes equal transformers'
+    generate on the same conversation, while requests without context share the batch."""
+    _, expected = context_expected
+    requests = [
+        csm_request(family, "other", "A longer sentence that shares the batch.", 0, seed=3, max_frames=9),
+        context_request(family, "context", context_voice, temperature=0.0, max_frames=FRAMES),
+        csm_request(family, "plain", TEXT, 1, temperature=0.0, max_frames=FRAMES),
+    ]
+    results = engine_codes(new_engine(family, ours, overlap=overlap), requests, stagger=True)
+    assert torch.equal(results["context"][0], expected)
+    assert not torch.equal(results["plain"][0], expected)  # the context turn changes the codes
+
+
+@pytest.mark.parametrize("lengths", [[32, 96], [16, 32]], ids=["padded", "longer-than-buckets"])
+def test_context_prefills_padded_to_buckets_give_the_same_codes(
+    family, ours, context_voice, context_expected, lengths
+):
+    """A context prompt padded to a prefill bucket beside a plain one (the extra-embedding buffer holds
+    its frames for that prefill only), or prefilled eagerly when no bucket fits: the same codes."""
+    _, expected = context_expected
+
+    def requests():
+        return [
+            csm_request(family, "plain", TEXT, 1, temperature=0.0, max_frames=FRAMES),
+            context_request(family, "context", context_voice, temperature=0.0, max_frames=FRAMES),
+            csm_request(family, "after", "Hi.", 2, temperature=0.0, max_frames=4),
+        ]
+
+    exact = engine_codes(new_engine(family, ours), requests())
+    engine = new_engine(family, ours)
+    engine.runner.set_buckets([], [], prefill_batch_sizes=[2], prefill_lengths=lengths)
+    padded = engine_codes(engine, requests())
+    assert torch.equal(padded["context"][0], expected)
+    for name, (codes, _) in exact.items():
+        assert torch.equal(padded[name][0], codes), name
+    assert engine.runner.prefill_extra is not None and not engine.runner.prefill_extra.any()

@@ -12,7 +12,7 @@ from ..engine.request import GenerationParams, Request
 from ..errors import RequestError
 from ..models.config import Qwen3TTSConfig
 from ..models.family import ModelFamily, SamplingDefaults
-from ..models.text import Prompt, PromptBuilder, PromptHead
+from ..models.text import PromptBuilder, PromptHead
 from ..models.voice import Voice
 from .settings import TTSSettings
 from .voices import VoiceStore
@@ -184,11 +184,13 @@ class CsmRequestParser:
         if not text.strip():
             raise RequestError("text", "is empty")
         speaker = _string("speaker", inputs["speaker"], limit) if "speaker" in inputs else None
-        ids = self.family.prompt.build(text, speaker)
-        if len(ids) > self.settings.max_text_tokens:
+        prompt = self.family.prompt.prompt(text, speaker)
+        if prompt.text_tokens > self.settings.max_text_tokens:
             raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
-        params = _generation_params(self.family.sampling, self.settings, _scalars(inputs), len(ids))
-        return Request(request_id, Prompt(ids, [], []), params)
+        params = _generation_params(
+            self.family.sampling, self.settings, _scalars(inputs), len(prompt.text_ids)
+        )
+        return Request(request_id, prompt, params)
 
     def parse_stream(self, inputs: dict[str, np.ndarray]):
         raise RequestError(

@@ -159,7 +159,8 @@ class CsmConfig:
     vocab_size: int  # codebook entries per codebook, with the padding/EOS ids
     text_vocab_size: int
     bos_token_id: int
-    audio_eos_token_id: int
+    audio_token_id: int  # a context turn's audio frame (its embedding is the frame's)
+    audio_eos_token_id: int  # the frame after a context turn's audio (all codes codebook_eos_token_id)
     codebook_eos_token_id: int
     codebook_pad_token_id: int
 
@@ -189,7 +190,7 @@ def load_csm_config(checkpoint_dir: Path) -> CsmConfig:
         raise f._fail("num_codebooks", f"codec_config.num_quantizers = {codec.num_quantizers}")
     if codec.codebook_size >= vocab:
         raise f._fail("vocab_size", f"more than codec_config.codebook_size = {codec.codebook_size}")
-    ids = f.token_ids(("bos_token_id", "audio_eos_token_id"), text_vocab, "text_vocab_size")
+    ids = f.token_ids(("bos_token_id", "audio_token_id", "audio_eos_token_id"), text_vocab, "text_vocab_size")
     return CsmConfig(
         backbone=backbone,
         backbone_rope=Llama3Rope.parse(f),
@@ -201,6 +202,7 @@ def load_csm_config(checkpoint_dir: Path) -> CsmConfig:
         vocab_size=vocab,
         text_vocab_size=text_vocab,
         bos_token_id=ids["bos_token_id"],
+        audio_token_id=ids["audio_token_id"],
         audio_eos_token_id=ids["audio_eos_token_id"],
         codebook_eos_token_id=f.int("codebook_eos_token_id", minimum=0, default=0),
         codebook_pad_token_id=f.int("codebook_pad_token_id", minimum=0, default=vocab - 1),
