@@ -396,7 +396,7 @@ def new_engine(family, ours, rows=3, is_end=None, overlap=False):
 
 def test_the_registry_picks_csm_from_the_checkpoint_config(family):
     assert family.name == "csm" and family.codebooks == 32 and family.samples_per_frame == 1920
-    assert not family.input_streaming and not family.clones_voices
+    assert not family.input_streaming and family.clones_voices  # a voice is a context turn
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
@@ -611,3 +611,32 @@ def test_context_prefills_padded_to_buckets_give_the_same_codes(
     for name, (codes, _) in exact.items():
         assert torch.equal(padded[name][0], codes), name
     assert engine.runner.prefill_extra is not None and not engine.runner.prefill_extra.any()
+
+
+def test_voices_add_stores_a_csm_context_turn_that_a_request_names(checkpoint, family, tmp_path, capsys):
+    """`voxtriton voices add` on a CSM checkpoint stores the recording's codes and words; the request
+    parser then speaks with them (speaker 0). A recording without its words, or a voice named like a
+    speaker id, is refused naming the field."""
+    import soundfile
+
+    from voxtriton.serving.requests import request_parser
+    from voxtriton.serving.settings import TTSSettings
+    from voxtriton.serving.voices import VoiceEncoder, VoiceStore
+
+    wav = tmp_path / "reference.wav"
+    audio = (torch.randn(30000, generator=torch.Generator().manual_seed(8)) * 0.3).numpy()
+    soundfile.write(wav, audio, 24000, subtype="FLOAT")
+    common = ["--audio", str(wav), "--checkpoint", str(checkpoint), "--voices-dir", str(tmp_path)]
+    assert main(["voices", "add", "anna", *common]) == 2
+    assert "text: is required: CSM's voice is a context turn" in capsys.readouterr().err
+    assert main(["voices", "add", "7", *common, "--text", CONTEXT_TEXT]) == 2
+    assert "name: '7' is a CSM speaker id" in capsys.readouterr().err
+    assert main(["voices", "add", "anna", *common, "--text", CONTEXT_TEXT]) == 0
+    store = VoiceStore(tmp_path, family.config)
+    voice = store.get("anna")
+    expected = VoiceEncoder(checkpoint, family.config).encode([audio], [CONTEXT_TEXT])[0]
+    assert voice.text == CONTEXT_TEXT and np.array_equal(voice.codes, expected.codes)
+    inputs = {"text": np.array([TEXT.encode()], dtype=object), "speaker": np.array([b"anna"], dtype=object)}
+    request = request_parser(family, TTSSettings(), store).parse("r", inputs)
+    assert request.prompt.text_ids == family.prompt.prompt(TEXT, 0, voice).text_ids
+    assert np.array_equal(request.prompt.context_codes[:-1], voice.codes)

@@ -226,7 +226,7 @@ class TTSTritonModel:
             self.voice_encoder = VoiceEncoder(checkpoint, config, device)
             self.encoding = EncodingQueue(self.voice_encoder)
             voices = VoiceStore(voices_dir(settings.voices_dir), config, settings.max_voices)
-            log.info("tts: Base checkpoint: voice cloning on, registered voices in %s", voices.directory)
+            log.info("tts: voice cloning on, registered voices in %s", voices.directory)
         self.parser = request_parser(family, settings, voices)
         runner = family.new_runner(
             backbone,
