@@ -447,13 +447,20 @@ def test_prefills_padded_to_buckets_give_the_exact_shape_codes(reference, family
             csm_request(family, "short", "Hi.", 2, max_frames=4, temperature=0.0),
         ]
 
+    padded, _ = padded_prefills_equal_exact_ones(family, ours, requests, lengths)
+    assert torch.equal(padded["parity"][0], expected)
+
+
+def padded_prefills_equal_exact_ones(family, ours, requests, lengths: list[int]):
+    """Run `requests()` with exact-shape prefills, then with prefills padded to `lengths` in groups of
+    2; checks that each request gets the same codes; returns the padded run's results and runner."""
     exact = engine_codes(new_engine(family, ours), requests())
     engine = new_engine(family, ours)
     engine.runner.set_buckets([], [], prefill_batch_sizes=[2], prefill_lengths=lengths)
     padded = engine_codes(engine, requests())
-    assert torch.equal(padded["parity"][0], expected)
     for name, (codes, _) in exact.items():
         assert torch.equal(padded[name][0], codes), name
+    return padded, engine.runner
 
 
 def test_sampled_codes_depend_on_the_seed_not_the_batch(family, ours):
@@ -603,14 +610,9 @@ def test_context_prefills_padded_to_buckets_give_the_same_codes(
             csm_request(family, "after", "Hi.", 2, temperature=0.0, max_frames=4),
         ]
 
-    exact = engine_codes(new_engine(family, ours), requests())
-    engine = new_engine(family, ours)
-    engine.runner.set_buckets([], [], prefill_batch_sizes=[2], prefill_lengths=lengths)
-    padded = engine_codes(engine, requests())
+    padded, runner = padded_prefills_equal_exact_ones(family, ours, requests, lengths)
     assert torch.equal(padded["context"][0], expected)
-    for name, (codes, _) in exact.items():
-        assert torch.equal(padded[name][0], codes), name
-    assert engine.runner.prefill_extra is not None and not engine.runner.prefill_extra.any()
+    assert runner.prefill_extra is not None and not runner.prefill_extra.any()
 
 
 def test_voices_add_stores_a_csm_context_turn_that_a_request_names(checkpoint, family, tmp_path, capsys):

@@ -69,6 +69,7 @@ class CsmRunner(FrameRunner):
             prefill_stream,
         )
         self.model, self.config, self.is_end = model, config, is_end
+        self.extra_width = config.backbone.hidden_size  # context turns' frame embeddings
         self.cache, (self.depth_keys, self.depth_values) = model.new_caches(max_rows, max_positions)
         # Every position here is below the cache's length, so rotary embeddings can be lookups.
         model.backbone_model.rotary.tabulate(max_positions, self.dtype)
@@ -82,20 +83,6 @@ class CsmRunner(FrameRunner):
         self.codebook_ids = torch.arange(config.num_codebooks, device=self.device)
         self.true = torch.ones((), dtype=torch.bool, device=self.device)
         self.undecodable = torch.arange(config.vocab_size, device=self.device) >= config.codec.codebook_size
-
-    def set_buckets(
-        self,
-        batch_sizes: list[int],
-        spans: list[int],
-        prefill_batch_sizes: list[int] = (),
-        prefill_lengths: list[int] = (),
-    ) -> None:
-        super().set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
-        if self.prefill_length_buckets:
-            # Context turns' frame embeddings: zeros except during such a prompt's prefill.
-            batch, length = self.prefill_batch_buckets[-1], self.prefill_length_buckets[-1]
-            hidden = self.config.backbone.hidden_size
-            self.prefill_extra = torch.zeros(batch, length, hidden, device=self.device, dtype=self.dtype)
 
     # -- sampling --------------------------------------------------------------------------------
 
