@@ -642,3 +642,11 @@ def test_voices_add_stores_a_csm_context_turn_that_a_request_names(checkpoint, f
     request = request_parser(family, TTSSettings(), store).parse("r", inputs)
     assert request.prompt.text_ids == family.prompt.prompt(TEXT, 0, voice).text_ids
     assert np.array_equal(request.prompt.context_codes[:-1], voice.codes)
+
+
+def test_the_ready_hint_of_a_csm_checkpoint_speaks_without_registering_a_voice(checkpoint):
+    """CSM clones voices but speaks by speaker id too: `voxtriton serve`'s hint is one command."""
+    from voxtriton.launch.serve import first_request_hint
+
+    hint = first_request_hint(str(checkpoint), "127.0.0.1:8001", {})
+    assert hint.startswith("  try: ") and "speak" in hint and "\n" not in hint and "voices add" not in hint

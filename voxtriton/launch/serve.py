@@ -105,13 +105,14 @@ def installed_command(name: str) -> str:
 
 
 def first_request_hint(checkpoint: str | None, grpc_url: str, parameters: dict[str, dict[str, str]]) -> str:
-    """What to try once the server is ready. A Base checkpoint speaks only in a cloned voice, so its
-    hint registers one first, in the directory the server reads voices from."""
+    """What to try once the server is ready. A Base checkpoint speaks only in a cloned voice (it has no
+    speakers), so its hint registers one first, in the directory the server reads voices from."""
     speak = (
         f'{installed_command("voxtriton-client")} speak "Hello from voxtriton" -o hello.wav '
         f"--max-frames 50 --server {grpc_url}"
     )
-    if not (checkpoint and load_family(Path(checkpoint)).clones_voices):
+    family = load_family(Path(checkpoint)) if checkpoint else None
+    if family is None or not family.clones_voices or family.speakers:
         return f"  try: {speak}"
     register = (
         f"{installed_command('voxtriton')} voices add anna --audio REFERENCE.wav --checkpoint {checkpoint}"
