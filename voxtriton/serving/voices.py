@@ -7,8 +7,8 @@
   there, not on Triton's execute thread nor on the engine thread, and go on to the engine once
   their voice is encoded. Recordings that arrive together are encoded together.
 - `VoiceStore` keeps registered voices in a directory, one `<name>.npz` per voice (x-vector, empty
-  for CSM, reference codes, transcript). A name is checked against NAME before it becomes a file name, so
-  no request can name a path. Each lookup compares the file's size and modification time with the
+  for CSM, reference codes, transcript). A name is checked against NAME before it becomes a file
+  name, so no request can name a path. Each lookup compares the file's size and modification time with the
   cached copy: a voice added or deleted while the server runs is seen at its next request.
 """
 
@@ -64,10 +64,8 @@ class VoiceEncoder:
     ):
         self.device = torch.device(device)
         if isinstance(config, CsmConfig):
-            self.speaker_encoder, self.speech_encoder = (
-                None,
-                load_mimi_encoder(checkpoint_dir, config, self.device),
-            )
+            self.speaker_encoder = None
+            self.speech_encoder = load_mimi_encoder(checkpoint_dir, config, self.device)
         else:
             self.speaker_encoder = load_speaker_encoder(checkpoint_dir, config, self.device)
             self.speech_encoder = load_speech_encoder(checkpoint_dir, config, self.device)
