@@ -2,7 +2,8 @@
 of our implementation with transformers' `CsmForConditionalGeneration` on the same files (fp32).
 
 Logits agree to a relative error of 1e-4, greedy decoding gives identical codes, the Mimi decoder
-gives the same waveform, and decoding in chunks with carried state equals decoding whole.
+gives the same waveform, decoding in chunks with carried state equals decoding whole, and the Mimi
+encoder gives the same codes for context audio.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from voxtriton.models.config import CheckpointError
 from voxtriton.models.csm.checkpoint import TIED, checkpoint_shapes, make_csm_checkpoint, preset_config
 from voxtriton.models.csm.config import load_csm_config
 from voxtriton.models.csm.family import csm_family
-from voxtriton.models.csm.loader import load_csm, load_mimi
+from voxtriton.models.csm.loader import load_csm, load_mimi, load_mimi_encoder
 from voxtriton.models.csm.prompt import CsmPromptBuilder, CsmTokenizer
 from voxtriton.models.text import BYTE_TOKEN_ID
 
@@ -215,6 +216,21 @@ def test_mimi_rows_are_independent(ours, codec_codes):
     assert (both[1:] - second).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("samples", [24000, 2 * 24000 + 777, 13 * 1920])
+def test_mimi_encoder_codes_equal_transformers_encode(reference, checkpoint, samples):
+    """24 kHz audio -> 32 codebooks at 12.5 Hz: one frame per started 1920 samples, as transformers'
+    `MimiModel.encode` (SEANet encoder, encoder transformer, downsample, split RVQ)."""
+    model, _ = reference
+    encoder = load_mimi_encoder(checkpoint)
+    audio = torch.randn(2, samples, generator=torch.Generator().manual_seed(samples)) * 0.3
+    with torch.inference_mode():
+        expected = model.codec_model.encode(audio[:, None]).audio_codes.transpose(1, 2)
+        codes = encoder(audio)
+    assert codes.shape == (2, -(-samples // 1920), 32)
+    assert torch.equal(codes, expected)
+    assert all(len(codes[0, :, k].unique()) > 1 for k in range(32))  # not a constant code
+
+
 def test_loader_names_the_file_and_tensor(checkpoint, tmp_path):
     tensors = load_file(str(checkpoint / "model.safetensors"))
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
@@ -233,6 +249,21 @@ def test_loader_names_the_file_and_tensor(checkpoint, tmp_path):
         CheckpointError, match=r"model\.safetensors.*decoder\.layers\.0\.conv\.weight has shape"
     ):
         load_mimi(tmp_path)
+    broken = dict(tensors)
+    del broken["codec_model.encoder_transformer.layers.1.mlp.fc2.weight"]
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors \(tensors under 'codec_model\.'\): missing tensor\(s\) "
+        r"encoder_transformer\.layers\.1\.mlp\.fc2\.weight",
+    ):
+        load_mimi_encoder(tmp_path)
+    broken = dict(tensors)
+    name = "codec_model.quantizer.acoustic_residual_vector_quantizer.input_proj.weight"
+    broken[name] = broken[name][:-1].contiguous()
+    save_file(broken, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor .*input_proj\.weight has shape"):
+        load_mimi_encoder(tmp_path)
 
 
 def test_config_errors_name_the_field(checkpoint, tmp_path):
@@ -337,11 +368,10 @@ def engine_codes(engine, requests, *, stagger: bool = False) -> dict[str, list]:
 
 def csm_request(family, request_id: str, text: str, speaker=1, **params):
     from voxtriton.engine.request import GenerationParams, Request
-    from voxtriton.models.text import Prompt
 
     return Request(
         request_id,
-        Prompt(family.prompt.build(text, speaker), [], []),
+        family.prompt.prompt(text, speaker),
         GenerationParams.create(family.sampling, 1000, **params),
     )
 
@@ -366,7 +396,7 @@ def new_engine(family, ours, rows=3, is_end=None, overlap=False):
 
 def test_the_registry_picks_csm_from_the_checkpoint_config(family):
     assert family.name == "csm" and family.codebooks == 32 and family.samples_per_frame == 1920
-    assert not family.input_streaming and not family.clones_voices
+    assert not family.input_streaming and family.clones_voices  # a voice is a context turn
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
@@ -417,13 +447,20 @@ def test_prefills_padded_to_buckets_give_the_exact_shape_codes(reference, family
             csm_request(family, "short", "Hi.", 2, max_frames=4, temperature=0.0),
         ]
 
+    padded, _ = padded_prefills_equal_exact_ones(family, ours, requests, lengths)
+    assert torch.equal(padded["parity"][0], expected)
+
+
+def padded_prefills_equal_exact_ones(family, ours, requests, lengths: list[int]):
+    """Run `requests()` with exact-shape prefills, then with prefills padded to `lengths` in groups of
+    2; checks that each request gets the same codes; returns the padded run's results and runner."""
     exact = engine_codes(new_engine(family, ours), requests())
     engine = new_engine(family, ours)
     engine.runner.set_buckets([], [], prefill_batch_sizes=[2], prefill_lengths=lengths)
     padded = engine_codes(engine, requests())
-    assert torch.equal(padded["parity"][0], expected)
     for name, (codes, _) in exact.items():
         assert torch.equal(padded[name][0], codes), name
+    return padded, engine.runner
 
 
 def test_sampled_codes_depend_on_the_seed_not_the_batch(family, ours):
@@ -475,3 +512,141 @@ def test_serve_preflight_takes_a_csm_checkpoint_and_names_a_missing_file(checkpo
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
     with pytest.raises(SystemExit, match="model.safetensors or model.safetensors.index.json is missing"):
         check_checkpoint(str(tmp_path))
+
+
+# -- a context turn: a voice from reference audio -------------------------------------------------------
+
+CONTEXT_TEXT = "This is what the reference says."
+
+
+@pytest.fixture(scope="module")
+def context_audio():
+    """1.2 s of noise at 24 kHz (random weights: any signal makes codes): 15 context frames."""
+    return (torch.randn(28800, generator=torch.Generator().manual_seed(21)) * 0.3).numpy()
+
+
+@pytest.fixture(scope="module")
+def context_voice(checkpoint, context_audio):
+    from voxtriton.models.voice import Voice
+
+    with torch.inference_mode():
+        codes = load_mimi_encoder(checkpoint)(torch.from_numpy(context_audio)[None])[0]
+    return Voice(np.zeros(0, np.float32), codes.numpy().astype(np.int64), CONTEXT_TEXT)
+
+
+@pytest.fixture(scope="module")
+def context_expected(reference, checkpoint, context_audio):
+    """transformers' greedy codes for the conversation [speaker 1: CONTEXT_TEXT + its audio], then
+    [speaker 1: TEXT]: the processor's layout of CSM's chat template, the audio encoded by its codec."""
+    transformers = pytest.importorskip("transformers")
+    model, _ = reference
+    processor = transformers.AutoProcessor.from_pretrained(str(checkpoint))
+    conversation = (
+        f"<|begin_of_text|>[1]{CONTEXT_TEXT}<|end_of_text|><|AUDIO|><|audio_eos|>"
+        f"<|begin_of_text|>[1]{TEXT}<|end_of_text|>"
+    )
+    inputs = processor(conversation, audio=[context_audio])
+    with torch.inference_mode():
+        codes = model.generate(
+            **inputs, max_new_tokens=FRAMES, do_sample=False, depth_decoder_do_sample=False
+        )
+    return inputs["input_ids"][0].tolist(), codes[0]
+
+
+def test_context_prompt_is_the_processors_conversation(family, context_voice, context_expected):
+    prompt = family.prompt.prompt(TEXT, 1, context_voice)
+    ids, _ = context_expected
+    assert prompt.text_ids == ids
+    frames = len(context_voice.codes)
+    assert frames == 15 and prompt.context_position + frames + 1 == ids.index(128000, 1)
+    assert prompt.context_codes.shape == (frames + 1, 32) and not prompt.context_codes[-1].any()
+    assert prompt.text_tokens == len(ids) - frames - 1
+
+
+def test_a_context_turn_needs_its_words(family, context_voice):
+    import dataclasses
+
+    with pytest.raises(RequestError) as error:
+        family.prompt.prompt(TEXT, 1, dataclasses.replace(context_voice, text=None))
+    assert error.value.field == "reference_text" and "required" in str(error.value)
+
+
+def context_request(family, request_id, voice, **params):
+    from voxtriton.engine.request import GenerationParams, Request
+
+    prompt = family.prompt.prompt(TEXT, 1, voice)
+    return Request(request_id, prompt, GenerationParams.create(family.sampling, 1000, **params))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_engine_with_a_context_turn_equals_transformers_generate(
+    family, ours, context_voice, context_expected, overlap
+):
+    """The context turn's frames enter the prefill as frame embeddings; greedy codes equal transformers'
+    generate on the same conversation, while requests without context share the batch."""
+    _, expected = context_expected
+    requests = [
+        csm_request(family, "other", "A longer sentence that shares the batch.", 0, seed=3, max_frames=9),
+        context_request(family, "context", context_voice, temperature=0.0, max_frames=FRAMES),
+        csm_request(family, "plain", TEXT, 1, temperature=0.0, max_frames=FRAMES),
+    ]
+    results = engine_codes(new_engine(family, ours, overlap=overlap), requests, stagger=True)
+    assert torch.equal(results["context"][0], expected)
+    assert not torch.equal(results["plain"][0], expected)  # the context turn changes the codes
+
+
+@pytest.mark.parametrize("lengths", [[32, 96], [16, 32]], ids=["padded", "longer-than-buckets"])
+def test_context_prefills_padded_to_buckets_give_the_same_codes(
+    family, ours, context_voice, context_expected, lengths
+):
+    """A context prompt padded to a prefill bucket beside a plain one (the extra-embedding buffer holds
+    its frames for that prefill only), or prefilled eagerly when no bucket fits: the same codes."""
+    _, expected = context_expected
+
+    def requests():
+        return [
+            csm_request(family, "plain", TEXT, 1, temperature=0.0, max_frames=FRAMES),
+            context_request(family, "context", context_voice, temperature=0.0, max_frames=FRAMES),
+            csm_request(family, "after", "Hi.", 2, temperature=0.0, max_frames=4),
+        ]
+
+    padded, runner = padded_prefills_equal_exact_ones(family, ours, requests, lengths)
+    assert torch.equal(padded["context"][0], expected)
+    assert runner.prefill_extra is not None and not runner.prefill_extra.any()
+
+
+def test_voices_add_stores_a_csm_context_turn_that_a_request_names(checkpoint, family, tmp_path, capsys):
+    """`voxtriton voices add` on a CSM checkpoint stores the recording's codes and words; the request
+    parser then speaks with them (speaker 0). A recording without its words, or a voice named like a
+    speaker id, is refused naming the field."""
+    import soundfile
+
+    from voxtriton.serving.requests import request_parser
+    from voxtriton.serving.settings import TTSSettings
+    from voxtriton.serving.voices import VoiceEncoder, VoiceStore
+
+    wav = tmp_path / "reference.wav"
+    audio = (torch.randn(30000, generator=torch.Generator().manual_seed(8)) * 0.3).numpy()
+    soundfile.write(wav, audio, 24000, subtype="FLOAT")
+    common = ["--audio", str(wav), "--checkpoint", str(checkpoint), "--voices-dir", str(tmp_path)]
+    assert main(["voices", "add", "anna", *common]) == 2
+    assert "text: is required: CSM's voice is a context turn" in capsys.readouterr().err
+    assert main(["voices", "add", "7", *common, "--text", CONTEXT_TEXT]) == 2
+    assert "name: '7' is a CSM speaker id" in capsys.readouterr().err
+    assert main(["voices", "add", "anna", *common, "--text", CONTEXT_TEXT]) == 0
+    store = VoiceStore(tmp_path, family.config)
+    voice = store.get("anna")
+    expected = VoiceEncoder(checkpoint, family.config).encode([audio], [CONTEXT_TEXT])[0]
+    assert voice.text == CONTEXT_TEXT and np.array_equal(voice.codes, expected.codes)
+    inputs = {"text": np.array([TEXT.encode()], dtype=object), "speaker": np.array([b"anna"], dtype=object)}
+    request = request_parser(family, TTSSettings(), store).parse("r", inputs)
+    assert request.prompt.text_ids == family.prompt.prompt(TEXT, 0, voice).text_ids
+    assert np.array_equal(request.prompt.context_codes[:-1], voice.codes)
+
+
+def test_the_ready_hint_of_a_csm_checkpoint_speaks_without_registering_a_voice(checkpoint):
+    """CSM clones voices but speaks by speaker id too: `voxtriton serve`'s hint is one command."""
+    from voxtriton.launch.serve import first_request_hint
+
+    hint = first_request_hint(str(checkpoint), "127.0.0.1:8001", {})
+    assert hint.startswith("  try: ") and "speak" in hint and "\n" not in hint and "voices add" not in hint

@@ -1,6 +1,7 @@
 """CSM on the GPU (skipped on machines without CUDA): its frame step and padded prefills captured as
-CUDA graphs give the eager codes, also with prefills beside the step in flight, and the Mimi codec's
-graphs give the eager audio (random-weight `csm-tiny` checkpoint)."""
+CUDA graphs give the eager codes, also with prefills beside the step in flight and with a context
+turn's frames in a padded prefill, and the Mimi codec's graphs give the eager audio (random-weight
+`csm-tiny` checkpoint)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from voxtriton.engine.codec_runner import CodecRunner
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.request import GenerationParams, Request
 from voxtriton.models.csm.checkpoint import make_csm_checkpoint
+from voxtriton.models.csm.loader import load_mimi_encoder
 from voxtriton.models.families import load_family
-from voxtriton.models.text import Prompt
+from voxtriton.models.voice import Voice
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +53,7 @@ def generate(family, graphs: bool, dtype=torch.bfloat16, overlap: bool = False) 
     requests = [
         Request(
             f"r{i}",
-            Prompt(family.prompt.build(text, i % 2), [], []),
+            family.prompt.prompt(text, i % 2),
             GenerationParams.create(family.sampling, 400, seed=i, max_frames=20 + 5 * i, ignore_eos=True),
         )
         for i, text in enumerate(TEXTS)
@@ -89,7 +91,7 @@ def test_greedy_codes_on_the_gpu_equal_the_model_in_fp32(family):
     engine.add(
         Request(
             "g",
-            Prompt(ids, [], []),
+            family.prompt.prompt(TEXTS[2], 1),
             GenerationParams.create(family.sampling, 100, temperature=0.0, max_frames=8),
         )
     )
@@ -101,6 +103,50 @@ def test_greedy_codes_on_the_gpu_equal_the_model_in_fp32(family):
             torch.tensor([ids], device=DEVICE), 8, lambda logits, codebook: logits.argmax(-1)
         )
     np.testing.assert_array_equal(np.stack(frames), expected[0].cpu().numpy())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_context_turn_in_a_graphed_prefill_gives_the_eager_codes(family, overlap):
+    """A context prompt (its frames from the GPU Mimi encoder) padded into a prefill graph beside a plain
+    prompt: the graphs give the eager codes, and the extra-embedding buffer is zero afterwards."""
+    audio = torch.randn(1, 24000, generator=torch.Generator().manual_seed(4)) * 0.3
+    encoder = load_mimi_encoder(family.checkpoint, family.config, device=DEVICE)
+    with torch.inference_mode():
+        codes = encoder(audio.to(DEVICE))[0].cpu().numpy().astype(np.int64)
+    voice = Voice(np.zeros(0, np.float32), codes, "The context turn.")
+
+    def run(graphs: bool) -> dict[str, np.ndarray]:
+        runner = family.new_runner(
+            family.load_backbone(device=DEVICE, dtype=torch.float32),
+            4,
+            256,
+            64,
+            prefill_stream=torch.cuda.Stream(DEVICE) if overlap else None,
+        )
+        buckets = dict(batch_sizes=[1, 2, 4], spans=[256], prefill_batch_sizes=[2], prefill_lengths=[64])
+        if graphs:
+            runner.capture_graphs(**buckets)
+        else:
+            runner.set_buckets(**buckets)
+        engine = Engine(runner, max_running=4, overlap=overlap)
+        for name, prompt in (
+            ("plain", family.prompt.prompt(TEXTS[1], 1)),
+            ("context", family.prompt.prompt(TEXTS[1], 1, voice)),
+        ):
+            params = GenerationParams.create(family.sampling, 100, temperature=0.0, max_frames=10)
+            engine.add(Request(name, prompt, params))
+        out: dict[str, list] = {}
+        while engine.has_work:
+            for output in engine.step():
+                out.setdefault(output.request.request_id, []).append(output.codes)
+        assert not runner.prefill_extra.any()
+        return {name: np.stack(frames) for name, frames in out.items()}
+
+    assert len(family.prompt.prompt(TEXTS[1], 1, voice).text_ids) <= 64
+    eager, graphed = run(False), run(True)
+    for name in ("plain", "context"):
+        np.testing.assert_array_equal(graphed[name], eager[name])
+    assert not np.array_equal(eager["plain"], eager["context"])
 
 
 def test_mimi_graphs_give_the_eager_audio_chunk_by_chunk(family, monkeypatch):

@@ -9,6 +9,10 @@ as transformers' generate cuts its audio. The whole step is one CUDA graph per (
 padded prefills and the admitted rows' writes (the first frame's depth decoder included) are graphs
 per (batch, length) and (requests, length) bucket, as `FrameRunner` describes.
 
+A prompt with a context turn (`CsmPrompt.context_codes`) embeds its audio positions as frames: the
+prefill's extra-embedding buffer holds those frames' embeddings, which replace the text embeddings
+at the <|AUDIO|> and <|audio_eos|> positions (zeros, and no such position, in every other prompt).
+
 Sampling is the engine's (`sampling`): seeded per row, greedy at temperature 0. Codes the codec
 cannot decode (the specials above Mimi's codebook) are never drawn; the repetition penalty applies to
 codebook 0 over the codes a row drew.
@@ -22,9 +26,11 @@ from typing import Callable
 import torch
 
 from ..models.csm.model import CsmModel
+from ..models.csm.prompt import CsmPrompt
 from ..models.layers import StaticKV
 from .admission import AdmissionInputs
 from .frame_runner import FrameRunner
+from .request import Request
 from .row_state import Rows
 from .sampling import apply_repetition_penalty, noise_keys, sample
 
@@ -63,6 +69,7 @@ class CsmRunner(FrameRunner):
             prefill_stream,
         )
         self.model, self.config, self.is_end = model, config, is_end
+        self.extra_width = config.backbone.hidden_size  # context turns' frame embeddings
         self.cache, (self.depth_keys, self.depth_values) = model.new_caches(max_rows, max_positions)
         # Every position here is below the cache's length, so rotary embeddings can be lookups.
         model.backbone_model.rotary.tabulate(max_positions, self.dtype)
@@ -104,6 +111,20 @@ class CsmRunner(FrameRunner):
 
     # -- steps ----------------------------------------------------------------------------------
 
+    def _extra_embeds(self, requests: list[Request], length: int) -> torch.Tensor | None:
+        """Context turns' frame embeddings at their audio positions [count, length, D], or None when no
+        prompt has a context turn."""
+        prompts: list[CsmPrompt] = [r.prompt for r in requests]
+        if all(p.context_codes is None for p in prompts):
+            return None
+        extra = torch.zeros(len(prompts), length, self.config.backbone.hidden_size)
+        extra = extra.to(self.device, self.dtype)
+        for row, prompt in enumerate(prompts):
+            if prompt.context_codes is not None:
+                start, codes = prompt.context_position, torch.from_numpy(prompt.context_codes)
+                extra[row, start : start + len(codes)] = self.model.frame_embeds(codes.to(self.device))
+        return extra
+
     def _prompt_last_hidden(
         self,
         text: torch.Tensor,
@@ -112,14 +133,18 @@ class CsmRunner(FrameRunner):
         cache: StaticKV,
         extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Text prompts [B, L] into `cache` (CSM prompts hold no codec ids and no extra embeddings);
-        returns each prompt's final hidden state [B, D]. A padded prompt's tail is never seen by its
-        real positions (causal attention)."""
+        """Prompts [B, L] into `cache` (CSM prompts hold no codec ids; `extra` [B, L, D]: context
+        frames' embeddings, which replace the audio positions' text embeddings); returns each
+        prompt's final hidden state [B, D]. A padded prompt's tail is never seen by its real
+        positions (causal attention)."""
         batch, length = text.shape
         positions = torch.arange(length, device=self.device).expand(batch, length)
-        hidden = self.model.backbone_model(
-            self.model.text_embeds(text), positions, cache.bind(positions, length)
-        )
+        embeds = self.model.text_embeds(text)
+        if extra is not None:
+            cfg = self.config
+            audio = (text == cfg.audio_token_id) | (text == cfg.audio_eos_token_id)
+            embeds = torch.where(audio[..., None], extra, embeds)
+        hidden = self.model.backbone_model(embeds, positions, cache.bind(positions, length))
         return hidden[torch.arange(batch, device=self.device), last_index]
 
     def _write_admitted(

@@ -38,6 +38,7 @@ NO_CODEC = -1  # an admission's codec ids past a prompt's
 class FrameRunner:
     end_marker: int  # a step output's last column equal to this ends the row's request
     pad_text_id: int  # what fills the trailing text of an admission's rows
+    extra_width = 0  # the width of a family's extra prompt embeddings (`_extra_embeds`); 0: none
 
     def __init__(
         self,
@@ -161,6 +162,10 @@ class FrameRunner:
         self.admission = torch.zeros(
             self.admission_layout.size(batch, length), device=self.device, dtype=torch.long
         )
+        if self.extra_width:
+            # A family's extra prompt embeddings: zeros except during a prefill that has some.
+            shape = (batch, length, self.extra_width)
+            self.prefill_extra = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     @property
     def trailing_width(self) -> int:

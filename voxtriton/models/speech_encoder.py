@@ -221,13 +221,25 @@ class SplitQuantizer(nn.Module):
 
 
 class MimiEncoder(nn.Module):
+    """The encoder side of a Mimi codec; parameter names are the codec's (CSM's `codec_model.*`)."""
+
     def __init__(self, cfg: SpeechEncoderConfig):
         super().__init__()
         hidden = cfg.transformer.hidden_size
+        self.config = cfg
         self.encoder = SEANetEncoder(cfg)
         self.encoder_transformer = EncoderTransformer(cfg)
         self.downsample = CausalConv1d(hidden, hidden, 4, stride=2, bias=False, mode="replicate")
         self.quantizer = SplitQuantizer(cfg)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        """Waveforms [B, samples] at 24 kHz -> codes [B, frames, num_codes], one frame per started
+        `samples_per_frame`."""
+        x = self.encoder(audio[:, None].to(self.downsample.conv.weight.dtype))
+        x = self.encoder_transformer(x.transpose(1, 2)).transpose(1, 2)
+        codes = self.quantizer.encode(self.downsample(x), self.config.num_codes)
+        frames = -(-audio.shape[1] // self.config.samples_per_frame)
+        return codes[:, :, :frames].transpose(1, 2)
 
 
 class SpeechEncoder(nn.Module):
@@ -239,11 +251,4 @@ class SpeechEncoder(nn.Module):
         self.encoder = MimiEncoder(cfg)
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
-        """Waveforms [B, samples] at 24 kHz -> codes [B, frames, num_codes], one frame per started
-        `samples_per_frame`."""
-        mimi = self.encoder
-        x = mimi.encoder(audio[:, None].to(mimi.downsample.conv.weight.dtype))
-        x = mimi.encoder_transformer(x.transpose(1, 2)).transpose(1, 2)
-        codes = mimi.quantizer.encode(mimi.downsample(x), self.config.num_codes)
-        frames = -(-audio.shape[1] // self.config.samples_per_frame)
-        return codes[:, :, :frames].transpose(1, 2)
+        return self.encoder(audio)

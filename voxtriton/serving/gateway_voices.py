@@ -1,11 +1,12 @@
 """The gateway's voice endpoints, beside `POST /v1/audio/speech`, for the served model's family.
 
     POST   /v1/audio/voices         {"name", "audio": base64 file bytes, "text"?, "replace"?} -> 201
-    GET    /v1/audio/voices         the registered voices, or the model's speakers where it clones none
+    GET    /v1/audio/voices         the model's speakers, then the registered voices
     DELETE /v1/audio/voices/{name}  remove one
 
-Only a model that clones voices (a Qwen3-TTS Base checkpoint) registers them; for any other the
-list is its speakers and a registration is refused, naming that the model takes no reference audio.
+Only a model that clones voices (a Qwen3-TTS Base checkpoint, CSM) registers them; for any other
+the list is its speakers and a registration is refused, naming that the model takes no reference
+audio.
 
 The gateway encodes a recording once (the served checkpoint's encoders, on its own CPU, one
 registration at a time, off the event loop) and writes the voice into the voices directory it shares
@@ -102,10 +103,11 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
     @app.get("/v1/audio/voices")
     async def list_voices():
         family = await served_family()
+        speakers = [{"name": name, "speaker": True} for name in family.speakers]
         if not family.clones_voices:
-            return {"object": "list", "data": [{"name": name, "speaker": True} for name in family.speakers]}
+            return {"object": "list", "data": speakers}
         store = VoiceStore(voices_directory, family.config)
-        return {"object": "list", "data": [store.describe(name) for name in store.names()]}
+        return {"object": "list", "data": speakers + [store.describe(name) for name in store.names()]}
 
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(name: str):

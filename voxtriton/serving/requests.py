@@ -11,11 +11,12 @@ import numpy as np
 from ..engine.request import GenerationParams, Request
 from ..errors import RequestError
 from ..models.config import Qwen3TTSConfig
+from ..models.csm.prompt import parse_speaker
 from ..models.family import ModelFamily, SamplingDefaults
-from ..models.text import Prompt, PromptBuilder, PromptHead
+from ..models.text import PromptBuilder, PromptHead
 from ..models.voice import Voice
 from .settings import TTSSettings
-from .voices import VoiceStore
+from .voices import NAME, VoiceStore
 
 STRING_INPUTS = ("text", "speaker", "language", "instruct", "reference_text")
 BYTES_INPUTS = ("reference_audio",)  # a recording's file bytes, decoded by the voice encoder
@@ -78,16 +79,7 @@ class RequestParser:
             if "reference_text" in inputs:
                 raise RequestError("reference_text", "given without reference_audio")
             return None
-        audio = _single("reference_audio", inputs["reference_audio"])
-        if not isinstance(audio, (bytes, np.bytes_)):
-            raise RequestError(
-                "reference_audio", f"expected BYTES (a file's bytes), got {type(audio).__name__}"
-            )
-        if len(audio) > self.settings.max_reference_bytes:
-            raise RequestError(
-                "reference_audio",
-                f"too large: {len(audio)} bytes (limit {self.settings.max_reference_bytes})",
-            )
+        audio = _reference_audio(inputs, self.settings)
         if not self.config.clones_voices:
             raise RequestError(
                 "reference_audio",
@@ -98,15 +90,13 @@ class RequestParser:
         text = None
         if "reference_text" in inputs:
             text = _string("reference_text", inputs["reference_text"], self.settings.max_text_bytes).strip()
-        return bytes(audio), text or None
+        return audio, text or None
 
     def registered_voice(self, name: str) -> Voice:
         voice = self.voices.get(name.lower()) if self.voices is not None else None
         if voice is None:
             known = ", ".join(self.voices.names()) if self.voices is not None else ""
-            raise RequestError(
-                "speaker", f"unknown voice {name!r}; registered: {known or 'none'}"
-            )
+            raise RequestError("speaker", f"unknown voice {name!r}; registered: {known or 'none'}")
         return voice
 
     def parse(self, request_id: str, inputs: dict[str, np.ndarray], voice: Voice | None = None) -> Request:
@@ -166,16 +156,39 @@ class RequestParser:
 
 
 class CsmRequestParser:
-    """A CSM request: its text, a speaker id and sampling values; every field CSM does not take is
-    refused naming it (`ModelFamily.refused`). CSM reads its text whole: no input streams."""
+    """A CSM request: its text, who speaks it and sampling values; every field CSM does not take is
+    refused naming it (`ModelFamily.refused`). CSM reads its text whole: no input streams.
 
-    def __init__(self, family: ModelFamily, settings: TTSSettings):
-        self.family, self.settings = family, settings
+    `speaker` is a speaker id, or a registered voice's name (a context turn spoken as speaker 0). A
+    request's `reference_audio` with its required `reference_text` becomes a context turn spoken by
+    the request's speaker id."""
 
-    def reference(self, inputs: dict[str, np.ndarray]) -> None:
-        self.family.check_fields(set(inputs))  # a recording to clone is refused here, naming its field
+    def __init__(self, family: ModelFamily, settings: TTSSettings, voices: VoiceStore | None = None):
+        self.family, self.settings, self.voices = family, settings, voices
+
+    def reference(self, inputs: dict[str, np.ndarray]) -> tuple[bytes, str] | None:
+        """A request's context recording (file bytes, decoded by the voice encoder) and its words."""
+        self.family.check_fields(set(inputs))
+        if "reference_audio" not in inputs:
+            if "reference_text" in inputs:
+                raise RequestError("reference_text", "given without reference_audio")
+            return None
+        audio = _reference_audio(inputs, self.settings)
+        limit = self.settings.max_text_bytes
+        if "speaker" in inputs:
+            parse_speaker(_string("speaker", inputs["speaker"], limit))  # an id: who speaks the context
+        text = (
+            _string("reference_text", inputs["reference_text"], limit) if "reference_text" in inputs else ""
+        )
+        if not text.strip():
+            raise RequestError(
+                "reference_text",
+                "is required with reference_audio: CSM's context turn needs the recording's words",
+            )
+        return audio, text.strip()
 
     def parse(self, request_id: str, inputs: dict[str, np.ndarray], voice: Voice | None = None) -> Request:
+        """The engine request; `voice`: the context turn encoded from the request's reference_audio."""
         self.family.check_fields(set(inputs))
         if "text" not in inputs:
             raise RequestError("text", "is required")
@@ -184,11 +197,26 @@ class CsmRequestParser:
         if not text.strip():
             raise RequestError("text", "is empty")
         speaker = _string("speaker", inputs["speaker"], limit) if "speaker" in inputs else None
-        ids = self.family.prompt.build(text, speaker)
-        if len(ids) > self.settings.max_text_tokens:
+        if voice is None and speaker and not speaker.isdecimal() and self.voices is not None:
+            voice, speaker = self._registered_voice(speaker.lower()), None
+        prompt = self.family.prompt.prompt(text, speaker, voice)
+        if prompt.text_tokens > self.settings.max_text_tokens:
             raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
-        params = _generation_params(self.family.sampling, self.settings, _scalars(inputs), len(ids))
-        return Request(request_id, Prompt(ids, [], []), params)
+        params = _generation_params(
+            self.family.sampling, self.settings, _scalars(inputs), len(prompt.text_ids)
+        )
+        return Request(request_id, prompt, params)
+
+    def _registered_voice(self, name: str) -> Voice:
+        voice = self.voices.get(name) if NAME.fullmatch(name) else None
+        if voice is None:
+            registered = ", ".join(self.voices.names()) or "none"
+            raise RequestError(
+                "speaker",
+                f"{name!r} is not a speaker id (a non-negative integer such as 0 or 1) nor a registered "
+                f"voice; registered: {registered}",
+            )
+        return voice
 
     def parse_stream(self, inputs: dict[str, np.ndarray]):
         raise RequestError(
@@ -197,10 +225,22 @@ class CsmRequestParser:
 
 
 def request_parser(family: ModelFamily, settings: TTSSettings, voices: VoiceStore | None = None):
-    """The parser of the family's requests (`voices`: a Qwen3-TTS Base model's registered voices)."""
+    """The parser of the family's requests (`voices`: the registered voices of a model that clones)."""
     if family.name == "csm":
-        return CsmRequestParser(family, settings)
+        return CsmRequestParser(family, settings, voices)
     return RequestParser(family.config, family.prompt, settings, voices)
+
+
+def _reference_audio(inputs: dict[str, np.ndarray], settings: TTSSettings) -> bytes:
+    """A request's reference recording: one BYTES value within the size limit (decoded later)."""
+    audio = _single("reference_audio", inputs["reference_audio"])
+    if not isinstance(audio, (bytes, np.bytes_)):
+        raise RequestError("reference_audio", f"expected BYTES (a file's bytes), got {type(audio).__name__}")
+    if len(audio) > settings.max_reference_bytes:
+        raise RequestError(
+            "reference_audio", f"too large: {len(audio)} bytes (limit {settings.max_reference_bytes})"
+        )
+    return bytes(audio)
 
 
 def _scalars(inputs: dict[str, np.ndarray]) -> dict:

@@ -226,7 +226,7 @@ class TTSTritonModel:
             self.voice_encoder = VoiceEncoder(checkpoint, config, device)
             self.encoding = EncodingQueue(self.voice_encoder)
             voices = VoiceStore(voices_dir(settings.voices_dir), config, settings.max_voices)
-            log.info("tts: Base checkpoint: voice cloning on, registered voices in %s", voices.directory)
+            log.info("tts: voice cloning on, registered voices in %s", voices.directory)
             self.voices = voices
         self.parser = request_parser(family, settings, voices)
         runner = family.new_runner(
@@ -407,9 +407,11 @@ class TTSTritonModel:
             except RequestError as error:  # an unreadable file: its requests get this error
                 log.warning("tts: registered voice %r not primed: %s", name, error)
                 continue
-            if voice is None or not voice.in_context:  # deleted meanwhile, or nothing to prime
+            if voice is None:  # deleted meanwhile
                 continue
             requests = {lane: self.parser.parse(f"prime-{lane}", inputs, voice) for lane in lanes}
+            if requests[lanes[0]].prompt.reference_codes is None:  # nothing to prime (x-vector, CSM)
+                continue
             self.service.warm_up(requests, WARMUP_TIMEOUT_S)
             primed += 1
         return primed

@@ -1,13 +1,14 @@
-"""Cloned voices for Base checkpoints: encoded from reference recordings, stored, looked up by name.
+"""Cloned voices: encoded from reference recordings, stored, looked up by name.
 
-- `VoiceEncoder` runs the checkpoint's speaker encoder (x-vector) and speech-tokenizer encoder
-  (reference codes) on one device, recordings of one length as one batch.
+- `VoiceEncoder` runs a Qwen3-TTS Base checkpoint's speaker encoder (x-vector) and speech-tokenizer
+  encoder (reference codes), or a CSM checkpoint's Mimi encoder (the codes of a context turn, whose
+  transcript is then required), on one device, recordings of one length as one batch.
 - `EncodingQueue` is the `tts` model's encoder thread: requests that bring `reference_audio` wait
   there, not on Triton's execute thread nor on the engine thread, and go on to the engine once
   their voice is encoded. Recordings that arrive together are encoded together.
-- `VoiceStore` keeps registered voices in a directory, one `<name>.npz` per voice (x-vector,
-  reference codes, transcript). A name is checked against NAME before it becomes a file name, so
-  no request can name a path. Each lookup compares the file's size and modification time with the
+- `VoiceStore` keeps registered voices in a directory, one `<name>.npz` per voice (x-vector, empty
+  for CSM, reference codes, transcript). A name is checked against NAME before it becomes a file
+  name, so no request can name a path. Each lookup compares the file's size and modification time with the
   cached copy: a voice added or deleted while the server runs is seen at its next request.
 """
 
@@ -29,6 +30,8 @@ import torch
 
 from ..errors import RequestError, ServerBusy
 from ..models.config import Qwen3TTSConfig
+from ..models.csm.config import CsmConfig
+from ..models.csm.loader import load_mimi_encoder
 from ..models.loader import load_speaker_encoder, load_speech_encoder
 from ..models.voice import Voice, codes_key
 from .reference_audio import SAMPLE_RATE, read_reference_audio
@@ -48,13 +51,25 @@ def check_name(name: str, field: str = "name") -> str:
     return name
 
 
+def embedding_width(config: Qwen3TTSConfig | CsmConfig) -> int:
+    """A voice's x-vector width: none for CSM, whose voice is a context turn (codes and words)."""
+    return 0 if isinstance(config, CsmConfig) else config.talker.transformer.hidden_size
+
+
 class VoiceEncoder:
     """Reference waveforms (24 kHz) -> Voices, on `device`, in fp32."""
 
-    def __init__(self, checkpoint_dir: Path, config: Qwen3TTSConfig, device: torch.device | str = "cpu"):
+    def __init__(
+        self, checkpoint_dir: Path, config: Qwen3TTSConfig | CsmConfig, device: torch.device | str = "cpu"
+    ):
         self.device = torch.device(device)
-        self.speaker_encoder = load_speaker_encoder(checkpoint_dir, config, self.device)
-        self.speech_encoder = load_speech_encoder(checkpoint_dir, config, self.device)
+        if isinstance(config, CsmConfig):
+            self.speaker_encoder = None
+            self.speech_encoder = load_mimi_encoder(checkpoint_dir, config, self.device)
+        else:
+            self.speaker_encoder = load_speaker_encoder(checkpoint_dir, config, self.device)
+            self.speech_encoder = load_speech_encoder(checkpoint_dir, config, self.device)
+        self.context_turn = self.speaker_encoder is None  # CSM: a voice is a context turn
         # Beside the engine's streams, so a batch of recordings does not queue behind frame steps.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -71,7 +86,10 @@ class VoiceEncoder:
         with context:
             for indices in by_length.values():
                 batch = torch.from_numpy(np.stack([waveforms[i] for i in indices])).to(self.device)
-                embeddings = self.speaker_encoder(batch).float().cpu().numpy()
+                if self.speaker_encoder is None:
+                    embeddings = np.zeros((len(indices), 0), np.float32)
+                else:
+                    embeddings = self.speaker_encoder(batch).float().cpu().numpy()
                 codes = self.speech_encoder(batch).cpu().numpy().astype(np.int64)
                 for row, index in enumerate(indices):
                     voices[index] = Voice(embeddings[row], codes[row], texts[index] or None)
@@ -165,6 +183,10 @@ def register_voice(
     text = (text or "").strip() or None
     if text is not None and len(text.encode("utf-8")) > MAX_TRANSCRIPT_BYTES:
         raise RequestError("text", f"too long (at most {MAX_TRANSCRIPT_BYTES} bytes)")
+    if encoder.context_turn and text is None:
+        raise RequestError("text", "is required: CSM's voice is a context turn, the recording and its words")
+    if encoder.context_turn and name.isdecimal():
+        raise RequestError("name", f"{name!r} is a CSM speaker id; give a voice a name with a letter")
     voice = encoder.encode([read_reference_audio(audio, "audio")], [text])[0]
     store.add(name, voice, replace=replace)
     return store.describe(name)
@@ -173,7 +195,7 @@ def register_voice(
 class VoiceStore:
     """Registered voices of one checkpoint in `directory`, at most `max_voices` of them."""
 
-    def __init__(self, directory: Path, config: Qwen3TTSConfig, max_voices: int = 1000):
+    def __init__(self, directory: Path, config: Qwen3TTSConfig | CsmConfig, max_voices: int = 1000):
         self.directory, self.config, self.max_voices = Path(directory), config, max_voices
         self.cache: dict[str, tuple[tuple[int, int], Voice]] = {}
         self.lock = threading.Lock()
@@ -252,11 +274,13 @@ class VoiceStore:
         return voice
 
     def _check(self, name: str, voice: Voice, field: str = "name") -> None:
-        """A voice of this checkpoint: its x-vector width and codebooks match."""
-        width, codebooks = self.config.talker.transformer.hidden_size, self.config.codec.num_quantizers
+        """A voice of this checkpoint: its x-vector width and codebooks match (and a CSM voice has its
+        transcript)."""
+        width, codebooks = embedding_width(self.config), self.config.codec.num_quantizers
         codes = voice.codes
         if (
             voice.embedding.shape != (width,)
+            or (width == 0 and not voice.text)
             or codes.ndim != 2
             or codes.shape[1] != codebooks
             or not 0 < len(codes) <= 30 * SAMPLE_RATE // self.config.codec.samples_per_frame + 1

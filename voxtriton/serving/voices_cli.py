@@ -1,4 +1,5 @@
-"""`voxtriton voices add|list|delete`: registered voices of a Base checkpoint, on this machine's disk.
+"""`voxtriton voices add|list|delete`: registered voices of a checkpoint that clones voices (Qwen3-TTS
+Base, CSM), on this machine's disk.
 
 A server reading the same voices directory (`voices_dir`) serves a voice added here at its next
 request naming it, without restarting.
@@ -17,7 +18,7 @@ from ..errors import RequestError
 def add_voices_arguments(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--checkpoint", required=True, help="the Base checkpoint directory the voices are for"
+        "--checkpoint", required=True, help="the checkpoint directory the voices are for (Base or CSM)"
     )
     common.add_argument("--voices-dir", default="", help="where voices are kept (default: <cache>/voices)")
     actions = parser.add_subparsers(dest="action", required=True)
@@ -26,7 +27,9 @@ def add_voices_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add.add_argument("name")
     add.add_argument("--audio", required=True, help="the recording: WAV or FLAC, 1 to 30 s, any sample rate")
-    add.add_argument("--text", help="its transcript: in-context cloning (without: x-vector only)")
+    add.add_argument(
+        "--text", help="its transcript: in-context cloning (without: x-vector only); required for CSM"
+    )
     add.add_argument("--replace", action="store_true", help="replace a voice of that name")
     add.add_argument("--device", default="cpu", help="where the encoders run (cpu, cuda, cuda:N)")
     actions.add_parser("list", parents=[common], help="the registered voices")
@@ -35,23 +38,26 @@ def add_voices_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def voices_command(args: argparse.Namespace) -> int:
-    from ..models.config import CheckpointError, load_config
+    from ..models.config import CheckpointError
+    from ..models.families import load_family
     from .settings import voices_dir
     from .voices import VoiceEncoder, VoiceStore, register_voice
 
     try:
-        config = load_config(Path(args.checkpoint))
+        family = load_family(Path(args.checkpoint))
     except CheckpointError as error:
         print(
-            f"voxtriton voices: --checkpoint: {error} (voices need a Qwen3-TTS Base checkpoint)",
+            f"voxtriton voices: --checkpoint: {error} (voices need a Qwen3-TTS Base or a CSM checkpoint)",
             file=sys.stderr,
         )
         return 2
+    config = family.config
     store = VoiceStore(voices_dir(args.voices_dir), config)
     try:
         if args.action == "add":
-            if not config.clones_voices:
-                raise RequestError("checkpoint", f"is {config.model_type}; voices need a Base checkpoint")
+            if not family.clones_voices:
+                kind = getattr(config, "model_type", family.name)
+                raise RequestError("checkpoint", f"is {kind}; voices need a Base checkpoint")
             try:
                 audio = Path(args.audio).read_bytes()
             except OSError as error:

@@ -11,7 +11,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CheckpointError, TransformerConfig, _Fields, read_json
+from ..config import (
+    CheckpointError,
+    SpeechEncoderConfig,
+    TransformerConfig,
+    _Fields,
+    mimi_encoder_config,
+    read_json,
+)
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ def _llama(f: _Fields) -> TransformerConfig:
 
 @dataclass(frozen=True)
 class MimiConfig:
-    """The Mimi codec (`codec_config`); only its decoder side is used for serving."""
+    """The Mimi codec's decoder side (`codec_config`); `CsmConfig.codec_encoder` is its encoder side."""
 
     transformer: TransformerConfig  # the decoder transformer (LayerNorm, GELU MLP, layer scale)
     hidden_size: int
@@ -147,11 +154,13 @@ class CsmConfig:
     depth: TransformerConfig
     depth_rope: Llama3Rope | None
     codec: MimiConfig
+    codec_encoder: SpeechEncoderConfig  # the codec's encoder side: context audio -> codes
     num_codebooks: int
     vocab_size: int  # codebook entries per codebook, with the padding/EOS ids
     text_vocab_size: int
     bos_token_id: int
-    audio_eos_token_id: int
+    audio_token_id: int  # a context turn's audio frame (its embedding is the frame's)
+    audio_eos_token_id: int  # the frame after a context turn's audio (all codes codebook_eos_token_id)
     codebook_eos_token_id: int
     codebook_pad_token_id: int
 
@@ -176,21 +185,24 @@ def load_csm_config(checkpoint_dir: Path) -> CsmConfig:
     backbone = _llama(f)
     depth_fields.equals("backbone_hidden_size", backbone.hidden_size)
     codec = MimiConfig.parse(f.child("codec_config"))
+    codec_encoder = mimi_encoder_config(f.child("codec_config"))
     if codec.num_quantizers != codebooks:
         raise f._fail("num_codebooks", f"codec_config.num_quantizers = {codec.num_quantizers}")
     if codec.codebook_size >= vocab:
         raise f._fail("vocab_size", f"more than codec_config.codebook_size = {codec.codebook_size}")
-    ids = f.token_ids(("bos_token_id", "audio_eos_token_id"), text_vocab, "text_vocab_size")
+    ids = f.token_ids(("bos_token_id", "audio_token_id", "audio_eos_token_id"), text_vocab, "text_vocab_size")
     return CsmConfig(
         backbone=backbone,
         backbone_rope=Llama3Rope.parse(f),
         depth=_llama(depth_fields),
         depth_rope=Llama3Rope.parse(depth_fields),
         codec=codec,
+        codec_encoder=codec_encoder,
         num_codebooks=codebooks,
         vocab_size=vocab,
         text_vocab_size=text_vocab,
         bos_token_id=ids["bos_token_id"],
+        audio_token_id=ids["audio_token_id"],
         audio_eos_token_id=ids["audio_eos_token_id"],
         codebook_eos_token_id=f.int("codebook_eos_token_id", minimum=0, default=0),
         codebook_pad_token_id=f.int("codebook_pad_token_id", minimum=0, default=vocab - 1),

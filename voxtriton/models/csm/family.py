@@ -1,5 +1,6 @@
 """CSM as a model family: a Llama backbone with a depth decoder over 32 Mimi codebooks at 12.5 Hz,
-described for the engine, the codec lanes and the scheduler (`models.family`)."""
+described for the engine, the codec lanes and the scheduler (`models.family`). A cloned voice is a
+context turn before the text: a recording's Mimi codes and its words (`prompt.CsmPromptBuilder`)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         sampling=sampling,
         fields={
             "text": "the words to speak (required)",
-            "speaker": "speaker id, a non-negative integer (default 0)",
+            "speaker": "speaker id, a non-negative integer (default 0), or a registered voice",
+            "reference_audio": "a recording (WAV or FLAC bytes) of `speaker`: a context turn before the text",
+            "reference_text": "the recording's words (required with reference_audio)",
             "seed": "sampling seed",
             "max_frames": f"frames to generate at most (default {sampling.max_frames})",
             "ignore_eos": "keep generating past the end-of-audio frame",
@@ -73,8 +76,6 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         refused={
             "language": "CSM takes no language; it reads the text as written",
             "instruct": "CSM takes no style instruction; the voice comes from `speaker`",
-            "reference_audio": "CSM serves its speakers by id; it clones no voice",
-            "reference_text": "CSM serves its speakers by id; it clones no voice",
         },
         end_code=end,
         is_end=is_end,
@@ -82,7 +83,7 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         speakers=LISTED_SPEAKERS,
         languages=(),
         input_streaming=False,
-        clones_voices=False,
+        clones_voices=True,  # a voice is a context turn: reference codes and words
         load_backbone=lambda device="cpu", dtype=torch.float32: load_csm(
             checkpoint_dir, config, device=device, dtype=dtype
         ),

@@ -1,7 +1,8 @@
 """Load a CSM checkpoint directory in the official layout (`sesame/csm-1b`).
 
     config.json, model.safetensors (or model.safetensors.index.json + shards) holding the backbone,
-    the depth decoder and the codec (`codec_model.*`), tokenizer files (optional).
+    the depth decoder and the codec (`codec_model.*`: its decoder, and its encoder for context
+    audio), tokenizer files (optional).
 
 One file holds both models; each loads from its view of it, so errors name the file and the
 checkpoint's own tensor name.
@@ -14,14 +15,16 @@ from pathlib import Path
 import torch
 
 from ..loader import SafetensorsCheckpoint, _materialize, load_weights
+from ..speech_encoder import MimiEncoder
 from .config import CsmConfig, load_csm_config
 from .mimi import MimiCodec
 from .model import CsmModel
 
 CODEC_PREFIX = "codec_model."
-# The codec's encoder side: in the checkpoint, never run when serving.
+# The codec's encoder side (context audio -> codes) and its decoder side, loaded on their own.
 CODEC_ENCODER_PREFIXES = ("encoder.", "encoder_transformer.", "downsample.")
 CODEC_ENCODER_SUFFIXES = (".input_proj.weight",)
+CODEC_DECODER_PREFIXES = ("decoder.", "decoder_transformer.", "upsample.")
 
 
 class CheckpointView:
@@ -74,3 +77,12 @@ def load_mimi(
     config = config or load_csm_config(Path(checkpoint_dir))
     view = dict(prefix=CODEC_PREFIX, exclude=CODEC_ENCODER_PREFIXES, exclude_suffixes=CODEC_ENCODER_SUFFIXES)
     return _load(checkpoint_dir, lambda: MimiCodec(config.codec), view, device, dtype)
+
+
+def load_mimi_encoder(
+    checkpoint_dir: Path, config: CsmConfig | None = None, device="cpu", dtype=torch.float32
+) -> MimiEncoder:
+    """The codec's encoder side: 24 kHz audio -> codes [B, frames, num_codebooks]."""
+    config = config or load_csm_config(Path(checkpoint_dir))
+    view = dict(prefix=CODEC_PREFIX, exclude=CODEC_DECODER_PREFIXES)
+    return _load(checkpoint_dir, lambda: MimiEncoder(config.codec_encoder), view, device, dtype)

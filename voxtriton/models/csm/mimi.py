@@ -7,8 +7,8 @@ input's tail from the previous chunk, which `StreamState` carries (the streaming
 packing are the Qwen3-TTS codec's, from `models.codec`).
 
 Module names mirror the official checkpoint's `codec_model.*` tensors (HF `MimiModel`); the
-encoder side (`encoder`, `encoder_transformer`, `downsample`, the quantizers' `input_proj`) is in
-the checkpoint but never runs when serving, so it is not built here.
+encoder side (`encoder`, `encoder_transformer`, `downsample`, the quantizers' `input_proj`), which
+turns context audio into codes, is `speech_encoder.MimiEncoder` (`loader.load_mimi_encoder`).
 """
 
 from __future__ import annotations
