@@ -248,9 +248,7 @@ def tokenizer_files() -> dict[str, dict]:
     names = {
         i: SPECIAL_NAMES.get(i, f"<|reserved_special_token_{i - 128008}|>") for i in range(128000, 128256)
     }
-    # Special tokens in the model's vocabulary too, so they keep their Llama 3 ids.
     vocab = {chr(_BYTE_TO_UNICODE[byte]): index for byte, index in BYTE_TOKEN_ID.items()}
-    vocab.update({name: i for i, name in names.items()})
     tokenizer = Tokenizer(BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -259,7 +257,6 @@ def tokenizer_files() -> dict[str, dict]:
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([names[i] for i in sorted(names)])
     bos, eos = names[128000], names[128001]
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos}:0 $A:0 {eos}:0",
@@ -289,8 +286,13 @@ def tokenizer_files() -> dict[str, dict]:
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     special = {"bos_token": bos, "eos_token": eos, "pad_token": eos}
+    # The special tokens keep their Llama 3 ids, in the vocabulary and as added tokens. They go in
+    # after serialising: the tokenizers library warns at length about a vocabulary with a gap.
+    tokenizer_json = json.loads(tokenizer.to_str())
+    tokenizer_json["model"]["vocab"].update({name: i for i, name in names.items()})
+    tokenizer_json["added_tokens"] = [{"id": i, **added[str(i)]} for i in sorted(names)]
     return {
-        "tokenizer.json": json.loads(tokenizer.to_str()),
+        "tokenizer.json": tokenizer_json,
         "tokenizer_config.json": tokenizer_config,
         "special_tokens_map.json": special,
     }
