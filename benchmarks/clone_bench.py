@@ -12,8 +12,9 @@
      bytes), without and with its transcript;
    - registered x-vector / registered in-context: the same recording registered once (the voices
      directory), named in `speaker`.
-   --warm-up requests per case go first and are not counted (a registered in-context voice's first
-   stream primes the codec state that its later streams reuse; its TTFA is reported apart).
+   --warm-up requests per case go first and are not counted (their TTFA is reported apart). The
+   voices are registered before the server starts, so it primes the in-context one's codec state
+   before it is ready and every stream of that voice reuses it.
 
 The TTFA cases run first and the encoders are timed after them, so this process holds no GPU
 context while the servers (MPS clients) run; the voices are registered with the encoders on the CPU,
@@ -51,6 +52,7 @@ from voxtriton.bench.server_metrics import codec_primings
 from voxtriton.bench.summary import percentile
 from voxtriton.bench.timing import timed
 from voxtriton.models.config import load_config
+from voxtriton.models.families import load_family
 from voxtriton.serving.launcher import TritonServer, parse_params
 from voxtriton.serving.reference_audio import SAMPLE_RATE, read_reference_audio
 from voxtriton.serving.voices import VoiceEncoder, VoiceStore
@@ -104,8 +106,8 @@ def encoding_costs(encoder: VoiceEncoder, seconds: list[float], batches: list[in
     return rows
 
 
-def register(voices_dir: Path, encoder: VoiceEncoder, config, recording: bytes) -> None:
-    store = VoiceStore(voices_dir, config)
+def register(voices_dir: Path, encoder: VoiceEncoder, family, recording: bytes) -> None:
+    store = VoiceStore(voices_dir, family)
     waveform = read_reference_audio(recording)
     for name, text in ((XVECTOR, None), (IN_CONTEXT, REFERENCE_TEXT)):
         store.add(name, encoder.encode([waveform], [text])[0], replace=True)
@@ -149,10 +151,10 @@ def measure_cases(url: str, cases: dict[str, dict], args) -> dict[str, dict]:
     return found
 
 
-def ttfa_cases(args, recording: bytes, base_config) -> tuple[list, dict | None]:
+def ttfa_cases(args, recording: bytes, family) -> tuple[list, dict | None]:
     voices_dir = Path(args.voices_dir or Path(args.out) / "voices")
     # Registered on the CPU, as `voxtriton voices add` does by default (see main for why).
-    register(voices_dir, VoiceEncoder(Path(args.checkpoint), base_config, "cpu"), base_config, recording)
+    register(voices_dir, VoiceEncoder(family, "cpu"), family, recording)
     clones = {
         "inline x-vector": {"reference_audio": recording},
         "inline in-context": {"reference_audio": recording, "reference_text": REFERENCE_TEXT},
@@ -278,6 +280,7 @@ def main() -> None:
     if not args.checkpoint:
         parser.error("--checkpoint is required (the Base checkpoint; or --smoke)")
     config = load_config(Path(args.checkpoint))
+    family = load_family(Path(args.checkpoint))
     if not config.clones_voices:
         parser.error(f"--checkpoint: {args.checkpoint} is {config.model_type}, not a Base checkpoint")
     if args.url and not args.voices_dir:
@@ -307,9 +310,9 @@ def main() -> None:
     }
     if not args.no_ttfa:  # first: this process holds no GPU context while the servers (MPS clients) run
         recording = wav_bytes(reference_wave(args.reference_seconds))
-        report["ttfa"], report["codec_primings"] = ttfa_cases(args, recording, config)
+        report["ttfa"], report["codec_primings"] = ttfa_cases(args, recording, family)
         save(report, out)  # kept if the encoders' part is cut short
-    encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
+    encoder = VoiceEncoder(family, args.device)
     report["encoding"] = encoding_costs(encoder, seconds, batches, args.repeats)
     save(report, out)
     print(markdown(report))

@@ -57,8 +57,8 @@ def test_clone_bench_smoke_then_a_voice_mix_over_its_voices(tmp_path, tiny_base_
         assert row["requests"] == 2 and 0 < row["ttfa_p50_ms"] <= row["ttfa_p90_ms"] < 30000
         assert row["first_warm_up_ms"] > 0 and row["p50_over_preset_ms"] is not None
     # One warm-up and two measured requests per case: the inline in-context reference primes the codec
-    # at each request, the registered one at its first only.
-    assert report["codec_primings"] == {"decoded": 4, "reused": 2}
+    # at each request; the registered one was primed before the server was ready, so never.
+    assert report["codec_primings"] == {"decoded": 3, "reused": 3}
     assert "| registered in-context | 2 |" in (out / "clone_bench.md").read_text()
 
     mixed = tmp_path / "mix"

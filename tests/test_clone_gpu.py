@@ -9,7 +9,7 @@ import torch
 from test_clone_parity import REFERENCE_TEXT, reference_audio
 from test_gpu import DEVICE, generate
 
-from voxtriton.models.config import load_config
+from voxtriton.models.families import load_family
 from voxtriton.serving.voices import VoiceEncoder
 
 pytestmark = [
@@ -21,7 +21,7 @@ pytestmark = [
 def test_cuda_graphs_give_the_eager_codes_for_cloned_voices(tiny_base_checkpoint):
     """x-vector prompts fit the prefill graphs' buckets (their vectors go through the extra-embedding
     buffer); in-context ones are longer and prefill eagerly, beside them."""
-    encoder = VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint))
+    encoder = VoiceEncoder(load_family(tiny_base_checkpoint))
     x_vector, in_context = encoder.encode([reference_audio(1.5, seed=1)] * 2, [None, REFERENCE_TEXT])
 
     def prompt_for(prompts, text):
@@ -35,10 +35,10 @@ def test_cuda_graphs_give_the_eager_codes_for_cloned_voices(tiny_base_checkpoint
 
 
 def test_the_encoders_on_the_gpu_give_the_cpus_voice(tiny_base_checkpoint):
-    config = load_config(tiny_base_checkpoint)
+    family = load_family(tiny_base_checkpoint)
     audio = [reference_audio(2.0, seed=3), reference_audio(1.2, seed=4)]
-    on_cpu = VoiceEncoder(tiny_base_checkpoint, config).encode(audio, [None, None])
-    on_gpu = VoiceEncoder(tiny_base_checkpoint, config, DEVICE).encode(audio, [None, None])
+    on_cpu = VoiceEncoder(family).encode(audio, [None, None])
+    on_gpu = VoiceEncoder(family, DEVICE).encode(audio, [None, None])
     for cpu, gpu in zip(on_cpu, on_gpu):
         scale = np.abs(cpu.embedding).max()
         assert np.abs(gpu.embedding - cpu.embedding).max() <= 1e-3 * scale

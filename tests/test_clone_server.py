@@ -27,7 +27,7 @@ from voxtriton_client.api import request_inputs
 
 from voxtriton.bench.server_metrics import codec_primings
 from voxtriton.launch.serve import first_request_hint
-from voxtriton.models.config import load_config
+from voxtriton.models.families import load_family
 from voxtriton.models.loader import load_codec
 from voxtriton.serving.reference_audio import read_reference_audio
 from voxtriton.serving.voices import VoiceEncoder, VoiceStore
@@ -62,7 +62,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def encoder(tiny_base_checkpoint):
-    return VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint))
+    return VoiceEncoder(load_family(tiny_base_checkpoint))
 
 
 def clone(client, frames=24, **options):
@@ -98,7 +98,7 @@ def test_a_registered_voice_equals_its_inline_reference(client, encoder, voices_
     inline = clone(client, reference_audio=recording, reference_text=REFERENCE_TEXT).raise_for_error()
     unknown = clone(client, speaker="alice")
     assert unknown.error and "speaker" in unknown.error and "alice" in unknown.error
-    store = VoiceStore(voices_dir, load_config(tiny_base_checkpoint))
+    store = VoiceStore(voices_dir, load_family(tiny_base_checkpoint))
     store.add("alice", encoder.encode([read_reference_audio(recording)], [REFERENCE_TEXT])[0])
     registered = clone(client, speaker="alice").raise_for_error()  # seen while the server runs
     np.testing.assert_array_equal(registered.codes, inline.codes)
@@ -126,7 +126,7 @@ def test_a_registered_voice_is_primed_once_and_its_state_reused(
     before = codec_primings(server.metrics())
     inline = [clone(client, reference_audio=recording, reference_text=REFERENCE_TEXT) for _ in range(2)]
     counts = primings_after(server, before, decoded=2, reused=0)
-    store = VoiceStore(voices_dir, load_config(tiny_base_checkpoint))
+    store = VoiceStore(voices_dir, load_family(tiny_base_checkpoint))
     store.add("bob", encoder.encode([read_reference_audio(recording)], [REFERENCE_TEXT])[0])
     registered = [clone(client, speaker="bob").raise_for_error()]
     counts = primings_after(server, counts, decoded=1, reused=0)
@@ -149,7 +149,7 @@ def test_registered_voices_are_primed_before_ready_newest_first(encoder, tiny_ba
     """A server started on registered voices primes the newest in-context ones on every lane before it
     reports ready, as many as `primed_voices` keeps (2 states, 2 lanes: one voice), so that voice's
     first stream makes no codec call before its audio; an older one primes at its first stream."""
-    store = VoiceStore(tmp_path, load_config(tiny_base_checkpoint))
+    store = VoiceStore(tmp_path, load_family(tiny_base_checkpoint))
     recordings = {
         name: audio_file(reference_audio(2.0, seed=seed)) for name, seed in (("old", 21), ("new", 22))
     }

@@ -634,9 +634,9 @@ def test_voices_add_stores_a_csm_context_turn_that_a_request_names(checkpoint, f
     assert main(["voices", "add", "7", *common, "--text", CONTEXT_TEXT]) == 2
     assert "name: '7' is a CSM speaker id" in capsys.readouterr().err
     assert main(["voices", "add", "anna", *common, "--text", CONTEXT_TEXT]) == 0
-    store = VoiceStore(tmp_path, family.config)
+    store = VoiceStore(tmp_path, family)
     voice = store.get("anna")
-    expected = VoiceEncoder(checkpoint, family.config).encode([audio], [CONTEXT_TEXT])[0]
+    expected = VoiceEncoder(family).encode([audio], [CONTEXT_TEXT])[0]
     assert voice.text == CONTEXT_TEXT and np.array_equal(voice.codes, expected.codes)
     inputs = {"text": np.array([TEXT.encode()], dtype=object), "speaker": np.array([b"anna"], dtype=object)}
     request = request_parser(family, TTSSettings(), store).parse("r", inputs)

@@ -177,7 +177,7 @@ def recording():
 
 @pytest.fixture(scope="module")
 def encoder(checkpoint):
-    return VoiceEncoder(checkpoint, load_family(checkpoint).config)
+    return VoiceEncoder(load_family(checkpoint))
 
 
 def in_process_codes(checkpoint, prompt, frames: int) -> np.ndarray:

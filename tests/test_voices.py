@@ -12,14 +12,15 @@ from test_clone_server import audio_file
 
 from voxtriton.errors import RequestError, ServerBusy
 from voxtriton.models.config import load_config
+from voxtriton.models.families import load_family
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.models.voice import Voice
 from voxtriton.serving.voices import EncodingQueue, VoiceEncoder, VoiceStore
 
 
 @pytest.fixture(scope="module")
-def config(tiny_base_checkpoint):
-    return load_config(tiny_base_checkpoint)
+def family(tiny_base_checkpoint):
+    return load_family(tiny_base_checkpoint)
 
 
 def voice(seed: int, text: str | None = "Some words.") -> Voice:
@@ -30,8 +31,8 @@ def voice(seed: int, text: str | None = "Some words.") -> Voice:
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "A", "x" * 65, "naïve", "a b"])
-def test_names_that_could_be_paths_are_refused(tmp_path, config, name):
-    store = VoiceStore(tmp_path, config)
+def test_names_that_could_be_paths_are_refused(tmp_path, family, name):
+    store = VoiceStore(tmp_path, family)
     with pytest.raises(RequestError, match="is not a voice name"):
         store.add(name, voice(0))
     with pytest.raises(RequestError, match="is not a voice name"):
@@ -39,13 +40,13 @@ def test_names_that_could_be_paths_are_refused(tmp_path, config, name):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_voice_outlives_its_store_and_a_change_is_seen_at_the_next_lookup(tmp_path, config):
-    VoiceStore(tmp_path, config).add("anna", voice(1))
-    reader = VoiceStore(tmp_path, config)  # another process, or the same after a restart
+def test_a_voice_outlives_its_store_and_a_change_is_seen_at_the_next_lookup(tmp_path, family):
+    VoiceStore(tmp_path, family).add("anna", voice(1))
+    reader = VoiceStore(tmp_path, family)  # another process, or the same after a restart
     first = reader.get("anna")
     np.testing.assert_array_equal(first.codes, voice(1).codes)
     assert first.text == "Some words." and reader.get("anna") is first  # cached
-    VoiceStore(tmp_path, config).add("anna", voice(2, None), replace=True)
+    VoiceStore(tmp_path, family).add("anna", voice(2, None), replace=True)
     os.utime(tmp_path / "anna.npz", ns=(1, 1))  # a different stamp even within the clock's resolution
     second = reader.get("anna")
     np.testing.assert_array_equal(second.embedding, voice(2).embedding)
@@ -53,8 +54,8 @@ def test_a_voice_outlives_its_store_and_a_change_is_seen_at_the_next_lookup(tmp_
     assert reader.delete("anna") and reader.get("anna") is None and not reader.delete("anna")
 
 
-def test_limits_and_foreign_voices(tmp_path, config):
-    store = VoiceStore(tmp_path, config, max_voices=2)
+def test_limits_and_foreign_voices(tmp_path, family):
+    store = VoiceStore(tmp_path, family, max_voices=2)
     store.add("one", voice(1))
     with pytest.raises(RequestError, match="exists"):
         store.add("one", voice(1))
@@ -101,7 +102,7 @@ def test_the_encoding_queue_answers_every_request_once(tiny_base_checkpoint):
     def busy(voice):
         raise ServerBusy("server busy: full")
 
-    queue = EncodingQueue(VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint)))
+    queue = EncodingQueue(VoiceEncoder(load_family(tiny_base_checkpoint)))
     jobs = {
         "good": (audio_file(reference_audio(1.5)), lambda voice: answer("good", "voice", voice)),
         "not-audio": (b"nothing", lambda voice: answer("not-audio", "voice", voice)),
@@ -121,7 +122,7 @@ def test_the_encoding_queue_answers_every_request_once(tiny_base_checkpoint):
 
 def test_a_batch_of_recordings_gives_each_the_voice_it_gets_alone(tiny_base_checkpoint):
     """Two recordings of one length share a batch; the others (1.0 s ends mid-frame) go alone."""
-    encoder = VoiceEncoder(tiny_base_checkpoint, load_config(tiny_base_checkpoint))
+    encoder = VoiceEncoder(load_family(tiny_base_checkpoint))
     audio = [reference_audio(1.0, seed=1), reference_audio(1.3, seed=2), reference_audio(1.0, seed=3)]
     texts = [None, "Words.", "Other words."]
     for wave, text, voice in zip(audio, texts, encoder.encode(audio, texts)):

@@ -56,7 +56,10 @@ class ModelFamily:
     speakers: tuple[str, ...]  # the speakers listed for `speaker` (empty: none to list)
     languages: tuple[str, ...]  # what `language` may name (empty: not taken)
     input_streaming: bool  # text may arrive in pieces (Triton sequences)
-    clones_voices: bool  # takes reference recordings and registered voices
+    # device -> (speaker encoder or None, speech encoder), the encoders of reference recordings; None:
+    # the family clones no voice. Without a speaker encoder a voice is a context turn (codes and words).
+    load_voice_encoders: Callable[..., tuple[nn.Module | None, nn.Module]] | None
+    voice_embedding_width: int  # a voice's x-vector width (0: none)
     load_backbone: Callable[..., nn.Module]  # (device, dtype) -> the backbone with its weights
     load_codec: Callable[..., nn.Module]  # (device, dtype) -> the codec decoder with its weights
     build_codec: Callable[[], nn.Module]  # the codec decoder without weights (shapes, state size)
@@ -74,6 +77,11 @@ class ModelFamily:
     def prompt(self):
         """The prompt builder, made on first use: listings and codec processes never load a tokenizer."""
         return self.build_prompt()
+
+    @property
+    def clones_voices(self) -> bool:
+        """Takes reference recordings and registered voices."""
+        return self.load_voice_encoders is not None
 
     @property
     def frame_seconds(self) -> float:

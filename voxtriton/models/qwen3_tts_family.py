@@ -11,7 +11,7 @@ from .codec import CodecModel
 from .config import Qwen3TTSConfig, load_config
 from .family import ModelFamily, SamplingDefaults
 from .fp8 import quantize_backbone
-from .loader import load_backbone, load_codec
+from .loader import load_backbone, load_codec, load_speaker_encoder, load_speech_encoder
 from .text import PromptBuilder, TextTokenizer, languages_of
 
 
@@ -85,7 +85,17 @@ def qwen3_tts_family(checkpoint_dir: Path, config: Qwen3TTSConfig | None = None)
         speakers=tuple(speakers),
         languages=tuple(languages),
         input_streaming=True,
-        clones_voices=config.clones_voices,
+        load_voice_encoders=(
+            (
+                lambda device="cpu": (
+                    load_speaker_encoder(checkpoint_dir, config, device),
+                    load_speech_encoder(checkpoint_dir, config, device),
+                )
+            )
+            if config.clones_voices
+            else None
+        ),
+        voice_embedding_width=talker.transformer.hidden_size if config.clones_voices else 0,
         load_backbone=lambda device="cpu", dtype=torch.float32: load_backbone(
             checkpoint_dir, config, device=device, dtype=dtype
         ),

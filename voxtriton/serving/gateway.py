@@ -382,7 +382,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         try:
             family = load_family(directory)
             # A Base checkpoint's voices are the registered ones.
-            names = VoiceStore(voices_dir(voices), family.config).names() if family.clones_voices else []
+            names = VoiceStore(voices_dir(voices), family).names() if family.clones_voices else []
             voices_list = sorted(family.speakers) + names
             offers = {"offers": family.describe()}
         except (OSError, CheckpointError) as error:  # a backend on another host: its path is not here

@@ -60,7 +60,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         family = await served_family()  # a model that clones none is refused whatever the body
         if not family.clones_voices:
             raise error_type(400, "audio: " + clones_none(family), "audio")
-        directory, store = family.checkpoint, VoiceStore(voices_directory, family.config)
+        directory, store = family.checkpoint, VoiceStore(voices_directory, family)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -93,7 +93,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         async with one_at_a_time:
             try:
                 if directory not in encoders:
-                    encoders[directory] = await asyncio.to_thread(VoiceEncoder, directory, store.config)
+                    encoders[directory] = await asyncio.to_thread(VoiceEncoder, family)
                 return await asyncio.to_thread(
                     register_voice, store, encoders[directory], name, raw, text, body.get("replace", False)
                 )
@@ -106,7 +106,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         speakers = [{"name": name, "speaker": True} for name in family.speakers]
         if not family.clones_voices:
             return {"object": "list", "data": speakers}
-        store = VoiceStore(voices_directory, family.config)
+        store = VoiceStore(voices_directory, family)
         return {"object": "list", "data": speakers + [store.describe(name) for name in store.names()]}
 
     @app.delete("/v1/audio/voices/{name}")
@@ -119,6 +119,6 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         if not family.clones_voices:
             message = f"name: no voice {name!r}: {clones_none(family)}"
             raise error_type(404, message, "name", "not_found_error")
-        if not VoiceStore(voices_directory, family.config).delete(name):
+        if not VoiceStore(voices_directory, family).delete(name):
             raise error_type(404, f"name: no voice {name!r}", "name", "not_found_error")
         return {"name": name, "deleted": True}

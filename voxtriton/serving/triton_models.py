@@ -223,9 +223,9 @@ class TTSTritonModel:
         self.voice_encoder = self.encoding = self.voices = voices = None
         if family.clones_voices:
             # The encoders run on the engine's device, on a thread and a CUDA stream of their own.
-            self.voice_encoder = VoiceEncoder(checkpoint, config, device)
+            self.voice_encoder = VoiceEncoder(family, device)
             self.encoding = EncodingQueue(self.voice_encoder)
-            voices = VoiceStore(voices_dir(settings.voices_dir), config, settings.max_voices)
+            voices = VoiceStore(voices_dir(settings.voices_dir), family, settings.max_voices)
             log.info("tts: voice cloning on, registered voices in %s", voices.directory)
             self.voices = voices
         self.parser = request_parser(family, settings, voices)

@@ -29,12 +29,9 @@ import numpy as np
 import torch
 
 from ..errors import RequestError, ServerBusy
-from ..models.config import Qwen3TTSConfig
-from ..models.csm.config import CsmConfig
-from ..models.csm.loader import load_mimi_encoder
-from ..models.loader import load_speaker_encoder, load_speech_encoder
+from ..models.family import ModelFamily
 from ..models.voice import Voice, codes_key
-from .reference_audio import SAMPLE_RATE, read_reference_audio
+from .reference_audio import read_reference_audio
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +48,12 @@ def check_name(name: str, field: str = "name") -> str:
     return name
 
 
-def embedding_width(config: Qwen3TTSConfig | CsmConfig) -> int:
-    """A voice's x-vector width: none for CSM, whose voice is a context turn (codes and words)."""
-    return 0 if isinstance(config, CsmConfig) else config.talker.transformer.hidden_size
-
-
 class VoiceEncoder:
     """Reference waveforms (24 kHz) -> Voices, on `device`, in fp32."""
 
-    def __init__(
-        self, checkpoint_dir: Path, config: Qwen3TTSConfig | CsmConfig, device: torch.device | str = "cpu"
-    ):
+    def __init__(self, family: ModelFamily, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        if isinstance(config, CsmConfig):
-            self.speaker_encoder = None
-            self.speech_encoder = load_mimi_encoder(checkpoint_dir, config, self.device)
-        else:
-            self.speaker_encoder = load_speaker_encoder(checkpoint_dir, config, self.device)
-            self.speech_encoder = load_speech_encoder(checkpoint_dir, config, self.device)
+        self.speaker_encoder, self.speech_encoder = family.load_voice_encoders(self.device)
         self.context_turn = self.speaker_encoder is None  # CSM: a voice is a context turn
         # Beside the engine's streams, so a batch of recordings does not queue behind frame steps.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -195,8 +180,8 @@ def register_voice(
 class VoiceStore:
     """Registered voices of one checkpoint in `directory`, at most `max_voices` of them."""
 
-    def __init__(self, directory: Path, config: Qwen3TTSConfig | CsmConfig, max_voices: int = 1000):
-        self.directory, self.config, self.max_voices = Path(directory), config, max_voices
+    def __init__(self, directory: Path, family: ModelFamily, max_voices: int = 1000):
+        self.directory, self.family, self.max_voices = Path(directory), family, max_voices
         self.cache: dict[str, tuple[tuple[int, int], Voice]] = {}
         self.lock = threading.Lock()
 
@@ -276,16 +261,16 @@ class VoiceStore:
     def _check(self, name: str, voice: Voice, field: str = "name") -> None:
         """A voice of this checkpoint: its x-vector width and codebooks match (and a CSM voice has its
         transcript)."""
-        width, codebooks = embedding_width(self.config), self.config.codec.num_quantizers
-        codes = voice.codes
+        family, codes = self.family, voice.codes
+        width = family.voice_embedding_width
         if (
             voice.embedding.shape != (width,)
             or (width == 0 and not voice.text)
             or codes.ndim != 2
-            or codes.shape[1] != codebooks
-            or not 0 < len(codes) <= 30 * SAMPLE_RATE // self.config.codec.samples_per_frame + 1
+            or codes.shape[1] != family.codebooks
+            or not 0 < len(codes) <= 30 * family.sample_rate // family.samples_per_frame + 1
             or codes.min() < 0
-            or codes.max() >= self.config.codec.codebook_size
+            or codes.max() >= family.codec_vocab
         ):
             raise RequestError(
                 field, f"voice {name!r} was not made for this checkpoint (x-vector or codes differ)"
@@ -295,7 +280,7 @@ class VoiceStore:
         voice = self.get(name)
         if voice is None:
             return None
-        seconds = len(voice.codes) / self.config.frame_rate
+        seconds = len(voice.codes) / self.family.frame_rate
         return {
             "name": name,
             "seconds": round(seconds, 2),

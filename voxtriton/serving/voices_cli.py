@@ -51,18 +51,17 @@ def voices_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    config = family.config
-    store = VoiceStore(voices_dir(args.voices_dir), config)
+    store = VoiceStore(voices_dir(args.voices_dir), family)
     try:
         if args.action == "add":
             if not family.clones_voices:
-                kind = getattr(config, "model_type", family.name)
+                kind = getattr(family.config, "model_type", family.name)
                 raise RequestError("checkpoint", f"is {kind}; voices need a Base checkpoint")
             try:
                 audio = Path(args.audio).read_bytes()
             except OSError as error:
                 raise RequestError("audio", f"cannot read {args.audio}: {error.strerror}") from None
-            encoder = VoiceEncoder(Path(args.checkpoint), config, args.device)
+            encoder = VoiceEncoder(family, args.device)
             print(json.dumps(register_voice(store, encoder, args.name, audio, args.text, args.replace)))
         elif args.action == "list":
             for name in store.names():

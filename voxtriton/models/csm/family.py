@@ -11,7 +11,7 @@ import torch
 from ..config import read_json
 from ..family import ModelFamily, SamplingDefaults
 from .config import CsmConfig, load_csm_config
-from .loader import load_csm, load_mimi
+from .loader import load_csm, load_mimi, load_mimi_encoder
 from .mimi import MimiCodec
 from .prompt import CsmPromptBuilder, CsmTokenizer
 
@@ -83,7 +83,9 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         speakers=LISTED_SPEAKERS,
         languages=(),
         input_streaming=False,
-        clones_voices=True,  # a voice is a context turn: reference codes and words
+        # A voice is a context turn: the recording's codes and its words.
+        load_voice_encoders=lambda device="cpu": (None, load_mimi_encoder(checkpoint_dir, config, device)),
+        voice_embedding_width=0,
         load_backbone=lambda device="cpu", dtype=torch.float32: load_csm(
             checkpoint_dir, config, device=device, dtype=dtype
         ),
