@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..models.config import Qwen3TTSConfig
+from ..models.fp8 import check_fp8_device
 from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
 from .admission import AdmissionInputs
@@ -29,9 +30,11 @@ class ModelRunner(FrameRunner):
         max_positions: int,
         max_text_tokens: int,
         prefill_stream: torch.cuda.Stream | None = None,
+        fp8_kv_cache: bool = False,
     ):
         """prefill_stream: where padded prefills run, beside the frame step in flight (see
-        `_beside_the_step`); None: on the caller's stream, between steps."""
+        `_beside_the_step`); None: on the caller's stream, between steps. fp8_kv_cache: the talker's
+        and the code predictor's keys and values in FP8 (`StaticKV`)."""
         config: Qwen3TTSConfig = model.config
         self.model, self.config = model, config
         talker = model.talker
@@ -49,19 +52,24 @@ class ModelRunner(FrameRunner):
         self.end_marker, self.pad_text_id = config.talker.codec_eos_id, config.tts_pad_token_id
         t, p = config.talker.transformer, config.talker.predictor
 
-        def zeros(*shape, dtype=None):
-            return torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)
-
-        self.cache = StaticKV(
-            zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
-            zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
+        if fp8_kv_cache:
+            check_fp8_device(self.device, "fp8_kv_cache", "FP8 keys and values")
+        self.cache = StaticKV.allocate(
+            (t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
+            self.device,
+            self.dtype,
+            fp8_kv_cache,
         )
         predictor_length = talker.code_predictor.cache_length
         # Every position here is below the cache's length, so rotary embeddings can be lookups.
         talker.model.rotary.tabulate(max_positions, self.dtype)
         talker.code_predictor.model.rotary.tabulate(predictor_length, self.dtype)
-        self.predictor_keys = zeros(p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim)
-        self.predictor_values = torch.zeros_like(self.predictor_keys)
+        self.predictor_cache = StaticKV.allocate(
+            (p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim),
+            self.device,
+            self.dtype,
+            fp8_kv_cache,
+        )
         vocab = config.talker.vocab_size
         self.state = RowState.allocate(
             max_rows,
@@ -204,8 +212,7 @@ class ModelRunner(FrameRunner):
         residual = talker.code_predictor.predict_frame(
             state.past_hidden[rows],
             talker.model.codec_embedding(state.last_code[rows]),
-            self.predictor_keys,
-            self.predictor_values,
+            self.predictor_cache,
             lambda logits, group: sample(logits, sub, keys[:, group]),
         )
         frame = torch.cat((state.last_code[rows, None], residual), dim=1)

@@ -228,12 +228,21 @@ class TTSTritonModel:
             voices = VoiceStore(voices_dir(settings.voices_dir), config, settings.max_voices)
             log.info("tts: Base checkpoint: voice cloning on, registered voices in %s", voices.directory)
         self.parser = request_parser(family, settings, voices)
+        fp8_kv = {}
+        if settings.fp8_kv_cache == "on":
+            if not family.fp8_kv_cache:
+                raise ValueError(
+                    f"fp8_kv_cache: an FP8 KV cache is for Qwen3-TTS checkpoints, not {family.name}"
+                )
+            fp8_kv = {"fp8_kv_cache": True}
+            log.info("tts: FP8 KV cache")
         runner = family.new_runner(
             backbone,
             settings.max_streams,
             settings.max_positions,
             settings.max_text_tokens,
             prefill_stream=self.partition.new_stream() if settings.prefill_overlap else None,
+            **fp8_kv,
         )
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
