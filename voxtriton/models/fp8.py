@@ -65,6 +65,16 @@ def check_fp8_device(
         )
 
 
+def fp8_kv_runner_options(family, setting: str) -> dict:
+    """The runner's keyword arguments for an `fp8_kv_cache` value of a `ModelFamily`: refused, naming the
+    setting, for a family whose runner has no FP8 KV cache."""
+    if setting == "off":
+        return {}
+    if not family.fp8_kv_cache:
+        raise ValueError(f"fp8_kv_cache: an FP8 KV cache is for Qwen3-TTS checkpoints, not {family.name}")
+    return {"fp8_kv_cache": True}
+
+
 @torch.no_grad()
 def quantize_decoder_layers(root: nn.Module) -> int:
     """Swap every decoder layer's projections in `root` (in place) for `Fp8Linear`s; returns how many.
