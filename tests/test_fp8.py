@@ -158,7 +158,8 @@ def test_fp8_logits_stay_within_fp8_precision_of_bf16(tiny_checkpoint):
 
 
 def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
-    """benchmarks/fp8_check.py on the tiny checkpoint (on the CPU: eager steps), so it cannot rot."""
+    """benchmarks/fp8_check.py on the tiny checkpoint (on the CPU: eager steps), every variant (FP8
+    weights, FP8 KV cache, both), so it cannot rot."""
     done = subprocess.run(
         [
             sys.executable,
@@ -186,13 +187,20 @@ def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "fp8_check.json").read_text())
+    variants = ["talker", "all", "kv", "all+kv"]
     assert [row["batch"] for row in result["frame_step"]] == [1, 2]
-    assert all(row[name] > 0 for row in result["frame_step"] for name in ("bf16", "talker", "all"))
-    assert [found["projections"] for found in result["scopes"].values()] == [8, 16]
-    for found in result["scopes"].values():
+    assert all(row[name] > 0 for row in result["frame_step"] for name in ["bf16", *variants])
+    assert list(result["variants"]) == variants
+    assert [found["projections"] for found in result["variants"].values()] == [8, 16, 0, 16]
+    assert [found["fp8_kv_cache"] for found in result["variants"].values()] == [False, False, True, True]
+    for found in result["variants"].values():
         assert len(found["logit_error"]) == 16 and len(found["code_agreement"]["per_codebook"]) == 16
+    # Decode attention alone, bf16 (fp32 here) against FP8 keys and values (in Triton's interpreter here).
+    assert [row["batch"] for row in result["decode_attention"]] == [1, 2]
+    assert all(row["bf16_us"] > 0 and row["fp8_us"] > 0 for row in result["decode_attention"])
     assert result["meta"]["frames"] == 6
-    assert "RANDOM weights" in (tmp_path / "fp8_check.md").read_text()
+    report = (tmp_path / "fp8_check.md").read_text()
+    assert "RANDOM weights" in report and "fp8_kv_cache on" in report and "Decode attention" in report
 
 
 @pytest.mark.server
