@@ -203,32 +203,43 @@ def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
     assert "RANDOM weights" in report and "fp8_kv_cache on" in report and "Decode attention" in report
 
 
-@pytest.mark.server
-def test_a_server_with_fp8_weights_streams_the_fp8_models_codes(tiny_checkpoint):
-    """`tts:fp8_weights=all` through a real tritonserver: the tts model swaps its projections, and a
-    greedy request's codes are those the FP8 model decodes in process."""
+def assert_the_server_streams_the_in_process_codes(
+    checkpoint, backbone, prompts, parameters: dict, fp8_kv_cache: bool = False, frames: int = 20
+) -> str:
+    """A greedy request through a real tritonserver started with these `tts` parameters streams the codes
+    `backbone` decodes in process (its KV cache in FP8 with fp8_kv_cache); returns the server's log."""
     from server_helpers import start_server
     from voxtriton_client import TTSClient
 
-    config = load_config(tiny_checkpoint)
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the server's (dtype auto)
-    backbone = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=dtype)
-    projections = quantize_backbone(backbone, "all")
-    prompts = PromptBuilder(config, TextTokenizer(tiny_checkpoint))
-    requests = fidelity.greedy_requests(backbone, prompts, 20, 1)
-    expected = fidelity.decode_frames(
-        fidelity.new_runner(backbone, 1, fidelity.positions_needed(requests, 20), graphs=False), requests, 20
-    )[0]
-    with start_server(tiny_checkpoint, parameters={"tts": {"fp8_weights": "all"}}) as server:
+    requests = fidelity.greedy_requests(backbone, prompts, frames, 1)
+    positions = fidelity.positions_needed(requests, frames)
+    runner = fidelity.new_runner(backbone, 1, positions, graphs=False, fp8_kv_cache=fp8_kv_cache)
+    expected = fidelity.decode_frames(runner, requests, frames)[0]
+    with start_server(checkpoint, parameters={"tts": parameters}) as server:
         synthesis = TTSClient(server.grpc_url).synthesize(
             fidelity.TEXTS[0],
             speaker=prompts.speakers[0],
             temperature=0.0,
             seed=0,
-            max_frames=20,
+            max_frames=frames,
             ignore_eos=True,
             codes=True,
         )
         log = server.log_file.read_text(errors="replace")
-    assert f"FP8 weights for {projections} projections" in log
     np.testing.assert_array_equal(synthesis.raise_for_error().codes, expected)
+    return log
+
+
+@pytest.mark.server
+def test_a_server_with_fp8_weights_streams_the_fp8_models_codes(tiny_checkpoint):
+    """`tts:fp8_weights=all` through a real tritonserver: the tts model swaps its projections, and a
+    greedy request's codes are those the FP8 model decodes in process."""
+    config = load_config(tiny_checkpoint)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the server's (dtype auto)
+    backbone = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=dtype)
+    projections = quantize_backbone(backbone, "all")
+    prompts = PromptBuilder(config, TextTokenizer(tiny_checkpoint))
+    log = assert_the_server_streams_the_in_process_codes(
+        tiny_checkpoint, backbone, prompts, {"fp8_weights": "all"}
+    )
+    assert f"FP8 weights for {projections} projections" in log

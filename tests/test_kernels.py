@@ -264,6 +264,14 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     )
 
 
+def written_entries(shape: tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
+    """[2, rows, kv_heads, length]: True where a layer call writes keys and values (row r at positions[r])."""
+    written = torch.zeros(shape, dtype=torch.bool)
+    for row, row_positions in enumerate(positions):
+        written[:, row, :, row_positions] = True
+    return written
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "new_tokens, with_norm, heads, kv_heads", [(1, True, 4, 2), (2, True, 6, 2), (3, False, 3, 3)]
@@ -324,9 +332,7 @@ def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm, h
     torch.testing.assert_close(
         fused_cache.float().cpu(), expected_cache.float(), rtol=tolerance, atol=tolerance
     )
-    written = torch.zeros(cache.shape[:4], dtype=torch.bool)
-    for row in range(batch):
-        written[:, row, :, positions[row]] = True
+    written = written_entries(cache.shape[:4], positions)
     assert torch.equal(fused_cache.cpu()[~written], cache[~written])  # nothing else touched
     assert not torch.equal(fused_cache.cpu()[written], cache[written])
 
@@ -356,26 +362,12 @@ def test_rotate_into_cache_writes_the_formulas_fp8_entries(dtype, new_tokens, wi
     expected_cache, expected_scales = cache.clone(), scales.clone()
     fused_cache, fused_scales = cache.clone().to(DEVICE), scales.clone().to(DEVICE)
     rows = slice(0, batch)
+    inputs = (qkv, heads, kv_heads, *norms, 1e-6, cos, sin)
     expected = rotary.rotate_into_cache(
-        qkv,
-        heads,
-        kv_heads,
-        *norms,
-        1e-6,
-        cos,
-        sin,
-        *expected_cache[:, rows],
-        positions,
-        *expected_scales[:, rows],
+        *inputs, *expected_cache[:, rows], positions, *expected_scales[:, rows]
     )
     fused = rotary.rotate_into_cache_triton(
-        on_device(qkv),
-        heads,
-        kv_heads,
-        *(None if n is None else on_device(n) for n in norms),
-        1e-6,
-        on_device(cos),
-        on_device(sin),
+        *(on_device(t) if isinstance(t, torch.Tensor) else t for t in inputs),
         *fused_cache[:, rows],
         on_device(positions),
         *fused_scales[:, rows],
@@ -396,9 +388,7 @@ def test_rotate_into_cache_writes_the_formulas_fp8_entries(dtype, new_tokens, wi
     zero = (slice(None), 1, slice(None), positions[1, 0])
     assert torch.equal(fused_cache[zero].float(), torch.zeros(2, kv_heads, dim))
     assert ((fused_scales[zero] > 0) & (fused_scales[zero] < 1e-12)).all()
-    written = torch.zeros(cache.shape[:4], dtype=torch.bool)
-    for row in range(batch):
-        written[:, row, :, positions[row]] = True
+    written = written_entries(cache.shape[:4], positions)
     assert torch.equal(fused_cache[~written].view(torch.uint8), cache[~written].view(torch.uint8))
     assert torch.equal(fused_scales[~written], scales[~written])
     # Each written entry's largest magnitude is the format's largest value (all-zero ones aside).

@@ -75,21 +75,8 @@ def rotate_into_cache(
     [B, kv_heads, L] (an FP8 cache), each entry goes in as `quantize_rows_reference` of its D values."""
     kernel = "rotary" if key_scales is None else "rotary_fp8"
     if serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device, kernel):
-        return rotate_into_cache_triton(
-            qkv,
-            heads,
-            kv_heads,
-            q_norm,
-            k_norm,
-            eps,
-            cos,
-            signed_sin,
-            key_cache,
-            value_cache,
-            positions,
-            key_scales,
-            value_scales,
-        )
+        inputs = (qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache)
+        return rotate_into_cache_triton(*inputs, positions, key_scales, value_scales)
     q, k, v = split_heads(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin)
     index = positions[:, None, :, None].expand_as(k)
     for cache, scales, entries in ((key_cache, key_scales, k), (value_cache, value_scales, v)):
