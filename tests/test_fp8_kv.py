@@ -19,7 +19,7 @@ from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.kernels.fp8 import FP8, quantize_rows_reference
 from voxtriton.models.config import load_config
 from voxtriton.models.families import load_family
-from voxtriton.models.fp8 import fp8_kv_runner_options
+from voxtriton.models.fp8 import check_fp8_device, fp8_kv_runner_options
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.settings import TTSSettings
@@ -60,6 +60,17 @@ def test_a_family_without_the_path_is_refused_by_name(tiny_checkpoint):
         ValueError, match="fp8_kv_cache: an FP8 KV cache is for Qwen3-TTS checkpoints, not other"
     ):
         fp8_kv_runner_options(other, "on")
+
+
+def test_a_gpu_without_fp8_is_refused_naming_the_setting(monkeypatch):
+    """What the runner checks before it allocates an FP8 cache; the GPU's answers stand in for an A100."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    with pytest.raises(
+        ValueError,
+        match=r"fp8_kv_cache: FP8 keys and values need a GPU of compute capability 8.9 .* A100 is 8.0",
+    ):
+        check_fp8_device(torch.device("cuda", 0), "fp8_kv_cache", "FP8 keys and values")
 
 
 def test_the_runner_stores_the_quantised_entries_and_their_scales(setup):

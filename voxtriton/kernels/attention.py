@@ -39,14 +39,15 @@ def launch_shape(span: int) -> tuple[int, int, int]:
     return SHORT_SPAN_LAUNCH if span <= SHORT_SPAN_LAUNCH[0] else LONG_SPAN_LAUNCH
 
 
-def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
+def decode_attention_supported(device: torch.device, query_rows: int, dim: int, fp8: bool = False) -> bool:
     """Whether `decode_attention` serves a query of `query_rows` (query heads per KV head x new tokens)
-    and head size `dim` on `device`: a GPU, few new tokens, a power-of-two head size."""
+    and head size `dim` on `device`, over an FP8 cache with fp8: a GPU, few new tokens, a power-of-two
+    head size."""
     return (
         query_rows <= MAX_QUERY_ROWS
         and dim >= 16
         and dim & (dim - 1) == 0
-        and triton_usable(device, "decode_attention")
+        and triton_usable(device, "decode_attention_fp8" if fp8 else "decode_attention")
     )
 
 

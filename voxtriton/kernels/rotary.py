@@ -9,7 +9,8 @@ writes k and v into the cache at the token's position, and q to a tensor of its 
 
 It rounds where the PyTorch formulas round (the norm's output, then the product with cos, then the
 sum), so bf16 results match them to within the last bit of the fp32 sums' order. With an FP8 cache
-(scales given), keys and values go in as `quantize_rows_reference` makes them, bit for bit.
+(scales given), keys and values go in as `quantize_rows_reference` makes them from those entries: the
+same amax, division and rounding, so equal entries give equal bytes and scales.
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ class DecoderStack(nn.Module):
         """Decode steps on a GPU read each row's own entries (`decode_attention`); everything else goes
         through SDPA with a bias made once per call and shared by every layer."""
         if mask is None:
-            if decode_attention_supported(x.device, self.group * x.shape[1], self.head_dim):
+            if decode_attention_supported(x.device, self.group * x.shape[1], self.head_dim, kv.fp8):
                 return partial(decode_attention, positions=positions)
             mask = causal_mask(positions, kv.span)
         return partial(grouped_attention, bias=attention_bias(mask, self.group, x.dtype))
