@@ -5,10 +5,11 @@ code agreement, frame-step time, decode-attention time.
     TRITON_INTERPRET=1 python benchmarks/fp8_check.py --preset tiny --device cpu --frames 8 --prompts 2 \
         --batch-sizes 1,2 --context 64
 
-The same checkpoint is loaded as is (bf16 on a GPU) and once per --variants: an `fp8_weights` scope
-(`talker`: the talker's decoder-layer projections in FP8; `all`: the code predictor's too), `kv` (the
-talker's and code predictor's KV cache in FP8, weights as they are) or SCOPE+kv (both). Over a fixed
-set of prompts decoded greedily (`voxtriton.bench.fidelity`), per variant:
+The same checkpoint is loaded as is (bf16 on a GPU) and once per --variants, each an `fp8_weights`
+scope (`talker`: the talker's decoder-layer projections in FP8; `all`: the code predictor's too), a KV
+cache (`kv-talker`: the talker's in FP8, `fp8_kv_cache=talker`; `kv`: the code predictor's too,
+`fp8_kv_cache=on`), or both joined by `+` (`all+kv`). Over a fixed set of prompts decoded greedily
+(`voxtriton.bench.fidelity`), per variant:
 - logit error, teacher-forced (each FP8 step continues from bf16's codes), per codebook: max and mean
   absolute error, each also relative to bf16's (max |error| / max |bf16|, sum |error| / sum |bf16|),
   and how often the argmax over the codebook's codes agrees;
@@ -54,19 +55,28 @@ from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.serving.runtime import resolve_dtype
 from voxtriton.serving.settings import FP8_SCOPES
 
+# A --variants KV part -> its fp8_kv_cache value
+KV_VARIANTS = {"kv-talker": "talker", "kv": "on"}
 
-def parse_variant(name: str) -> tuple[str, bool]:
-    """(fp8_weights scope, fp8_kv_cache) of a --variants entry: SCOPE, kv or SCOPE+kv."""
-    scope, plus, kv = name.partition("+")
-    if name == "kv":
-        return "off", True
-    if scope not in FP8_SCOPES[1:] or (plus and kv != "kv"):
-        raise ValueError(f"{name!r} is not one of {', '.join(FP8_SCOPES[1:])}, kv or SCOPE+kv")
-    return scope, bool(plus)
+
+def parse_variant(name: str) -> tuple[str, str]:
+    """(fp8_weights, fp8_kv_cache) of a --variants entry: a scope, a KV part, or SCOPE+KV."""
+    scope, kv = "off", "off"
+    for part in name.split("+"):
+        if part in FP8_SCOPES[1:] and scope == "off":
+            scope = part
+        elif part in KV_VARIANTS and kv == "off":
+            kv = KV_VARIANTS[part]
+        else:
+            raise ValueError(
+                f"{name!r}: {part!r} is not one of {', '.join(FP8_SCOPES[1:] + tuple(KV_VARIANTS))} "
+                "(one weights scope and one KV part at most, joined by +)"
+            )
+    return scope, kv
 
 
 def frame_step_ms(
-    backbone, config, prompts, batches: list[int], context: int, repeat: int, fp8_kv_cache: bool = False
+    backbone, config, prompts, batches: list[int], context: int, repeat: int, fp8_kv_cache: str = "off"
 ) -> list[float]:
     """Median frame-step time per batch size, every row at position context - 1 (graphs on a GPU)."""
     runner = ModelRunner(backbone, max(batches), context + 64, 64, fp8_kv_cache=fp8_kv_cache)
@@ -129,7 +139,7 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             f"## FP8 {name} (fp8_weights {found['fp8_weights']}, {found['projections']} projections; "
-            f"fp8_kv_cache {'on' if found['fp8_kv_cache'] else 'off'})",
+            f"fp8_kv_cache {found['fp8_kv_cache']})",
             "",
             "Logit error, teacher-forced:",
             "",
@@ -193,8 +203,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--variants",
-        default="talker,all,kv,all+kv",
-        help="compared with bf16: fp8_weights scopes (talker, all), kv (FP8 KV cache) or SCOPE+kv",
+        default="talker,all,kv-talker,kv,all+kv",
+        help="compared with bf16: fp8_weights scopes (talker, all), FP8 KV caches (kv-talker, kv), or "
+        "one of each joined by +",
     )
     parser.add_argument("--frames", type=int, default=500)
     parser.add_argument("--prompts", type=int, default=len(fidelity.TEXTS))
@@ -219,7 +230,7 @@ def main() -> None:
     positions = fidelity.positions_needed(requests, args.frames)
     graphs = device.type == "cuda"
 
-    def free_running(model, fp8_kv_cache=False):
+    def free_running(model, fp8_kv_cache="off"):
         runner = fidelity.new_runner(model, args.prompts, positions, graphs, fp8_kv_cache)
         return fidelity.decode_frames(
             runner, fidelity.greedy_requests(model, prompts, args.frames, args.prompts), args.frames

@@ -187,12 +187,13 @@ def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "fp8_check.json").read_text())
-    variants = ["talker", "all", "kv", "all+kv"]
+    variants = ["talker", "all", "kv-talker", "kv", "all+kv"]
     assert [row["batch"] for row in result["frame_step"]] == [1, 2]
     assert all(row[name] > 0 for row in result["frame_step"] for name in ["bf16", *variants])
     assert list(result["variants"]) == variants
-    assert [found["projections"] for found in result["variants"].values()] == [8, 16, 0, 16]
-    assert [found["fp8_kv_cache"] for found in result["variants"].values()] == [False, False, True, True]
+    assert [found["projections"] for found in result["variants"].values()] == [8, 16, 0, 0, 16]
+    kv = ["off", "off", "talker", "on", "on"]
+    assert [found["fp8_kv_cache"] for found in result["variants"].values()] == kv
     for found in result["variants"].values():
         assert len(found["logit_error"]) == 16 and len(found["code_agreement"]["per_codebook"]) == 16
     # Decode attention alone, bf16 (fp32 here) against FP8 keys and values (in Triton's interpreter here).
@@ -204,10 +205,10 @@ def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
 
 
 def assert_the_server_streams_the_in_process_codes(
-    checkpoint, backbone, prompts, parameters: dict, fp8_kv_cache: bool = False, frames: int = 20
+    checkpoint, backbone, prompts, parameters: dict, fp8_kv_cache: str = "off", frames: int = 20
 ) -> str:
     """A greedy request through a real tritonserver started with these `tts` parameters streams the codes
-    `backbone` decodes in process (its KV cache in FP8 with fp8_kv_cache); returns the server's log."""
+    `backbone` decodes in process (with that `fp8_kv_cache`); returns the server's log."""
     from server_helpers import start_server
     from voxtriton_client import TTSClient
 

@@ -49,7 +49,7 @@ def test_fp8_kv_cuda_graphs_give_the_eager_codes(tiny_checkpoint):
     for model in (reference, candidate):
         codes = [
             fidelity.decode_frames(
-                fidelity.new_runner(model, PROMPTS, positions, graphs, fp8_kv_cache=True),
+                fidelity.new_runner(model, PROMPTS, positions, graphs, fp8_kv_cache="on"),
                 fidelity.greedy_requests(model, prompts, FRAMES, PROMPTS),
                 FRAMES,
             )

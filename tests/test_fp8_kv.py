@@ -22,7 +22,7 @@ from voxtriton.models.families import load_family
 from voxtriton.models.fp8 import check_fp8_device, fp8_kv_runner_options
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
-from voxtriton.serving.settings import TTSSettings
+from voxtriton.serving.settings import FP8_KV_CACHE, TTSSettings
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the server's (dtype auto)
@@ -44,8 +44,8 @@ def test_the_setting_is_off_by_default_and_a_bad_value_names_it():
         return TTSSettings.from_model_config({"parameters": {"fp8_kv_cache": {"string_value": value}}})[0]
 
     assert TTSSettings().fp8_kv_cache == "off"
-    assert [parse(value).fp8_kv_cache for value in ("off", "on")] == ["off", "on"]
-    with pytest.raises(ValueError, match="parameter 'fp8_kv_cache' must be off or on, got 'true'"):
+    assert [parse(value).fp8_kv_cache for value in FP8_KV_CACHE] == ["off", "talker", "on"]
+    with pytest.raises(ValueError, match="parameter 'fp8_kv_cache' must be off, talker or on, got 'true'"):
         parse("true")
 
 
@@ -53,13 +53,14 @@ def test_a_family_without_the_path_is_refused_by_name(tiny_checkpoint):
     family = load_family(tiny_checkpoint)
     assert family.fp8_kv_cache
     assert fp8_kv_runner_options(family, "off") == {}
-    assert fp8_kv_runner_options(family, "on") == {"fp8_kv_cache": True}
+    assert fp8_kv_runner_options(family, "talker") == {"fp8_kv_cache": "talker"}
+    assert fp8_kv_runner_options(family, "on") == {"fp8_kv_cache": "on"}
     other = dataclasses.replace(family, name="other", fp8_kv_cache=False)
     assert fp8_kv_runner_options(other, "off") == {}
     with pytest.raises(
         ValueError, match="fp8_kv_cache: an FP8 KV cache is for Qwen3-TTS checkpoints, not other"
     ):
-        fp8_kv_runner_options(other, "on")
+        fp8_kv_runner_options(other, "talker")
 
 
 def test_a_gpu_without_fp8_is_refused_naming_the_setting(monkeypatch):
@@ -73,19 +74,20 @@ def test_a_gpu_without_fp8_is_refused_naming_the_setting(monkeypatch):
         check_fp8_device(torch.device("cuda", 0), "fp8_kv_cache", "FP8 keys and values")
 
 
-def test_the_runner_stores_the_quantised_entries_and_their_scales(setup):
-    """After a prefill, the first layer's entries (computed before any attention reads the cache) are
-    exactly the quantised entries of the unquantised cache, each with its scale; the predictor's cache
-    is FP8 too, and positions past the prompts stay zero."""
+@pytest.mark.parametrize("setting", ["talker", "on"])
+def test_the_runner_stores_the_quantised_entries_and_their_scales(setup, setting):
+    """After a prefill, the talker's first-layer entries (computed before any attention reads the cache)
+    are exactly the quantised entries of the unquantised cache, each with its scale; the predictor's
+    cache is FP8 with `on` only, and positions past the prompts stay zero."""
     config, backbone, prompts = setup
     requests = [make_request(setup, i) for i in range(2)]
-    runners = [ModelRunner(backbone, 2, 64, 64, fp8_kv_cache=fp8) for fp8 in (False, True)]
+    runners = [ModelRunner(backbone, 2, 64, 64, fp8_kv_cache=value) for value in ("off", setting)]
     for runner in runners:
         runner.prefill(requests, 0)
     plain, fp8 = (runner.cache for runner in runners)
     assert plain.key_scales is None and fp8.keys.dtype == FP8 and fp8.values.dtype == FP8
     assert fp8.key_scales.shape == fp8.keys.shape[:-1] and fp8.key_scales.dtype == torch.float32
-    assert runners[1].predictor_cache.keys.dtype == FP8
+    assert runners[1].predictor_cache.fp8 is (setting == "on")
     lengths = [len(request.prompt.text_ids) for request in requests]
     longest = max(lengths)
     for entries, scales, unquantised in (
@@ -97,11 +99,11 @@ def test_the_runner_stores_the_quantised_entries_and_their_scales(setup):
         assert torch.equal(scales[0, :, :, :longest], expected_scales[..., 0])
     for row, length in enumerate(lengths):  # each entry's largest magnitude maps to 448
         assert fp8.keys[:, row, :, :length].float().abs().amax(-1).eq(448).all()
-    longest = max(lengths)
     assert not fp8.keys[:, :, :, longest:].float().any() and not fp8.key_scales[:, :, :, longest:].any()
 
 
-def test_fp8_kv_logits_stay_close_to_bf16_and_codes_are_measured(tiny_checkpoint, setup):
+@pytest.mark.parametrize("setting", ["talker", "on"])
+def test_fp8_kv_logits_stay_close_to_bf16_and_codes_are_measured(tiny_checkpoint, setup, setting):
     """Teacher-forced over FRAMES frames of PROMPTS prompts, every codebook's logit error is bounded
     (asserted; measured values are printed). Free-running greedy codes: the share that agrees is
     printed, not asserted: random weights give near-flat logits, so one flipped argmax sends a prompt
@@ -112,7 +114,7 @@ def test_fp8_kv_logits_stay_close_to_bf16_and_codes_are_measured(tiny_checkpoint
     positions = fidelity.positions_needed(requests, FRAMES)
     report = fidelity.teacher_forced_logit_error(
         fidelity.new_runner(reference, PROMPTS, positions, graphs=False),
-        fidelity.new_runner(candidate, PROMPTS, positions, graphs=False, fp8_kv_cache=True),
+        fidelity.new_runner(candidate, PROMPTS, positions, graphs=False, fp8_kv_cache=setting),
         requests,
         FRAMES,
     )
@@ -122,15 +124,16 @@ def test_fp8_kv_logits_stay_close_to_bf16_and_codes_are_measured(tiny_checkpoint
         assert row["max_abs_error_rel"] < 0.25, row
     codes = [
         fidelity.decode_frames(
-            fidelity.new_runner(reference, PROMPTS, positions, graphs=False, fp8_kv_cache=fp8),
+            fidelity.new_runner(reference, PROMPTS, positions, graphs=False, fp8_kv_cache=value),
             fidelity.greedy_requests(reference, prompts, FRAMES, PROMPTS),
             FRAMES,
         )
-        for fp8 in (False, True)
+        for value in ("off", setting)
     ]
     agreement = fidelity.code_agreement(*codes)
     print(
-        f"tiny checkpoint (random weights), {PROMPTS} prompts x {FRAMES} frames, FP8 KV against bf16: "
+        f"tiny checkpoint (random weights), {PROMPTS} prompts x {FRAMES} frames, fp8_kv_cache={setting} "
+        f"against off: "
         f"teacher-forced mean error / mean magnitude "
         f"{[round(row['mean_abs_error_rel'], 4) for row in report]}, top-1 agreement "
         f"{[round(row['top1_agreement'], 3) for row in report]}; free-running codes agree "
@@ -139,7 +142,7 @@ def test_fp8_kv_logits_stay_close_to_bf16_and_codes_are_measured(tiny_checkpoint
 
 
 def new_engine(setup, rows=8, overlap=False, buckets=False):
-    runner = ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64, fp8_kv_cache=True)
+    runner = ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64, fp8_kv_cache="on")
     if buckets:
         runner.set_buckets([], [], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32])
     return Engine(runner, max_running=rows, overlap=overlap)
@@ -169,6 +172,6 @@ def test_a_server_with_an_fp8_kv_cache_streams_the_in_process_codes(tiny_checkpo
     runner with an FP8 KV cache decodes in process."""
     _, backbone, prompts = setup
     log = assert_the_server_streams_the_in_process_codes(
-        tiny_checkpoint, backbone, prompts, {"fp8_kv_cache": "on"}, fp8_kv_cache=True
+        tiny_checkpoint, backbone, prompts, {"fp8_kv_cache": "on"}, fp8_kv_cache="on"
     )
-    assert "FP8 KV cache (talker and code predictor)" in log
+    assert "FP8 KV cache (on)" in log

@@ -21,6 +21,9 @@ from .request import Request
 from .row_state import RowState
 from .sampling import apply_repetition_penalty, noise_keys, sample
 
+# An `fp8_kv_cache` value -> (the talker's cache in FP8, the code predictor's cache in FP8)
+FP8_KV_CACHES = {"off": (False, False), "talker": (True, False), "on": (True, True)}
+
 
 class ModelRunner(FrameRunner):
     def __init__(
@@ -30,11 +33,11 @@ class ModelRunner(FrameRunner):
         max_positions: int,
         max_text_tokens: int,
         prefill_stream: torch.cuda.Stream | None = None,
-        fp8_kv_cache: bool = False,
+        fp8_kv_cache: str = "off",
     ):
         """prefill_stream: where padded prefills run, beside the frame step in flight (see
-        `_beside_the_step`); None: on the caller's stream, between steps. fp8_kv_cache: the talker's
-        and the code predictor's keys and values in FP8 (`StaticKV`)."""
+        `_beside_the_step`); None: on the caller's stream, between steps. fp8_kv_cache: which caches
+        hold FP8 keys and values (`StaticKV`): none (off), the talker's, or the code predictor's too (on)."""
         config: Qwen3TTSConfig = model.config
         self.model, self.config = model, config
         talker = model.talker
@@ -51,14 +54,14 @@ class ModelRunner(FrameRunner):
         )
         self.end_marker, self.pad_text_id = config.talker.codec_eos_id, config.tts_pad_token_id
         t, p = config.talker.transformer, config.talker.predictor
-
-        if fp8_kv_cache:
+        talker_fp8, predictor_fp8 = FP8_KV_CACHES[fp8_kv_cache]
+        if talker_fp8:
             check_fp8_device(self.device, "fp8_kv_cache", "FP8 keys and values")
         self.cache = StaticKV.allocate(
             (t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
             self.device,
             self.dtype,
-            fp8_kv_cache,
+            talker_fp8,
         )
         predictor_length = talker.code_predictor.cache_length
         # Every position here is below the cache's length, so rotary embeddings can be lookups.
@@ -68,7 +71,7 @@ class ModelRunner(FrameRunner):
             (p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim),
             self.device,
             self.dtype,
-            fp8_kv_cache,
+            predictor_fp8,
         )
         vocab = config.talker.vocab_size
         self.state = RowState.allocate(

@@ -72,7 +72,7 @@ def fp8_kv_runner_options(family, setting: str) -> dict:
         return {}
     if not family.fp8_kv_cache:
         raise ValueError(f"fp8_kv_cache: an FP8 KV cache is for Qwen3-TTS checkpoints, not {family.name}")
-    return {"fp8_kv_cache": True}
+    return {"fp8_kv_cache": setting}
 
 
 @torch.no_grad()

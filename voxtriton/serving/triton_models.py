@@ -239,7 +239,7 @@ class TTSTritonModel:
             **fp8_kv,
         )
         if fp8_kv:
-            log.info("tts: FP8 KV cache (talker and code predictor)")
+            log.info("tts: FP8 KV cache (%s)", settings.fp8_kv_cache)
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets())
