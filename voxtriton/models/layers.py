@@ -258,7 +258,7 @@ class StaticKV:
     The first B rows belong to the B requests of the batch. `span` limits how much of each row
     attention reads, so a step costs what the longest request needs, not the whole allocation.
     An FP8 cache (the `fp8_kv_cache` setting) holds float8_e4m3fn entries and an fp32 scale per entry,
-    key_scales and value_scales [layers, rows, kv_heads, length]: half the bytes attention reads.
+    key_scales and value_scales [layers, rows, kv_heads, length]: about half the bytes attention reads.
     """
 
     def __init__(
