@@ -128,12 +128,11 @@ def main() -> None:
         positions = runner.state.position[:batch].clone()
         hidden = runner.state.past_hidden[:batch]
         first = talker.model.codec_embedding(runner.state.last_code[:batch])
-        keys, values = runner.predictor_keys, runner.predictor_values
 
         def predictor():
             with torch.inference_mode():
                 talker.code_predictor.predict_frame(
-                    hidden, first, keys, values, lambda logits, group: logits.argmax(-1)
+                    hidden, first, runner.predictor_cache, lambda logits, group: logits.argmax(-1)
                 )
 
         def talker_step():

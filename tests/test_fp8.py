@@ -158,7 +158,8 @@ def test_fp8_logits_stay_within_fp8_precision_of_bf16(tiny_checkpoint):
 
 
 def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
-    """benchmarks/fp8_check.py on the tiny checkpoint (on the CPU: eager steps), so it cannot rot."""
+    """benchmarks/fp8_check.py on the tiny checkpoint (on the CPU: eager steps), every variant (FP8
+    weights, FP8 KV cache, both), so it cannot rot."""
     done = subprocess.run(
         [
             sys.executable,
@@ -186,41 +187,60 @@ def test_fp8_check_runs_end_to_end(tmp_path, tiny_checkpoint):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "fp8_check.json").read_text())
+    variants = ["talker", "all", "kv-talker", "kv", "all+kv"]
     assert [row["batch"] for row in result["frame_step"]] == [1, 2]
-    assert all(row[name] > 0 for row in result["frame_step"] for name in ("bf16", "talker", "all"))
-    assert [found["projections"] for found in result["scopes"].values()] == [8, 16]
-    for found in result["scopes"].values():
+    assert all(row[name] > 0 for row in result["frame_step"] for name in ["bf16", *variants])
+    assert list(result["variants"]) == variants
+    assert [found["projections"] for found in result["variants"].values()] == [8, 16, 0, 0, 16]
+    kv = ["off", "off", "talker", "on", "on"]
+    assert [found["fp8_kv_cache"] for found in result["variants"].values()] == kv
+    for found in result["variants"].values():
         assert len(found["logit_error"]) == 16 and len(found["code_agreement"]["per_codebook"]) == 16
+    # Decode attention alone, bf16 (fp32 here) against FP8 keys and values (in Triton's interpreter here).
+    assert [row["batch"] for row in result["decode_attention"]] == [1, 2]
+    assert all(row["bf16_us"] > 0 and row["fp8_us"] > 0 for row in result["decode_attention"])
     assert result["meta"]["frames"] == 6
-    assert "RANDOM weights" in (tmp_path / "fp8_check.md").read_text()
+    report = (tmp_path / "fp8_check.md").read_text()
+    assert "RANDOM weights" in report and "fp8_kv_cache on" in report and "Decode attention" in report
+
+
+def assert_the_server_streams_the_in_process_codes(
+    checkpoint, backbone, prompts, parameters: dict, fp8_kv_cache: str = "off", frames: int = 20
+) -> str:
+    """A greedy request through a real tritonserver started with these `tts` parameters streams the codes
+    `backbone` decodes in process (with that `fp8_kv_cache`); returns the server's log."""
+    from server_helpers import start_server
+    from voxtriton_client import TTSClient
+
+    requests = fidelity.greedy_requests(backbone, prompts, frames, 1)
+    positions = fidelity.positions_needed(requests, frames)
+    runner = fidelity.new_runner(backbone, 1, positions, graphs=False, fp8_kv_cache=fp8_kv_cache)
+    expected = fidelity.decode_frames(runner, requests, frames)[0]
+    with start_server(checkpoint, parameters={"tts": parameters}) as server:
+        synthesis = TTSClient(server.grpc_url).synthesize(
+            fidelity.TEXTS[0],
+            speaker=prompts.speakers[0],
+            temperature=0.0,
+            seed=0,
+            max_frames=frames,
+            ignore_eos=True,
+            codes=True,
+        )
+        log = server.log_file.read_text(errors="replace")
+    np.testing.assert_array_equal(synthesis.raise_for_error().codes, expected)
+    return log
 
 
 @pytest.mark.server
 def test_a_server_with_fp8_weights_streams_the_fp8_models_codes(tiny_checkpoint):
     """`tts:fp8_weights=all` through a real tritonserver: the tts model swaps its projections, and a
     greedy request's codes are those the FP8 model decodes in process."""
-    from server_helpers import start_server
-    from voxtriton_client import TTSClient
-
     config = load_config(tiny_checkpoint)
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the server's (dtype auto)
     backbone = load_backbone(tiny_checkpoint, config, device=DEVICE, dtype=dtype)
     projections = quantize_backbone(backbone, "all")
     prompts = PromptBuilder(config, TextTokenizer(tiny_checkpoint))
-    requests = fidelity.greedy_requests(backbone, prompts, 20, 1)
-    expected = fidelity.decode_frames(
-        fidelity.new_runner(backbone, 1, fidelity.positions_needed(requests, 20), graphs=False), requests, 20
-    )[0]
-    with start_server(tiny_checkpoint, parameters={"tts": {"fp8_weights": "all"}}) as server:
-        synthesis = TTSClient(server.grpc_url).synthesize(
-            fidelity.TEXTS[0],
-            speaker=prompts.speakers[0],
-            temperature=0.0,
-            seed=0,
-            max_frames=20,
-            ignore_eos=True,
-            codes=True,
-        )
-        log = server.log_file.read_text(errors="replace")
+    log = assert_the_server_streams_the_in_process_codes(
+        tiny_checkpoint, backbone, prompts, {"fp8_weights": "all"}
+    )
     assert f"FP8 weights for {projections} projections" in log
-    np.testing.assert_array_equal(synthesis.raise_for_error().codes, expected)

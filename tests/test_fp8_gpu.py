@@ -1,5 +1,6 @@
-"""FP8 weights on the GPU (skipped without CUDA, or below compute capability 8.9): the kernel check, CUDA
-graphs against eager, and how far greedy codes stay with bf16's on the tiny checkpoint."""
+"""FP8 weights and the FP8 KV cache on the GPU (skipped without CUDA, or below compute capability 8.9):
+the kernel checks, CUDA graphs against eager, the kernels against the formulas in a model, and how far
+greedy codes stay with bf16's on the tiny checkpoint (random weights)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from voxtriton.bench import fidelity
 from voxtriton.kernels import check_kernels
 from voxtriton.models.config import load_config
 from voxtriton.models.fp8 import FP8_CAPABILITY, quantize_backbone
+from voxtriton.models.layers import StaticKV, causal_mask
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 
@@ -34,8 +36,51 @@ def backbones(checkpoint):
     return reference, candidate, PromptBuilder(config, TextTokenizer(checkpoint))
 
 
-def test_the_quantisation_kernel_serves():
-    assert check_kernels(DEVICE)["fp8_quantize_rows"]
+def test_the_fp8_kernels_serve():
+    usable = check_kernels(DEVICE)
+    assert usable["fp8_quantize_rows"] and usable["rotary_fp8"] and usable["decode_attention_fp8"]
+
+
+def test_fp8_kv_cuda_graphs_give_the_eager_codes(tiny_checkpoint):
+    """The FP8 KV cache alone and with FP8 weights: graph replays draw the eager codes."""
+    reference, candidate, prompts = backbones(tiny_checkpoint)
+    requests = fidelity.greedy_requests(reference, prompts, FRAMES, PROMPTS)
+    positions = fidelity.positions_needed(requests, FRAMES)
+    for model in (reference, candidate):
+        codes = [
+            fidelity.decode_frames(
+                fidelity.new_runner(model, PROMPTS, positions, graphs, fp8_kv_cache="on"),
+                fidelity.greedy_requests(model, prompts, FRAMES, PROMPTS),
+                FRAMES,
+            )
+            for graphs in (False, True)
+        ]
+        np.testing.assert_array_equal(codes[1], codes[0])
+
+
+def test_fp8_kv_decode_kernel_matches_the_sdpa_formula_in_the_talker(tiny_checkpoint):
+    """One decode step of the talker over an FP8 cache: the kernels (rotary writes, decode attention)
+    against the same cache read by SDPA after dequantising, rows at different positions."""
+    reference, _, _ = backbones(tiny_checkpoint)
+    model = reference.talker.model
+    t = reference.config.talker.transformer
+    batch, span = 3, 96
+    generator = torch.Generator().manual_seed(2)
+    shape = (t.num_layers, batch, t.num_kv_heads, span, t.head_dim)
+    cache = StaticKV.allocate(shape, DEVICE, torch.bfloat16, fp8=True)
+    for entries, scales in ((cache.keys, cache.key_scales), (cache.values, cache.value_scales)):
+        entries.copy_((torch.randn(shape, generator=generator) * 200).clamp(-448, 448).to(entries.dtype))
+        scales.copy_(torch.rand(shape[:-1], generator=generator) * 0.02)
+    positions = torch.tensor([[5], [64], [95]], device=DEVICE)
+    x = torch.randn(batch, 1, t.hidden_size, generator=generator).to(DEVICE, torch.bfloat16)
+    outputs = []
+    with torch.inference_mode():
+        for mask in (None, causal_mask(positions, span)):
+            copy = StaticKV(
+                *(part.clone() for part in (cache.keys, cache.values, cache.key_scales, cache.value_scales))
+            )
+            outputs.append(model(x, positions, copy.bind(positions, span), mask).float())
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=3e-2, atol=3e-2)
 
 
 def test_fp8_cuda_graphs_give_the_eager_codes(tiny_checkpoint):

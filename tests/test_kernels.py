@@ -127,6 +127,41 @@ def test_decode_attention_matches_the_reference(dtype, new_tokens, case):
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("new_tokens", [1, 2])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_decode_attention_over_an_fp8_cache_matches_the_reference(new_tokens, case):
+    """FP8 keys and values with a scale per entry, over strided views of a larger cache and its scales
+    (as StaticKV hands them out): fp32 queries here (Triton's interpreter computes bf16 tl.dot
+    wrongly), bf16 ones, as served, on a GPU."""
+    from voxtriton.kernels.fp8 import quantize_rows_reference
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    span, last_positions, launch = ATTENTION_CASES[case]
+    generator = torch.Generator().manual_seed(20 + new_tokens)
+    batch, heads, kv_heads, dim = 3, 4, 2, 32
+    last = torch.tensor(last_positions).clamp(min=new_tokens - 1)
+    positions = last[:, None] - torch.arange(new_tokens - 1, -1, -1)[None, :]
+    q = random(batch, heads, new_tokens, dim, dtype=dtype, generator=generator)
+    # Entries of magnitudes across two decades, so that the scales matter.
+    magnitude = torch.logspace(-1, 1, span + 10)[None, None, None, :, None]
+    cache, scales = quantize_rows_reference(
+        random(2, batch + 1, kv_heads, span + 10, dim, generator=generator) * magnitude
+    )
+    keys, values = cache[0, :batch, :, :span], cache[1, :batch, :, :span]
+    key_scales, value_scales = scales[0, :batch, :, :span, 0], scales[1, :batch, :, :span, 0]
+    out = attention.decode_attention(
+        *map(on_device, (q, keys, values, positions)),
+        0.3,
+        launch=launch,
+        key_scales=on_device(key_scales),
+        value_scales=on_device(value_scales),
+    )
+    expected = attention.decode_attention_reference(q, keys, values, positions, 0.3, key_scales, value_scales)
+    assert out.shape == q.shape and out.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance * 10)
+
+
 def test_the_code_predictors_span_is_the_longest_that_takes_the_short_launch():
     assert attention.launch_shape(16) == attention.launch_shape(1) == attention.SHORT_SPAN_LAUNCH
     assert attention.launch_shape(17) == attention.launch_shape(512) == attention.LONG_SPAN_LAUNCH
@@ -229,6 +264,14 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     )
 
 
+def written_entries(shape: tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
+    """[2, rows, kv_heads, length]: True where a layer call writes keys and values (row r at positions[r])."""
+    written = torch.zeros(shape, dtype=torch.bool)
+    for row, row_positions in enumerate(positions):
+        written[:, row, :, row_positions] = True
+    return written
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "new_tokens, with_norm, heads, kv_heads", [(1, True, 4, 2), (2, True, 6, 2), (3, False, 3, 3)]
@@ -289,11 +332,68 @@ def test_rotate_into_cache_matches_the_reference(dtype, new_tokens, with_norm, h
     torch.testing.assert_close(
         fused_cache.float().cpu(), expected_cache.float(), rtol=tolerance, atol=tolerance
     )
-    written = torch.zeros(cache.shape[:4], dtype=torch.bool)
-    for row in range(batch):
-        written[:, row, :, positions[row]] = True
+    written = written_entries(cache.shape[:4], positions)
     assert torch.equal(fused_cache.cpu()[~written], cache[~written])  # nothing else touched
     assert not torch.equal(fused_cache.cpu()[written], cache[written])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens, with_norm", [(1, True), (2, False)])
+def test_rotate_into_cache_writes_the_formulas_fp8_entries(dtype, new_tokens, with_norm):
+    """An FP8 cache: the kernel writes the formula's bytes and scales, fp32 inputs in Triton's
+    interpreter; elsewhere within one FP8 step (the interpreter rounds bf16 differently, and a GPU's
+    fused multiply-adds and sum order may move the last bit before the FP8 rounding). An all-zero key
+    and value stay zero with a finite scale, and nothing else is touched."""
+    from voxtriton.kernels import rotary
+    from voxtriton.kernels.fp8 import FP8
+    from voxtriton.models.layers import Rotary
+
+    generator = torch.Generator().manual_seed(30 + new_tokens)
+    batch, heads, kv_heads, dim, length = 3, 4, 2, 16, 12
+    qkv = random(batch, new_tokens, heads + 2 * kv_heads, dim, scale=3, dtype=dtype, generator=generator)
+    qkv[1, 0, heads:] = 0.0  # row 1's first new token: every key and value head all zeros
+    positions = torch.tensor([0, 5, length - new_tokens])[:, None] + torch.arange(new_tokens)[None, :]
+    cos, sin = Rotary(dim, 10000.0)(positions, dtype)
+    norms = (
+        [(random(dim, generator=generator) + 1).to(dtype) for _ in range(2)] if with_norm else [None, None]
+    )
+    cache = random(2, batch + 1, kv_heads, length + 3, dim, generator=generator).to(FP8)
+    scales = torch.rand(2, batch + 1, kv_heads, length + 3, generator=generator)
+    expected_cache, expected_scales = cache.clone(), scales.clone()
+    fused_cache, fused_scales = cache.clone().to(DEVICE), scales.clone().to(DEVICE)
+    rows = slice(0, batch)
+    inputs = (qkv, heads, kv_heads, *norms, 1e-6, cos, sin)
+    expected = rotary.rotate_into_cache(
+        *inputs, *expected_cache[:, rows], positions, *expected_scales[:, rows]
+    )
+    fused = rotary.rotate_into_cache_triton(
+        *(on_device(t) if isinstance(t, torch.Tensor) else t for t in inputs),
+        *fused_cache[:, rows],
+        on_device(positions),
+        *fused_scales[:, rows],
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance)
+    fused_cache, fused_scales = fused_cache.cpu(), fused_scales.cpu()
+    if dtype == torch.float32 and DEVICE.type == "cpu":
+        assert torch.equal(fused_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+        assert torch.equal(fused_scales, expected_scales)
+    else:
+        torch.testing.assert_close(
+            fused_cache.float() * fused_scales[..., None],
+            expected_cache.float() * expected_scales[..., None],
+            rtol=2**-3,
+            atol=1e-3,
+        )
+    zero = (slice(None), 1, slice(None), positions[1, 0])
+    assert torch.equal(fused_cache[zero].float(), torch.zeros(2, kv_heads, dim))
+    assert ((fused_scales[zero] > 0) & (fused_scales[zero] < 1e-12)).all()
+    written = written_entries(cache.shape[:4], positions)
+    assert torch.equal(fused_cache[~written].view(torch.uint8), cache[~written].view(torch.uint8))
+    assert torch.equal(fused_scales[~written], scales[~written])
+    # Each written entry's largest magnitude is the format's largest value (all-zero ones aside).
+    amax = fused_cache[written].float().abs().amax(dim=-1)
+    assert ((amax == 448) | (amax == 0)).all() and (amax == 448).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -341,7 +441,7 @@ def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     shipped = {
         name: check
         for name, check in KERNEL_CHECKS.items()
-        if DEVICE.type == "cuda" or name != "decode_attention"
+        if DEVICE.type == "cuda" or name not in ("decode_attention", "decode_attention_fp8")
     }
 
     def fails_to_build(device):
@@ -374,8 +474,10 @@ def test_every_kernel_registers_its_check_and_the_kernels_import_no_engine(first
         "add_rms_norm",
         "channel_bias",
         "decode_attention",
+        "decode_attention_fp8",
         "fp8_quantize_rows",
         "rotary",
+        "rotary_fp8",
         "sampling",
         "silu_and_mul",
         "snake",

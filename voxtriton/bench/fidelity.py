@@ -63,9 +63,12 @@ def decode_frames(runner: ModelRunner, requests: list[Request], frames: int) -> 
     return torch.stack(steps, dim=1).numpy()
 
 
-def new_runner(backbone: Qwen3TTSBackbone, rows: int, positions: int, graphs: bool) -> ModelRunner:
-    """A runner of `rows` rows and `positions` positions; with graphs (GPU), its frame step captured."""
-    runner = ModelRunner(backbone, rows, positions, MAX_TEXT_TOKENS)
+def new_runner(
+    backbone: Qwen3TTSBackbone, rows: int, positions: int, graphs: bool, fp8_kv_cache: str = "off"
+) -> ModelRunner:
+    """A runner of `rows` rows and `positions` positions (`fp8_kv_cache`: which caches are FP8, as the
+    setting says); with graphs (GPU), its frame step captured."""
+    runner = ModelRunner(backbone, rows, positions, MAX_TEXT_TOKENS, fp8_kv_cache=fp8_kv_cache)
     if graphs:
         runner.capture_graphs([rows], [positions])
     return runner

@@ -128,7 +128,7 @@ class FrameRunner:
     def _move_row_by_index(self, span: int) -> None:
         source, target = self.move_pair[:1], self.move_pair[1:]
         self.state.move(source, target)
-        for cache in (self.cache.keys, self.cache.values):
+        for cache in self.cache.storage():
             window = cache[:, :, :, :span]
             window.index_copy_(1, target, window.index_select(1, source))
 
@@ -151,13 +151,7 @@ class FrameRunner:
             self.prefill_batch_buckets, self.prefill_length_buckets = [], []
             return
         batch, length = self.prefill_batch_buckets[-1], self.prefill_length_buckets[-1]
-        layers, _, kv_heads, _, head_dim = self.cache.keys.shape
-
-        def scratch():
-            shape = (layers, batch, kv_heads, length, head_dim)
-            return torch.zeros(shape, device=self.device, dtype=self.dtype)
-
-        self.prefill_kv = StaticKV(scratch(), scratch())
+        self.prefill_kv = self.cache.like(batch, length)
         self.admission_layout = AdmissionLayout(batch, self.trailing_width)
         self.admission = torch.zeros(
             self.admission_layout.size(batch, length), device=self.device, dtype=torch.long
@@ -290,7 +284,7 @@ class FrameRunner:
                 inputs.text,
                 inputs.codec,
                 inputs.last_index,
-                StaticKV(self.cache.keys[:, rows], self.cache.values[:, rows]),
+                self.cache.rows(rows),
                 self._extra_embeds(requests, longest),
             )
             self._write_admitted(inputs, last, None)
@@ -356,7 +350,7 @@ class FrameRunner:
     def _prefill_padded(self, batch: int, length: int) -> torch.Tensor:
         """The prefill of one (batch, length) bucket from the admission buffer into the scratch cache
         (what its graph replays)."""
-        cache = StaticKV(self.prefill_kv.keys[:, :batch], self.prefill_kv.values[:, :batch])
+        cache = self.prefill_kv.rows(slice(0, batch))
         inputs = self._admission_inputs(batch, batch, length)
         extra = None if self.prefill_extra is None else self.prefill_extra[:batch, :length]
         return self._prompt_last_hidden(inputs.text, inputs.codec, inputs.last_index, cache, extra)
@@ -369,10 +363,7 @@ class FrameRunner:
         rows = inputs.first_row + self.row_offsets[: inputs.scalars.shape[0]]
         self.state.admit(rows, inputs)
         if scratch_length is not None:
-            for cache, scratch in (
-                (self.cache.keys, self.prefill_kv.keys),
-                (self.cache.values, self.prefill_kv.values),
-            ):
+            for cache, scratch in zip(self.cache.storage(), self.prefill_kv.storage()):
                 cache[:, :, :, :scratch_length].index_copy_(
                     1, rows, scratch[:, : len(rows), :, :scratch_length]
                 )

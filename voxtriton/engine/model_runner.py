@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..models.config import Qwen3TTSConfig
+from ..models.fp8 import check_fp8_device
 from ..models.layers import StaticKV
 from ..models.talker import Qwen3TTSBackbone
 from .admission import AdmissionInputs
@@ -19,6 +20,9 @@ from .frame_runner import FrameRunner
 from .request import Request
 from .row_state import RowState
 from .sampling import apply_repetition_penalty, noise_keys, sample
+
+# An `fp8_kv_cache` value -> (the talker's cache in FP8, the code predictor's cache in FP8)
+FP8_KV_CACHES = {"off": (False, False), "talker": (True, False), "on": (True, True)}
 
 
 class ModelRunner(FrameRunner):
@@ -29,9 +33,11 @@ class ModelRunner(FrameRunner):
         max_positions: int,
         max_text_tokens: int,
         prefill_stream: torch.cuda.Stream | None = None,
+        fp8_kv_cache: str = "off",
     ):
         """prefill_stream: where padded prefills run, beside the frame step in flight (see
-        `_beside_the_step`); None: on the caller's stream, between steps."""
+        `_beside_the_step`); None: on the caller's stream, between steps. fp8_kv_cache: which caches
+        hold FP8 keys and values (`StaticKV`): none (off), the talker's, or the code predictor's too (on)."""
         config: Qwen3TTSConfig = model.config
         self.model, self.config = model, config
         talker = model.talker
@@ -48,20 +54,25 @@ class ModelRunner(FrameRunner):
         )
         self.end_marker, self.pad_text_id = config.talker.codec_eos_id, config.tts_pad_token_id
         t, p = config.talker.transformer, config.talker.predictor
-
-        def zeros(*shape, dtype=None):
-            return torch.zeros(*shape, device=self.device, dtype=dtype or self.dtype)
-
-        self.cache = StaticKV(
-            zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
-            zeros(t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
+        talker_fp8, predictor_fp8 = FP8_KV_CACHES[fp8_kv_cache]
+        if talker_fp8:
+            check_fp8_device(self.device, "fp8_kv_cache", "FP8 keys and values")
+        self.cache = StaticKV.allocate(
+            (t.num_layers, max_rows, t.num_kv_heads, max_positions, t.head_dim),
+            self.device,
+            self.dtype,
+            talker_fp8,
         )
         predictor_length = talker.code_predictor.cache_length
         # Every position here is below the cache's length, so rotary embeddings can be lookups.
         talker.model.rotary.tabulate(max_positions, self.dtype)
         talker.code_predictor.model.rotary.tabulate(predictor_length, self.dtype)
-        self.predictor_keys = zeros(p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim)
-        self.predictor_values = torch.zeros_like(self.predictor_keys)
+        self.predictor_cache = StaticKV.allocate(
+            (p.num_layers, max_rows, p.num_kv_heads, predictor_length, p.head_dim),
+            self.device,
+            self.dtype,
+            predictor_fp8,
+        )
         vocab = config.talker.vocab_size
         self.state = RowState.allocate(
             max_rows,
@@ -204,8 +215,7 @@ class ModelRunner(FrameRunner):
         residual = talker.code_predictor.predict_frame(
             state.past_hidden[rows],
             talker.model.codec_embedding(state.last_code[rows]),
-            self.predictor_keys,
-            self.predictor_values,
+            self.predictor_cache,
             lambda logits, group: sample(logits, sub, keys[:, group]),
         )
         frame = torch.cat((state.last_code[rows, None], residual), dim=1)

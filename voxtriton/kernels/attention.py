@@ -8,12 +8,18 @@ One program per (row, KV head) holds that head's query group (the query heads th
 times the new tokens: 2 or 4 rows here) and streams the row's keys and values once, with an online
 softmax (flash attention's recurrence). Causal by position: the query at position p sees cache
 entries 0..p.
+
+An FP8 cache (float8_e4m3fn entries, each with an fp32 scale: `kernels.fp8.quantize_rows_reference` of
+its head dimension) halves the bytes read. Entries widen exactly to the query's dtype (every e4m3
+value is a bf16 value); key scales then multiply the scores and value scales the softmax weights, per
+key: BLOCK_ROWS x BLOCK_KEYS products where dequantising would take BLOCK_KEYS x DIM.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .fp8 import quantize_rows_reference
 from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
@@ -33,14 +39,15 @@ def launch_shape(span: int) -> tuple[int, int, int]:
     return SHORT_SPAN_LAUNCH if span <= SHORT_SPAN_LAUNCH[0] else LONG_SPAN_LAUNCH
 
 
-def decode_attention_supported(device: torch.device, query_rows: int, dim: int) -> bool:
+def decode_attention_supported(device: torch.device, query_rows: int, dim: int, fp8: bool = False) -> bool:
     """Whether `decode_attention` serves a query of `query_rows` (query heads per KV head x new tokens)
-    and head size `dim` on `device`: a GPU, few new tokens, a power-of-two head size."""
+    and head size `dim` on `device`, over an FP8 cache with fp8: a GPU, few new tokens, a power-of-two
+    head size."""
     return (
         query_rows <= MAX_QUERY_ROWS
         and dim >= 16
         and dim & (dim - 1) == 0
-        and triton_usable(device, "decode_attention")
+        and triton_usable(device, "decode_attention_fp8" if fp8 else "decode_attention")
     )
 
 
@@ -51,14 +58,20 @@ def decode_attention(
     positions: torch.Tensor,
     scale: float,
     launch: tuple[int, int, int] | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, T, D] at positions [B, T] (increasing along T); keys, values [B, KVH, L, D] (views of the
     cache) with entries 0..positions[:, -1] written; entries at L and beyond are never read. All three
-    need unit stride in D. `launch` overrides `launch_shape(L)` (for measuring). Returns [B, H, T, D]."""
+    need unit stride in D. `launch` overrides `launch_shape(L)` (for measuring). With scales [B, KVH, L]
+    (of one layout, unit stride in L), keys and values are FP8. Returns [B, H, T, D]."""
     batch, heads, length, dim = q.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     if not q.stride(-1) == keys.stride(-1) == values.stride(-1) == 1:
         raise ValueError("decode_attention needs unit stride along the head dimension")
+    fp8 = key_scales is not None
+    if fp8 and (key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1):
+        raise ValueError("decode_attention needs key and value scales of one layout, unit stride along L")
     positions = positions.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_keys, warps, stages = launch or launch_shape(span)
@@ -70,6 +83,9 @@ def decode_attention(
             *keys.stride()[:3],
             values,
             *values.stride()[:3],
+            key_scales if fp8 else keys,
+            value_scales if fp8 else values,
+            *(key_scales.stride()[:2] if fp8 else (0, 0)),
             out,
             positions,
             scale,
@@ -81,16 +97,27 @@ def decode_attention(
             BLOCK_KEYS=block_keys,
             # fp32 stays fp32 (tl.dot would round fp32 inputs to tf32); bf16 products are exact anyway.
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            KV_FP8=fp8,
             num_warps=warps,
             num_stages=stages,
         )
     return out
 
 
-def decode_attention_reference(q, keys, values, positions, scale):
+def dequantize(entries: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 cache entries [..., D] times their scales [...], in `dtype`; entries without scales as they are."""
+    if scales is None:
+        return entries
+    return (entries.float() * scales[..., None]).to(dtype)
+
+
+def decode_attention_reference(q, keys, values, positions, scale, key_scales=None, value_scales=None):
     """The same function through SDPA with an explicit causal-by-position mask (fp32)."""
     group = q.shape[1] // keys.shape[1]
-    keys, values = (t.float().repeat_interleave(group, dim=1) for t in (keys, values))
+    keys, values = (
+        dequantize(t, s, torch.float32).float().repeat_interleave(group, dim=1)
+        for t, s in ((keys, key_scales), (values, value_scales))
+    )
     mask = torch.arange(keys.shape[2])[None, None, None, :] <= positions.cpu()[:, None, :, None]
     return torch.nn.functional.scaled_dot_product_attention(
         q.float(), keys, values, attn_mask=mask.to(q.device), scale=scale
@@ -114,6 +141,30 @@ def check_decode_attention(device: torch.device) -> list[Comparison]:
     return comparisons
 
 
+@register_check("decode_attention_fp8")
+def check_decode_attention_fp8(device: torch.device) -> list[Comparison]:
+    """Over an FP8 cache, both launch shapes, bf16 queries as served."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise RuntimeError("FP8 needs compute capability 8.9 or newer")
+    generator = torch.Generator().manual_seed(5)
+    comparisons = []
+    for span, positions in ((80, torch.tensor([[5], [70]])), (16, torch.tensor([[3], [15]]))):
+        q = torch.randn(2, 4, 1, 128, generator=generator).bfloat16()
+        (keys, key_scales), (values, value_scales) = (
+            quantize_rows_reference(torch.randn(2, 2, span, 128, generator=generator) * 4) for _ in range(2)
+        )
+        key_scales, value_scales = key_scales[..., 0], value_scales[..., 0]
+        out = decode_attention(
+            *(t.to(device) for t in (q, keys, values, positions)),
+            0.1,
+            key_scales=key_scales.to(device),
+            value_scales=value_scales.to(device),
+        )
+        expected = decode_attention_reference(q, keys, values, positions, 0.1, key_scales, value_scales)
+        comparisons.append((out, expected, 3e-2))
+    return comparisons
+
+
 if triton is not None:
 
     @triton.jit
@@ -130,6 +181,10 @@ if triton is not None:
         v_batch_stride,
         v_head_stride,
         v_position_stride,
+        k_scale_ptr,
+        v_scale_ptr,
+        scale_batch_stride,
+        scale_head_stride,
         out_ptr,
         positions_ptr,
         scale,
@@ -140,6 +195,7 @@ if triton is not None:
         BLOCK_ROWS: tl.constexpr,
         BLOCK_KEYS: tl.constexpr,
         PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         row, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         # Query block row r is (query head kv_head * GROUP + r // LENGTH, new token r % LENGTH).
@@ -160,17 +216,23 @@ if triton is not None:
         for start in range(0, end, BLOCK_KEYS):
             key_positions = start + tl.arange(0, BLOCK_KEYS)
             inside = key_positions < end
+            # FP8 entries widen exactly; bf16 and fp32 ones are the query's dtype already.
             key = tl.load(
                 key_base + key_positions[:, None] * k_position_stride + dims[None, :],
                 mask=inside[:, None],
                 other=0.0,
-            )
+            ).to(query.dtype)
             value = tl.load(
                 value_base + key_positions[:, None] * v_position_stride + dims[None, :],
                 mask=inside[:, None],
                 other=0.0,
-            )
+            ).to(query.dtype)
             scores = tl.dot(query, tl.trans(key), input_precision=PRECISION) * scale
+            if KV_FP8:
+                scale_offsets = row * scale_batch_stride + kv_head * scale_head_stride + key_positions
+                key_scale = tl.load(k_scale_ptr + scale_offsets, mask=inside, other=0.0)
+                value_scale = tl.load(v_scale_ptr + scale_offsets, mask=inside, other=0.0)
+                scores = scores * key_scale[None, :]
             visible = key_positions[None, :] <= query_position[:, None]
             scores = tl.where(visible, scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))
@@ -179,6 +241,8 @@ if triton is not None:
             weights = tl.exp(scores - safe_best[:, None])
             correction = tl.exp(best - safe_best)
             total = total * correction + tl.sum(weights, axis=1)
+            if KV_FP8:
+                weights = weights * value_scale[None, :]
             acc = acc * correction[:, None] + tl.dot(
                 weights.to(value.dtype), value, input_precision=PRECISION
             )

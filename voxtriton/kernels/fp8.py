@@ -72,12 +72,19 @@ if triton is not None:
         inside = column < width
         value = tl.load(x + row * row_stride + column, mask=inside, other=0.0).to(tl.float32)
         row_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(value), axis=0), min_amax), fp8_max)
-        scaled = tl.minimum(tl.maximum(tl.math.div_rn(value, row_scale), -fp8_max), fp8_max)
-        # Round to the e4m3 grid in fp32 (nearest, ties to even), so the cast only re-encodes: Triton's
-        # interpreter rounds casts wrongly. 3 mantissa bits, or steps of 2**-9 below 2**-6 (subnormals).
-        bits = scaled.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-        subnormal = (scaled + 24576.0) - 24576.0  # fp32 numbers near 1.5 * 2**14 are 2**-9 apart
-        scaled = tl.where(tl.abs(scaled) < 0.015625, subnormal, normal)
+        scaled = to_e4m3_grid(value, row_scale, fp8_max)
         tl.store(out + row * width + column, scaled.to(out.dtype.element_ty), mask=inside)
         tl.store(scale + row, row_scale)
+
+    @triton.jit
+    def to_e4m3_grid(value, scale, fp8_max):
+        """value / scale, saturated and rounded to the e4m3 grid in fp32, as `quantize_rows_reference`
+        divides and casts: the cast to FP8 then only re-encodes."""
+        scaled = tl.minimum(tl.maximum(tl.math.div_rn(value, scale), -fp8_max), fp8_max)
+        # Round in fp32 (nearest, ties to even), so the cast only re-encodes: Triton's interpreter
+        # rounds casts wrongly. 3 mantissa bits, or steps of 2**-9 below 2**-6 (subnormals).
+        bits = scaled.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        # fp32 numbers near 1.5 * 2**14 are 2**-9 apart; the magnitude rounds, so -0.0 keeps its sign.
+        subnormal = ((tl.abs(scaled) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -0x80000000)
+        return tl.where(tl.abs(scaled) < 0.015625, subnormal.to(tl.float32, bitcast=True), normal)

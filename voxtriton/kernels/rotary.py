@@ -8,7 +8,9 @@ per (row, new token) loads that token's q, k and v heads once, normalises and ro
 writes k and v into the cache at the token's position, and q to a tensor of its own.
 
 It rounds where the PyTorch formulas round (the norm's output, then the product with cos, then the
-sum), so bf16 results match them to within the last bit of the fp32 sums' order.
+sum), so bf16 results match them to within the last bit of the fp32 sums' order. With an FP8 cache
+(scales given), keys and values go in as `quantize_rows_reference` makes them from those entries: the
+same amax, division and rounding, so equal entries give equal bytes and scales.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import FP8, FP8_MAX, MIN_AMAX, quantize_rows_reference
 from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
+
+    from .fp8 import to_e4m3_grid
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -62,18 +67,27 @@ def rotate_into_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     positions: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`split_heads`, then k and v written into key_cache / value_cache [B, kv_heads, L, D] at
     positions [B, T] (each below L). Returns q [B, heads, T, D]. One Triton kernel on GPUs that run
-    it. One `eps` serves both norms: the models' q and k norms share `rms_norm_eps`."""
-    if serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device, "rotary"):
-        return rotate_into_cache_triton(
-            qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache, positions
-        )
+    it. One `eps` serves both norms: the models' q and k norms share `rms_norm_eps`. With scales
+    [B, kv_heads, L] (an FP8 cache), each entry goes in as `quantize_rows_reference` of its D values."""
+    kernel = "rotary" if key_scales is None else "rotary_fp8"
+    if serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device, kernel):
+        inputs = (qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache)
+        return rotate_into_cache_triton(*inputs, positions, key_scales, value_scales)
     q, k, v = split_heads(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin)
     index = positions[:, None, :, None].expand_as(k)
-    key_cache.scatter_(2, index, k)
-    value_cache.scatter_(2, index, v)
+    for cache, scales, entries in ((key_cache, key_scales, k), (value_cache, value_scales, v)):
+        if scales is None:
+            cache.scatter_(2, index, entries)
+        else:
+            entries, scale = quantize_rows_reference(entries)
+            scales.scatter_(2, index[..., 0], scale[..., 0])
+            # PyTorch scatters no FP8 on the CPU: the bytes go in as they are.
+            cache.view(torch.uint8).scatter_(2, index, entries.view(torch.uint8))
     return q
 
 
@@ -83,7 +97,19 @@ def serves_head_size(dim: int) -> bool:
 
 
 def rotate_into_cache_triton(
-    qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache, positions
+    qkv,
+    heads,
+    kv_heads,
+    q_norm,
+    k_norm,
+    eps,
+    cos,
+    signed_sin,
+    key_cache,
+    value_cache,
+    positions,
+    key_scales=None,
+    value_scales=None,
 ):
     batch, length, total_heads, dim = qkv.shape
     if not serves_head_size(dim):
@@ -99,6 +125,13 @@ def rotate_into_cache_triton(
         raise ValueError("rotate_into_cache needs cos/sin for every row and new token (no broadcasting)")
     if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
         raise ValueError("rotate_into_cache needs key and value caches of one layout, unit stride along D")
+    fp8 = key_scales is not None
+    if fp8 and (
+        key_cache.dtype != FP8 or key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1
+    ):
+        raise ValueError(
+            "rotate_into_cache needs an FP8 cache and scales of one layout, unit position stride"
+        )
     q = torch.empty(batch, heads, length, dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
     with launch_device(qkv):
@@ -117,6 +150,11 @@ def rotate_into_cache_triton(
             key_cache,
             value_cache,
             *key_cache.stride()[:3],
+            key_scales if fp8 else key_cache,
+            value_scales if fp8 else value_cache,
+            *(key_scales.stride()[:2] if fp8 else (0, 0)),
+            MIN_AMAX,
+            FP8_MAX,
             positions,
             *positions.stride(),
             length,
@@ -125,6 +163,7 @@ def rotate_into_cache_triton(
             HALF=dim // 2,
             BLOCK_HEADS=triton.next_power_of_2(total_heads),
             HAS_NORM=has_norm,
+            KV_FP8=fp8,
         )
     return q
 
@@ -145,6 +184,30 @@ def check_rotary(device: torch.device) -> list[Comparison]:
     )
     q_reference = rotate_into_cache(qkv, 2, 1, *norms, 1e-6, *rotary, caches[0], caches[1], positions)
     return [(q, q_reference, 1e-5), (caches_, caches, 1e-5)]
+
+
+@register_check("rotary_fp8")
+def check_rotary_fp8(device: torch.device) -> list[Comparison]:
+    """The kernel's FP8 cache writes, bf16 inputs as served: dequantised entries within one FP8 step
+    (2**-3 of a value) of the formula's, as bf16 rounding one bit apart may move one."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise RuntimeError("FP8 needs compute capability 8.9 or newer")
+    generator = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(2, 1, 4, 8, generator=generator) * 3).bfloat16()
+    rotary = [torch.randn(2, 1, 1, 8, generator=generator).bfloat16() for _ in range(2)]
+    positions = torch.tensor([[1], [4]])
+    caches, scales = torch.zeros(2, 2, 1, 6, 8, dtype=FP8), torch.zeros(2, 2, 1, 6)
+    qkv_, cos, sin, caches_, scales_, positions_ = (
+        t.to(device) for t in (qkv, *rotary, caches, scales, positions)
+    )
+    q = rotate_into_cache_triton(
+        qkv_, 2, 1, None, None, 0.0, cos, sin, caches_[0], caches_[1], positions_, scales_[0], scales_[1]
+    )
+    q_reference = rotate_into_cache(
+        qkv, 2, 1, None, None, 0.0, *rotary, caches[0], caches[1], positions, scales[0], scales[1]
+    )
+    entries = caches_.float().cpu() * scales_.cpu()[..., None]
+    return [(q, q_reference, 2e-2), (entries, caches.float() * scales[..., None], 0.13)]
 
 
 if triton is not None:
@@ -168,6 +231,12 @@ if triton is not None:
         cache_row_stride,
         cache_head_stride,
         cache_position_stride,
+        key_scales,
+        value_scales,
+        scale_row_stride,
+        scale_head_stride,
+        min_amax,
+        fp8_max,
         positions,
         positions_row_stride,
         positions_token_stride,
@@ -177,6 +246,7 @@ if triton is not None:
         HALF: tl.constexpr,
         BLOCK_HEADS: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         row, token = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         dtype = qkv.dtype.element_ty
@@ -222,9 +292,32 @@ if triton is not None:
         tl.store(q_target + HALF, rotated_second, mask=is_q[:, None])
         position = tl.load(positions + row * positions_row_stride + token * positions_token_stride)
         slot = row * cache_row_stride + position * cache_position_stride + lane[None, :]
+        key_first, key_second, value_first, value_second = (
+            rotated_first,
+            rotated_second,
+            first.to(dtype),
+            second.to(dtype),
+        )
+        if KV_FP8:
+            # Each k and v head to FP8 with its own scale, its largest magnitude mapped to 448.
+            entry_first = tl.where(is_k[:, None], rotated_first.to(tl.float32), first)
+            entry_second = tl.where(is_k[:, None], rotated_second.to(tl.float32), second)
+            amax = tl.maximum(tl.max(tl.abs(entry_first), axis=1), tl.max(tl.abs(entry_second), axis=1))
+            head_scale = tl.math.div_rn(tl.maximum(amax, min_amax), fp8_max)
+            fp8 = key_cache.dtype.element_ty
+            key_first = to_e4m3_grid(entry_first, head_scale[:, None], fp8_max).to(fp8)
+            key_second = to_e4m3_grid(entry_second, head_scale[:, None], fp8_max).to(fp8)
+            value_first, value_second = key_first, key_second
+            scale_slot = row * scale_row_stride + position
+            tl.store(key_scales + scale_slot + (head - HEADS) * scale_head_stride, head_scale, mask=is_k)
+            tl.store(
+                value_scales + scale_slot + (head - HEADS - KV_HEADS) * scale_head_stride,
+                head_scale,
+                mask=is_v,
+            )
         k_target = key_cache + slot + (head[:, None] - HEADS) * cache_head_stride
-        tl.store(k_target, rotated_first, mask=is_k[:, None])
-        tl.store(k_target + HALF, rotated_second, mask=is_k[:, None])
+        tl.store(k_target, key_first, mask=is_k[:, None])
+        tl.store(k_target + HALF, key_second, mask=is_k[:, None])
         v_target = value_cache + slot + (head[:, None] - HEADS - KV_HEADS) * cache_head_stride
-        tl.store(v_target, first.to(dtype), mask=is_v[:, None])
-        tl.store(v_target + HALF, second.to(dtype), mask=is_v[:, None])
+        tl.store(v_target, value_first, mask=is_v[:, None])
+        tl.store(v_target + HALF, value_second, mask=is_v[:, None])

@@ -66,6 +66,7 @@ class ModelFamily:
     new_runner: Callable[..., Any]  # (backbone, max_rows, max_positions, max_text_tokens, prefill_stream)
     # (backbone, fp8_weights scope) -> projections swapped to FP8 in place; None: the family has no FP8 path
     quantize_fp8: Callable[[nn.Module, str], int] | None
+    fp8_kv_cache: bool = False  # new_runner takes fp8_kv_cache (an `fp8_kv_cache` value other than off)
 
     def check_fields(self, present: set[str]) -> None:
         """Refuse, naming the field, a request field this model does not take."""

@@ -17,7 +17,7 @@ from torch import nn
 from ..kernels.fp8 import FP8, quantize_rows, quantize_rows_reference
 from .layers import DecoderLayer
 
-# Row-wise scaled FP8 matrix products need compute capability 8.9 (Ada) or newer.
+# Row-wise scaled FP8 matrix products and Triton's FP8 loads need compute capability 8.9 (Ada) or newer.
 FP8_CAPABILITY = (8, 9)
 
 
@@ -49,17 +49,30 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={FP8}"
 
 
-def check_fp8_device(device: torch.device) -> None:
-    """Refuse a GPU that cannot run FP8 matrix products, naming the setting; the CPU runs them slowly."""
+def check_fp8_device(
+    device: torch.device, setting: str = "fp8_weights", what: str = "FP8 matrix products"
+) -> None:
+    """Refuse a GPU without FP8 (`what` of the setting `setting`), naming the setting; the CPU runs the
+    PyTorch formulas."""
     device = torch.device(device)
     if device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
         raise ValueError(
-            "fp8_weights: FP8 matrix products need a GPU of compute capability 8.9 or newer (Ada, "
-            f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+            f"{setting}: {what} need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
         )
+
+
+def fp8_kv_runner_options(family, setting: str) -> dict:
+    """The runner's keyword arguments for an `fp8_kv_cache` value of a `ModelFamily`: refused, naming the
+    setting, for a family whose runner has no FP8 KV cache."""
+    if setting == "off":
+        return {}
+    if not family.fp8_kv_cache:
+        raise ValueError(f"fp8_kv_cache: an FP8 KV cache is for Qwen3-TTS checkpoints, not {family.name}")
+    return {"fp8_kv_cache": setting}
 
 
 @torch.no_grad()

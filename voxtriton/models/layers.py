@@ -15,12 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import decode_attention, decode_attention_supported
+from ..kernels.attention import decode_attention, decode_attention_supported, dequantize
+from ..kernels.fp8 import FP8
 from ..kernels.norm import add_rms_norm, silu_and_mul
 from ..kernels.rotary import rotate_into_cache, split_heads
 from .config import TransformerConfig
 
-# attend(q [B, H, T, D], keys, values [B, KVH, L, D], scale) -> [B, H, T, D]
+# attend(q [B, H, T, D], keys, values [B, KVH, L, D], scale, key_scales, value_scales [B, KVH, L] of an
+# FP8 cache or None) -> [B, H, T, D]
 Attend = Callable[..., torch.Tensor]
 
 
@@ -102,16 +104,24 @@ def attention_bias(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.
 
 
 def grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention without repeating K/V.
 
-    q: [B, H, T, D]; k, v: [B, KVH, L, D]; bias from `attention_bias`. The query heads that share
-    a KV head are folded into the query-length axis, so one SDPA call over KVH heads reads each key
-    once (this also keeps the fused GPU kernels eligible).
+    q: [B, H, T, D]; k, v: [B, KVH, L, D] (FP8 with scales [B, KVH, L]: dequantised to q's dtype
+    first); bias from `attention_bias`. The query heads that share a KV head are folded into the
+    query-length axis, so one SDPA call over KVH heads reads each key once (this also keeps the fused
+    GPU kernels eligible).
     """
     batch, heads, length, dim = q.shape
     kv_heads = k.shape[1]
+    k, v = dequantize(k, key_scales, q.dtype), dequantize(v, value_scales, q.dtype)
     q = q.reshape(batch, kv_heads, heads // kv_heads * length, dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.reshape(batch, heads, length, dim)
@@ -136,7 +146,7 @@ class Attention(nn.Module):
         q_norm, k_norm = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         if isinstance(kv, StaticKV):
-            key_cache, value_cache = kv.layer_rows(self.layer, batch)
+            parts = kv.layer_rows(self.layer, batch)  # keys, values, key scales, value scales
             q = rotate_into_cache(
                 qkv,
                 self.num_heads,
@@ -146,15 +156,17 @@ class Attention(nn.Module):
                 eps,
                 cos,
                 sin,
-                key_cache,
-                value_cache,
+                *parts[:2],
                 kv.positions,
+                *parts[2:],
             )
-            keys, values = key_cache[:, :, : kv.span], value_cache[:, :, : kv.span]
+            keys, values, key_scales, value_scales = (
+                None if part is None else part[:, :, : kv.span] for part in parts
+            )
+            out = attend(q, keys, values, scale=self.scale, key_scales=key_scales, value_scales=value_scales)
         else:
             q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, q_norm, k_norm, eps, cos, sin)
-            keys, values = kv.update(self.layer, k, v)
-        out = attend(q, keys, values, scale=self.scale)
+            out = attend(q, *kv.update(self.layer, k, v), scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -234,7 +246,7 @@ class DecoderStack(nn.Module):
         """Decode steps on a GPU read each row's own entries (`decode_attention`); everything else goes
         through SDPA with a bias made once per call and shared by every layer."""
         if mask is None:
-            if decode_attention_supported(x.device, self.group * x.shape[1], self.head_dim):
+            if decode_attention_supported(x.device, self.group * x.shape[1], self.head_dim, kv.fp8):
                 return partial(decode_attention, positions=positions)
             mask = causal_mask(positions, kv.span)
         return partial(grouped_attention, bias=attention_bias(mask, self.group, x.dtype))
@@ -245,21 +257,67 @@ class StaticKV:
 
     The first B rows belong to the B requests of the batch. `span` limits how much of each row
     attention reads, so a step costs what the longest request needs, not the whole allocation.
+    An FP8 cache (the `fp8_kv_cache` setting) holds float8_e4m3fn entries and an fp32 scale per entry,
+    key_scales and value_scales [layers, rows, kv_heads, length]: about half the bytes attention reads.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_scales: torch.Tensor | None = None,
+        value_scales: torch.Tensor | None = None,
+    ):
         self.keys, self.values = keys, values
+        self.key_scales, self.value_scales = key_scales, value_scales
         self.positions: torch.Tensor | None = None
         self.span = keys.shape[3]
+
+    @staticmethod
+    def allocate(shape: tuple[int, ...], device, dtype: torch.dtype, fp8: bool = False) -> "StaticKV":
+        """Zeros of shape [layers, rows, kv_heads, length, head_dim], in `dtype` or FP8. A scale per
+        entry (its largest magnitude / 448, as written) keeps one outlier from coarsening other
+        positions and never changes once written, so nothing is re-quantised as a row grows."""
+        if not fp8:
+            return StaticKV(*(torch.zeros(shape, device=device, dtype=dtype) for _ in range(2)))
+        entries = [torch.zeros(shape, device=device, dtype=FP8) for _ in range(2)]
+        return StaticKV(*entries, *(torch.zeros(shape[:-1], device=device) for _ in range(2)))
+
+    @property
+    def fp8(self) -> bool:
+        return self.key_scales is not None
+
+    def like(self, rows: int, length: int) -> "StaticKV":
+        """An empty cache of the same kind, layers, heads and head size: `rows` rows of `length`."""
+        layers, _, kv_heads, _, head_dim = self.keys.shape
+        shape = (layers, rows, kv_heads, length, head_dim)
+        return StaticKV.allocate(shape, self.keys.device, self.keys.dtype, self.fp8)
+
+    def rows(self, index: slice) -> "StaticKV":
+        """The cache of rows `index` (views)."""
+        return StaticKV(*(None if part is None else part[:, index] for part in self._parts()))
+
+    def storage(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, [layers, rows, kv_heads, length, ...], for copies between rows
+        and caches: FP8 ones as bytes (PyTorch has no FP8 index_copy on the CPU)."""
+        return [
+            part.view(torch.uint8) if part.dtype == FP8 else part
+            for part in self._parts()
+            if part is not None
+        ]
+
+    def _parts(self) -> tuple[torch.Tensor | None, ...]:
+        return self.keys, self.values, self.key_scales, self.value_scales
 
     def bind(self, positions: torch.Tensor, span: int) -> "StaticKV":
         """The positions [B, T] this call's new entries go to, and how far attention reads."""
         self.positions, self.span = positions, span
         return self
 
-    def layer_rows(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [batch, kv_heads, length, head_dim] of one layer: the batch's rows."""
-        return self.keys[layer, :batch], self.values[layer, :batch]
+    def layer_rows(self, layer: int, batch: int) -> tuple[torch.Tensor | None, ...]:
+        """Keys and values [batch, kv_heads, length, head_dim] of one layer, the batch's rows, and their
+        scales [batch, kv_heads, length] (None unless FP8)."""
+        return tuple(None if part is None else part[layer, :batch] for part in self._parts())
 
 
 def causal_mask(positions: torch.Tensor, span: int) -> torch.Tensor:

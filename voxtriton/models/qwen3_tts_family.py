@@ -105,4 +105,5 @@ def qwen3_tts_family(checkpoint_dir: Path, config: Qwen3TTSConfig | None = None)
         build_codec=lambda: CodecModel(config.codec),
         new_runner=ModelRunner,
         quantize_fp8=quantize_backbone,
+        fp8_kv_cache=True,
     )

@@ -81,19 +81,17 @@ class CodePredictor(nn.Module):
         self,
         talker_hidden: torch.Tensor,
         first_code_embed: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        cache: StaticKV,
         sample: Sampler,
     ) -> torch.Tensor:
         """Codebooks 1..15 for a batch: [B, 15] ids.
 
-        talker_hidden, first_code_embed: [B, D]. keys/values: [layers, >=B, kv_heads, cache_length,
-        head_dim] scratch storage, overwritten every frame (positions restart at 0).
+        talker_hidden, first_code_embed: [B, D]. cache: [layers, >=B, kv_heads, cache_length, head_dim]
+        scratch storage, overwritten every frame (positions restart at 0).
         """
         batch = talker_hidden.shape[0]
         device = talker_hidden.device
         span = self.cache_length
-        cache = StaticKV(keys, values)
         positions = torch.arange(2, device=device).expand(batch, 2)
         embeds = torch.stack((talker_hidden, first_code_embed), dim=1)
         hidden = self(embeds, positions, cache.bind(positions, span))[:, -1]

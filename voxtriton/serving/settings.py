@@ -30,6 +30,8 @@ def _parameters(model_config: dict | str) -> dict[str, str]:
 
 # `fp8_weights`: no layers, the talker's, or the talker's and the code predictor's (`models.fp8`).
 FP8_SCOPES = ("off", "talker", "all")
+# `fp8_kv_cache`: no FP8 KV cache, the talker's, or the talker's and the code predictor's (`models.layers`).
+FP8_KV_CACHE = ("off", "talker", "on")
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")  # a boolean parameter's values
 
 
@@ -118,6 +120,9 @@ class TTSSettings:
     # Decoder-layer projections in FP8 (compute capability 8.9 or newer): off | talker | all (talker
     # and code predictor). Fewer weight bytes per step, FP8 tensor cores; logits move slightly.
     fp8_weights: str = "off"
+    # Keys and values in FP8, a scale per entry (compute capability 8.9 or newer): off | talker | on
+    # (talker and code predictor). Decode attention reads half the bytes; logits move slightly.
+    fp8_kv_cache: str = "off"
     # Before Triton marks the model ready, run one request per codec lane the policy uses, through BLS,
     # so the first client's request is served warm. Needs the model loaded after the server started.
     warmup: bool = True
@@ -186,6 +191,10 @@ class TTSSettings:
         if self.fp8_weights not in FP8_SCOPES:
             raise ValueError(
                 f"config.pbtxt parameter 'fp8_weights' must be off, talker or all, got {self.fp8_weights!r}"
+            )
+        if self.fp8_kv_cache not in FP8_KV_CACHE:
+            raise ValueError(
+                f"config.pbtxt parameter 'fp8_kv_cache' must be off, talker or on, got {self.fp8_kv_cache!r}"
             )
         if self.text_layout not in ("full", "interleaved"):
             raise ValueError(

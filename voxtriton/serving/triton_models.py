@@ -24,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 from ..engine.engine import Engine
 from ..errors import RequestError, ServerBusy
 from ..models.families import load_family
+from ..models.fp8 import fp8_kv_runner_options
 from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
 from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, request_parser
@@ -229,13 +230,17 @@ class TTSTritonModel:
             log.info("tts: voice cloning on, registered voices in %s", voices.directory)
             self.voices = voices
         self.parser = request_parser(family, settings, voices)
+        fp8_kv = fp8_kv_runner_options(family, settings.fp8_kv_cache)
         runner = family.new_runner(
             backbone,
             settings.max_streams,
             settings.max_positions,
             settings.max_text_tokens,
             prefill_stream=self.partition.new_stream() if settings.prefill_overlap else None,
+            **fp8_kv,
         )
+        if fp8_kv:
+            log.info("tts: FP8 KV cache (%s)", settings.fp8_kv_cache)
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets())
