@@ -70,6 +70,24 @@ def test_limits_and_foreign_voices(tmp_path, family):
     assert store.names() == ["broken", "one", "two"]
 
 
+def test_a_shared_directory_lists_only_this_checkpoints_voices(tmp_path, family):
+    """Checkpoints share the default voices directory: another's voice stays there, is not listed here,
+    and naming it is an error, not a crash."""
+    store = VoiceStore(tmp_path, family)
+    store.add("mine", voice(1))
+    theirs = Voice(np.zeros(32, np.float32), voice(2).codes, "Words.")  # another x-vector width
+    np.savez(
+        tmp_path / "theirs.npz",
+        embedding=theirs.embedding,
+        codes=theirs.codes.astype(np.int16),
+        text=np.frombuffer(theirs.text.encode(), np.uint8),
+    )
+    assert store.names() == ["mine", "theirs"]
+    assert [d["name"] for d in store.descriptions()] == ["mine"]
+    with pytest.raises(RequestError, match="not made for this checkpoint"):
+        store.get("theirs")
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

@@ -117,12 +117,13 @@ class CsmRunner(FrameRunner):
         prompts: list[CsmPrompt] = [r.prompt for r in requests]
         if all(p.context_codes is None for p in prompts):
             return None
-        extra = torch.zeros(len(prompts), length, self.config.backbone.hidden_size)
-        extra = extra.to(self.device, self.dtype)
+        extra = torch.zeros(
+            len(prompts), length, self.config.backbone.hidden_size, device=self.device, dtype=self.dtype
+        )
         for row, prompt in enumerate(prompts):
             if prompt.context_codes is not None:
-                start, codes = prompt.context_position, torch.from_numpy(prompt.context_codes)
-                extra[row, start : start + len(codes)] = self.model.frame_embeds(codes.to(self.device))
+                start, codes = prompt.context_position, self._upload(torch.from_numpy(prompt.context_codes))
+                extra[row, start : start + len(codes)] = self.model.frame_embeds(codes)
         return extra
 
     def _prompt_last_hidden(

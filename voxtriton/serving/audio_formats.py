@@ -133,3 +133,15 @@ def new_encoder(response_format: str) -> PcmEncoder | OpusEncoder | Mp3Encoder:
     if response_format in ENCODERS:
         return ENCODERS[response_format]()
     return PcmEncoder(streaming_wav_header() if response_format == "wav" else b"")
+
+
+def check_encoders() -> None:
+    """Every format's encoder starts and ends a stream: a broken install fails the gateway's start
+    instead of the requests that ask for that format."""
+    for name in MEDIA_TYPES:
+        try:
+            encoder = new_encoder(name)
+            encoder.encode(np.zeros(SAMPLE_RATE // 10, np.float32))
+            encoder.finish()
+        except Exception as error:
+            raise RuntimeError(f"response_format {name!r}: its encoder does not work ({error})") from error

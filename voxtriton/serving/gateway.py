@@ -19,6 +19,7 @@ docs/gateway.md lists the fields and errors.
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
 from ..models.config import CheckpointError
 from ..models.families import load_family
-from .audio_formats import MEDIA_TYPES, new_encoder
+from .audio_formats import MEDIA_TYPES, check_encoders, new_encoder
 from .gateway_voices import add_voice_routes
 from .settings import default_checkpoint_dir, voices_dir
 from .voices import VoiceStore
@@ -343,6 +344,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
+    check_encoders()
     app = FastAPI(title="voxtriton gateway")
     backend = Backend(backend_url)
 
@@ -382,7 +384,11 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         try:
             family = load_family(directory)
             # A Base checkpoint's voices are the registered ones.
-            names = VoiceStore(voices_dir(voices), family).names() if family.clones_voices else []
+            names = (
+                [v["name"] for v in VoiceStore(voices_dir(voices), family).descriptions()]
+                if family.clones_voices
+                else []
+            )
             voices_list = sorted(family.speakers) + names
             offers = {"offers": family.describe()}
         except (OSError, CheckpointError) as error:  # a backend on another host: its path is not here
@@ -418,10 +424,10 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
             raise SpeechError(400, "request body must be JSON") from None
         options = parse_speech_request(body)
         response_format, sse, text = options.pop("format"), options.pop("sse"), options.pop("text")
+        encoder = new_encoder(response_format)
         stream = SpeechStream(
             lambda on_chunk: backend.synthesize(text, on_chunk=on_chunk, info=sse, **options)
         )
-        encoder = new_encoder(response_format)
         await stream.start()
 
         async def audio():
@@ -429,7 +435,8 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
                 if header := encoder.start():
                     yield header
                 async for chunk in stream.chunks():
-                    yield await encoded(encoder, encoder.encode, chunk.audio)
+                    if data := await encoded(encoder, encoder.encode, chunk.audio):
+                        yield data
             finally:
                 stream.cancel()
             if stream.failure is not None:
@@ -520,9 +527,10 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         reader = asyncio.create_task(read_rest(end, stream))
         try:
             async for chunk in stream.chunks():
-                await websocket.send_bytes(await encoded(encoder, encoder.encode, chunk.audio))
-                times.setdefault("first_audio", loop.time())
-                times["last_audio"] = loop.time()
+                if data := await encoded(encoder, encoder.encode, chunk.audio):
+                    await websocket.send_bytes(data)
+                    times.setdefault("first_audio", loop.time())
+                    times["last_audio"] = loop.time()
             failure = problems[0] if problems else stream.failure
             if failure is not None:
                 await websocket.send_json({"type": "error", **failure.body()})
@@ -533,6 +541,12 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
             await websocket.close()
         except WebSocketDisconnect:  # the client went away: stop generating for it
             pass
+        except Exception as error:  # the socket still ends with its last message, an error
+            log.exception("gateway: a WebSocket stream failed")
+            failure = SpeechError(500, f"internal error: {error}", kind="server_error")
+            with contextlib.suppress(Exception):  # the client may be gone too
+                await websocket.send_json({"type": "error", **failure.body()})
+                await websocket.close()
         finally:
             stream.cancel()
             reader.cancel()

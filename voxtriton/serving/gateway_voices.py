@@ -107,7 +107,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         if not family.clones_voices:
             return {"object": "list", "data": speakers}
         store = VoiceStore(voices_directory, family)
-        return {"object": "list", "data": speakers + [store.describe(name) for name in store.names()]}
+        return {"object": "list", "data": speakers + store.descriptions()}
 
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(name: str):

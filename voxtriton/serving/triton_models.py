@@ -407,17 +407,17 @@ class TTSTritonModel:
         for name in self.voices.newest():
             if primed == kept.capacity // len(lanes):
                 break
-            try:
+            try:  # a voice that cannot be primed is primed at its first stream, as before
                 voice = self.voices.get(name)
-            except RequestError as error:  # an unreadable file: its requests get this error
+                if voice is None:  # deleted meanwhile
+                    continue
+                requests = {lane: self.parser.parse(f"prime-{lane}", inputs, voice) for lane in lanes}
+                if requests[lanes[0]].prompt.reference_codes is None:  # nothing to prime (x-vector, CSM)
+                    continue
+                self.service.warm_up(requests, WARMUP_TIMEOUT_S)
+            except (RequestError, RuntimeError, TimeoutError) as error:
                 log.warning("tts: registered voice %r not primed: %s", name, error)
                 continue
-            if voice is None:  # deleted meanwhile
-                continue
-            requests = {lane: self.parser.parse(f"prime-{lane}", inputs, voice) for lane in lanes}
-            if requests[lanes[0]].prompt.reference_codes is None:  # nothing to prime (x-vector, CSM)
-                continue
-            self.service.warm_up(requests, WARMUP_TIMEOUT_S)
             primed += 1
         return primed
 

@@ -276,6 +276,16 @@ class VoiceStore:
                 field, f"voice {name!r} was not made for this checkpoint (x-vector or codes differ)"
             )
 
+    def descriptions(self) -> list[dict]:
+        """The voices made for this checkpoint: a directory shared by several checkpoints (the default
+        one) also holds other checkpoints' voices, which are left out here."""
+        found = []
+        for name in self.names():
+            with contextlib.suppress(RequestError):
+                if (description := self.describe(name)) is not None:
+                    found.append(description)
+        return found
+
     def describe(self, name: str) -> dict | None:
         voice = self.get(name)
         if voice is None:
