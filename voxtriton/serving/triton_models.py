@@ -221,15 +221,14 @@ class TTSTritonModel:
                 raise ValueError(f"fp8_weights: FP8 weights are for Qwen3-TTS checkpoints, not {family.name}")
             projections = family.quantize_fp8(backbone, settings.fp8_weights)
             log.info("tts: FP8 weights for %d projections (%s)", projections, settings.fp8_weights)
-        self.voice_encoder = self.encoding = self.voices = voices = None
+        self.voice_encoder = self.encoding = self.voices = None
         if family.clones_voices:
             # The encoders run on the engine's device, on a thread and a CUDA stream of their own.
             self.voice_encoder = VoiceEncoder(family, device)
             self.encoding = EncodingQueue(self.voice_encoder)
-            voices = VoiceStore(voices_dir(settings.voices_dir), family, settings.max_voices)
-            log.info("tts: voice cloning on, registered voices in %s", voices.directory)
-            self.voices = voices
-        self.parser = request_parser(family, settings, voices)
+            self.voices = VoiceStore(voices_dir(settings.voices_dir), family, settings.max_voices)
+            log.info("tts: voice cloning on, registered voices in %s", self.voices.directory)
+        self.parser = request_parser(family, settings, self.voices)
         fp8_kv = fp8_kv_runner_options(family, settings.fp8_kv_cache)
         runner = family.new_runner(
             backbone,
@@ -283,7 +282,11 @@ class TTSTritonModel:
             lane_workers=settings.lane_workers,
             max_draining=settings.max_draining,
             cancellation_lock_share=settings.cancellation_lock_share,
-            primed_states=PrimedStates(self.state_pool.tensor, settings.primed_voices) if voices else None,
+            primed_states=(
+                PrimedStates(self.state_pool.tensor, settings.primed_voices)
+                if self.voices is not None
+                else None
+            ),
         )
         self.sequences = TextSequences(
             self.parser, self.service, settings.text_idle_timeout_s, clock=self.service.clock
