@@ -267,10 +267,14 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
     if meta.get("voice_mix"):
         lines += [f"Voices: `{meta['voice_mix']}` (VOICE:SHARE per request), the rest {meta['voice']}.", ""]
     if meta.get("text_rate"):
-        streamed = [f"{row['text_end_to_audio_end_p90_ms']}" for r in results for row in r["rates"]]
+        rows = [row for r in results for row in r["rates"] + r.get("concurrency", [])]
+        streamed = [f"{row['text_end_to_audio_end_p90_ms']}" for row in rows]
+        waited = [_fmt((row.get("server") or {}).get("text_to_first_audio_ms_mean")) for row in rows]
         lines += [
             f"Input streaming: each text arrives as words at {meta['text_rate']:g}/s; TTFA counts from the "
-            f"first word. Last word to last audio, p90 ms per rate row: {', '.join(streamed) or '-'}.",
+            f"first word. Last word to last audio, p90 ms per row: {', '.join(streamed) or '-'}. First "
+            "audio after the latest words the engine had taken for the first chunk (server side, mean "
+            f"ms per row): {', '.join(waited) or '-'}.",
             "",
         ]
     if any(r["rates"] for r in results):

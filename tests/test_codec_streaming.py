@@ -91,3 +91,14 @@ def test_state_layout(codec):
     assert codec.new_state(3).shape == (3, codec.state_size)
     names = [slot.name for slot in codec.slots]
     assert "pre_transformer.kv.keys" in names and len(names) == len(set(names))
+
+
+@pytest.mark.parametrize(
+    "frames, pieces",
+    [(125, (25,) * 5), (126, (25, 25, 25, 25, 16, 8, 2)), (27, (25, 2)), (3, None), (0, ())],
+)
+def test_a_length_splits_into_the_fewest_captured_lengths(frames, pieces):
+    """How a graphed codec decodes a length it did not capture (tests/test_gpu.py runs it)."""
+    from voxtriton.engine.codec_runner import split_frames
+
+    assert split_frames(frames, (2, 4, 8, 16, 25)) == pieces

@@ -91,6 +91,22 @@ def test_the_server_times_the_last_piece_to_the_last_audio(server, client):
         raw.close()
 
 
+def test_the_server_times_the_first_audio_from_the_text_it_waited_for(server, client):
+    """Words 0.15 s apart: the first chunk waits for the look-ahead's words, several pieces after the
+    first. TTFA counts from the first piece; the text-to-first-audio wait only from the latest words
+    the engine had taken, so it is shorter by at least a piece's interval."""
+    names = ("voxtriton_ttfa_seconds", "voxtriton_text_to_first_audio_seconds")
+    before = {
+        name: (server.metrics().get(f"{name}_count", 0), server.metrics().get(f"{name}_sum", 0))
+        for name in names
+    }
+    client.synthesize_text_stream(slowly(words(), 0.15), **OPTIONS).raise_for_error()
+    wait_for_metric(server, names[1] + "_count", lambda n: n == before[names[1]][0] + 1)
+    metrics = server.metrics()
+    ttfa, waited = (metrics[f"{name}_sum"] - before[name][1] for name in names)
+    assert 0 < waited and ttfa - waited >= 0.15, (ttfa, waited)
+
+
 class RawStream:
     """One gRPC stream to `tts`, every event (result or error) kept with its request id."""
 
@@ -258,6 +274,7 @@ def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_check
     [row] = results["policies"][0]["rates"]
     assert row["requests"] >= 2 and row["failed"] == 0 and row["completed"] == row["requests"]
     assert 0 < row["ttfa_p50_ms"] < 5000 and row["text_end_to_audio_end_p50_ms"] > 0
+    assert 0 < row["server"]["text_to_first_audio_ms_mean"] <= row["server"]["server_ttfa_ms_mean"]
     assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)
     assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
 

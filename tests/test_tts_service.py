@@ -168,7 +168,7 @@ class SlowCheckSink(CancellableSink):
 class DroppedMetrics:
     """Service metrics that drop every update; the recorders below keep the ones their tests read."""
 
-    def chunk_sent(self, *args): ...
+    def chunk_sent(self, *args, **kwargs): ...
     def codec_call(self, *args): ...
     def rejected(self): ...
     def cancellation_checks(self, *args): ...
@@ -786,7 +786,7 @@ class EveryUpdateRecorder(DroppedMetrics):
     def __init__(self):
         self.updates = []
 
-    def chunk_sent(self, *args):
+    def chunk_sent(self, *args, **kwargs):
         self.updates.append("chunk_sent")
 
     def codec_call(self, *args):

@@ -149,6 +149,12 @@ def test_a_batch_of_recordings_gives_each_the_voice_it_gets_alone(tiny_base_chec
         np.testing.assert_array_equal(voice.codes, alone.codes)
         # fp32 rounding of a batch of two against one
         assert np.abs(voice.embedding - alone.embedding).max() <= 1e-5 * np.abs(alone.embedding).max()
+    # An inline x-vector voice skips the speech encoder: the first recording gets no codes, the
+    # same x-vector, and its batch-mate the codes it gets alone.
+    inline = encoder.encode(audio, texts, x_vector_codes=False)
+    assert inline[0].codes.shape == (0, 16) and not inline[0].in_context
+    np.testing.assert_allclose(inline[0].embedding, encoder.encode(audio[:1], [None])[0].embedding, rtol=1e-5)
+    np.testing.assert_array_equal(inline[2].codes, encoder.encode(audio[2:], texts[2:])[0].codes)
 
 
 def test_input_streams_take_x_vector_voices_only(tiny_base_checkpoint):

@@ -68,6 +68,8 @@ def server_side(before: dict, after: dict, wall_s: float, servers: int = 1) -> d
         },
         "codec_models": triton_codec_models(delta),
         "server_ttfa_ms_mean": mean("voxtriton_ttfa_seconds"),
+        # Input streaming: first audio after the text the first chunk waited for had arrived.
+        "text_to_first_audio_ms_mean": mean("voxtriton_text_to_first_audio_seconds"),
         "codec_primings": codec_primings(delta),
         "deadline_misses": delta.get("voxtriton_deadline_misses_total", 0.0),
         "rejected": delta.get("voxtriton_rejected_requests_total", 0.0),

@@ -3,15 +3,31 @@
 A codec call decodes B chunks of T frames each (the scheduler batches equal sizes). On a GPU each
 (batch bucket, T) shape is captured once as a CUDA graph over static input/output buffers, and a call
 pads its batch up to the bucket; rows beyond the real batch decode silence from a fresh state and are
-dropped. Shapes that were not captured run eagerly.
+dropped. A length that was not captured (an in-context voice's reference codes, decoded to prime its
+state) runs as captured lengths in sequence, carrying the state, as a stream's chunks do: no eager
+launches, and no cuDNN autotuning of a new shape while serving. Other shapes run eagerly.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from ..kernels import check_kernels
+
+
+@functools.lru_cache(maxsize=1024)
+def split_frames(frames: int, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """`frames` as the fewest `sizes` that add up to it (largest first), or None if none do."""
+    fewest: list[tuple[int, ...] | None] = [()] + [None] * frames
+    for total in range(1, frames + 1):
+        for size in sizes:
+            rest = fewest[total - size] if size <= total else None
+            if rest is not None and (fewest[total] is None or len(rest) + 1 < len(fewest[total])):
+                fewest[total] = rest + (size,)
+    return tuple(sorted(fewest[frames], reverse=True)) if fewest[frames] is not None else None
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -65,7 +81,15 @@ class CodecRunner:
         bucket = next((b for b in self.batch_buckets if b >= batch), None)
         entry = self.graphs.get((bucket, frames)) if bucket else None
         if entry is None:
-            return self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
+            pieces = self._captured_pieces(bucket, frames) if bucket else None
+            if not pieces:
+                return self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
+            audio, offset = [], 0
+            for size in pieces:
+                piece, state = self.decode(codes[:, offset : offset + size], start + offset, state)
+                audio.append(piece)
+                offset += size
+            return torch.cat(audio, dim=1), state
         graph, inputs, (audio, next_state) = entry
         inputs["codes"][:batch].copy_(codes)
         inputs["start"][:batch].copy_(start)
@@ -77,3 +101,7 @@ class CodecRunner:
         graph.replay()
         # Copies: the static outputs are overwritten by the next replay, before callers are done.
         return audio[:batch].clone(), next_state[:batch].clone()
+
+    def _captured_pieces(self, bucket: int, frames: int) -> tuple[int, ...] | None:
+        sizes = tuple(sorted(f for b, f in self.graphs if b == bucket))
+        return split_frames(frames, sizes) if sizes else None

@@ -51,6 +51,12 @@ class TritonMetrics:
             "Input streaming: an input stream's last text piece received to its last chunk sent",
             histogram,
         ).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.text_to_first_audio = _family(
+            "voxtriton_text_to_first_audio_seconds",
+            "Input streaming: the latest text piece the engine had taken when an input stream's first "
+            "chunk was generated, received, to that chunk sent (the wait once the text it needed was there)",
+            histogram,
+        ).Metric(labels={}, buckets=LATENCY_BUCKETS)
         chunks = _family("voxtriton_chunks_total", "Audio chunks sent, by codec lane", counter)
         self.chunks = {lane: chunks.Metric(labels={"lane": lane}) for lane in LANES}
         self.promoted = _family(
@@ -192,11 +198,21 @@ class TritonMetrics:
         self._writer.start()
 
     def chunk_sent(
-        self, lane, frames, decode_s, first, since_submit_s, promoted=False, since_text_end_s=None
+        self,
+        lane,
+        frames,
+        decode_s,
+        first,
+        since_submit_s,
+        promoted=False,
+        since_text_end_s=None,
+        since_text_s=None,
     ):
         queue = self._updates
         if since_text_end_s is not None:
             queue.append((self.text_end_to_audio_end, "observe", since_text_end_s))
+        if since_text_s is not None:
+            queue.append((self.text_to_first_audio, "observe", since_text_s))
         queue.append((self.chunks[lane], "increment", 1))
         if promoted:
             queue.append((self.promoted, "increment", 1))

@@ -55,18 +55,24 @@ class VoiceEncoder:
         self.device = torch.device(device)
         self.speaker_encoder, self.speech_encoder = family.load_voice_encoders(self.device)
         self.context_turn = self.speaker_encoder is None  # CSM: a voice is a context turn
+        self.codebooks = family.codebooks
         # Beside the engine's streams, so a batch of recordings does not queue behind frame steps.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @torch.inference_mode()
-    def encode(self, waveforms: list[np.ndarray], texts: list[str | None]) -> list[Voice]:
+    def encode(
+        self, waveforms: list[np.ndarray], texts: list[str | None], x_vector_codes: bool = True
+    ) -> list[Voice]:
         """Recordings of one length go through both encoders as one batch. Padding would change a
         recording's voice (the x-vector pools over every frame; the codes' last frame depends on
-        where the recording ends), so recordings of different lengths go in batches of their own."""
+        where the recording ends), so recordings of different lengths go in batches of their own.
+        `x_vector_codes`: also encode the codes of a recording without a transcript, which its
+        x-vector-only prompt does not use (a registered voice keeps them; an inline one gets none)."""
         by_length: dict[int, list[int]] = {}
         for index, waveform in enumerate(waveforms):
             by_length.setdefault(len(waveform), []).append(index)
         voices: list[Voice | None] = [None] * len(waveforms)
+        every_code, no_codes = x_vector_codes or self.context_turn, np.zeros((0, self.codebooks), np.int64)
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with context:
             for indices in by_length.values():
@@ -75,9 +81,11 @@ class VoiceEncoder:
                     embeddings = np.zeros((len(indices), 0), np.float32)
                 else:
                     embeddings = self.speaker_encoder(batch).float().cpu().numpy()
-                codes = self.speech_encoder(batch).cpu().numpy().astype(np.int64)
+                coded = [row for row, i in enumerate(indices) if every_code or texts[i]]
+                encoded = self.speech_encoder(batch[coded]).cpu().numpy().astype(np.int64) if coded else None
                 for row, index in enumerate(indices):
-                    voices[index] = Voice(embeddings[row], codes[row], texts[index] or None)
+                    codes = encoded[coded.index(row)] if row in coded else no_codes
+                    voices[index] = Voice(embeddings[row], codes, texts[index] or None)
         return voices
 
 
@@ -139,7 +147,7 @@ class EncodingQueue:
         if not ready:
             return
         try:
-            voices = self.encoder.encode(waveforms, [job.text for job in ready])
+            voices = self.encoder.encode(waveforms, [job.text for job in ready], x_vector_codes=False)
         except Exception as error:  # a bug or device fault: fail these requests, keep serving
             log.exception("voice encoder failed")
             for job in ready:

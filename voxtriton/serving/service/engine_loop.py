@@ -88,6 +88,7 @@ class EngineLoop:
             if stream.closed:
                 continue
             ids, stream.new_text = stream.new_text, []
+            stream.text_handed_at = stream.text_at
             try:
                 self.engine.add_text(stream.request, ids, stream.text_ended)
             except ValueError as error:
@@ -103,6 +104,10 @@ class EngineLoop:
         if reason is not None and not stream.generation_done:  # (the engine sends one last frame)
             stream.generation_done = True
             self.draining += 1
+        if stream.first_chunk_text_at is None and (
+            len(stream.frames) >= self.scheduler.config.chunk_frames(0) or stream.generation_done
+        ):
+            stream.first_chunk_text_at = stream.text_handed_at
         self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
 
     def _fail_all_running(self, message: str) -> None:

@@ -169,6 +169,9 @@ class LaneWorkers:
                         (sent_at - stream.text_ended_at)
                         if chunk.last and stream.text_ended_at is not None
                         else None,
+                        since_text_s=(sent_at - stream.first_chunk_text_at)
+                        if chunk.index == 0 and stream.request.text_open
+                        else None,
                     )
                 if self.chunk_trace:
                     self._trace(chunk, len(live), started, ended, sent_at)

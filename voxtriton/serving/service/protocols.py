@@ -40,10 +40,14 @@ class ServiceMetrics(Protocol):
         since_submit_s: float,
         promoted: bool = False,
         since_text_end_s: float | None = None,
+        since_text_s: float | None = None,
     ) -> None:
         """A chunk's audio was sent; `promoted`: it waited for the background lane until its slack ran
         out and was decoded on the urgent lane instead. `since_submit_s` counts from an input stream's
-        first text piece; `since_text_end_s`, on an input stream's last chunk, from its last piece."""
+        first text piece; `since_text_end_s`, on an input stream's last chunk, from its last piece;
+        `since_text_s`, on an input stream's first chunk, from the arrival of the latest text the
+        engine had taken when the chunk's last frame came out (within a frame step): how long its
+        first audio took once the text it waited for was there."""
 
     def codec_call(self, lane: str, frames: int, seconds: float) -> None:
         """One decode call on `lane`, of `frames` frames in all (padding included)."""

@@ -33,6 +33,9 @@ class Stream(StreamTimeline):
     new_text: list[int] = field(default_factory=list)
     text_ended: bool = False
     text_ended_at: float | None = None  # when its last piece arrived
+    text_at: float = 0.0  # when the latest text ids arrived (at submit: its first ids)
+    text_handed_at: float = 0.0  # `text_at` of the latest ids handed to the engine
+    first_chunk_text_at: float | None = None  # `text_handed_at` when its first chunk's last frame came
 
 
 class WarmupSink:
@@ -113,6 +116,7 @@ class StreamRegistry:
                 sink=sink,
                 codec_slot=self.free_slots.pop(),
             )
+            stream.text_at = stream.text_handed_at = self.clock()
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             self.lock.notify_all()
@@ -125,6 +129,8 @@ class StreamRegistry:
                 return False
             stream.new_text += ids
             stream.text_ended = end
+            if ids or end:
+                stream.text_at = self.clock()
             if end:
                 stream.text_ended_at = self.clock()
             self.text_arrived[request_id] = stream
