@@ -832,3 +832,106 @@ def test_the_warm_up_decodes_on_every_lane_records_nothing_and_leaves_the_servic
         assert "frame_step" in metrics.updates and '"kind": "chunk"' in trace.getvalue()
     finally:
         service.shutdown()
+
+
+class RecordingLane:
+    """A codec lane that notes each call's first start and frame count, one call at a time."""
+
+    def __init__(self, lane):
+        self.lane, self.calls, self.lock = lane, [], threading.Lock()
+        self.primed = threading.Event()
+
+    def decode(self, codes, start, slots):
+        with self.lock:
+            self.calls.append((int(start[0]), codes.shape[1]))
+            audio = self.lane.decode(codes, start, slots)
+        if codes.shape[1] > 8:  # longer than any chunk: the reference codes
+            self.primed.set()
+        return audio
+
+
+@pytest.mark.parametrize("policy", ["voxserve", "serial"])
+def test_an_in_context_stream_is_primed_while_it_prefills(tiny_base_checkpoint, policy):
+    """With lane workers (voxserve) the urgent lane primes an in-context voice's codec state as soon
+    as the request is submitted: the engine's first step here waits for that (10 s at most), so the
+    priming comes before any frame. serial has no lane workers and primes at the first chunk. Either
+    way the codec sees one priming call, and the audio is what decoding the reference codes and the
+    generated ones in one piece gives after the reference's samples."""
+    from voxtriton.models.families import load_family
+    from voxtriton.serving.voices import VoiceEncoder
+
+    engine, parser, scheduler_config = engine_and_parser(tiny_base_checkpoint, policy, chunk_schedule="2,4,8")
+    codec, pool = cpu_codec(tiny_base_checkpoint, engine, scheduler_config)
+    lane = RecordingLane(InProcessLane(codec, pool.tensor))
+    noise = np.random.default_rng(3).standard_normal(36000)
+    recording = (0.3 * np.sin(np.arange(36000) * 0.05) + 0.05 * noise).astype(np.float32)
+    voice = VoiceEncoder(load_family(tiny_base_checkpoint)).encode([recording], ["A reference, spoken."])[0]
+    step, primed_before_the_first_step = engine.step, []
+
+    def first_step_waits_for_the_priming():
+        if not primed_before_the_first_step:
+            primed_before_the_first_step.append(lane.primed.wait(10))
+        return step()
+
+    if policy == "voxserve":
+        engine.step = first_step_waits_for_the_priming
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        sink = CollectingSink()
+        inputs = {
+            "text": np.array([b"Primed ahead."], dtype=object),
+            "max_frames": np.array([10]),
+            "ignore_eos": np.array([True]),
+            "seed": np.array([5]),
+        }
+        service.submit(parser.parse("r1", inputs, voice), sink)
+        assert sink.done.wait(120) and sink.errors == []
+    finally:
+        service.shutdown()
+    frames = len(voice.codes)
+    assert [call for call in lane.calls if call[1] == frames] == [(0, frames)]
+    assert primed_before_the_first_step == ([True] if policy == "voxserve" else [])
+    codes = np.concatenate([voice.codes, np.concatenate(sink.codes)])
+    whole, _ = codec.model.decode(
+        torch.from_numpy(codes)[None].long(), torch.zeros(1, dtype=torch.long), codec.model.new_state(1)
+    )
+    assert np.abs(np.concatenate(sink.audio) - whole[0, frames * 1920 :].float().numpy()).max() <= 1e-4
+
+
+class LaneThatHoldsThePriming(RecordingLane):
+    """Its priming call (the reference codes) waits for `release`."""
+
+    def __init__(self, lane):
+        super().__init__(lane)
+        self.priming, self.release = threading.Event(), threading.Event()
+
+    def decode(self, codes, start, slots):
+        if codes.shape[1] > 8:
+            self.priming.set()
+            self.release.wait(60)
+        return super().decode(codes, start, slots)
+
+
+def test_a_stream_ended_while_it_is_primed_keeps_its_row_until_the_priming_returns(tiny_base_checkpoint):
+    from voxtriton.models.families import load_family
+    from voxtriton.serving.voices import VoiceEncoder
+
+    engine, parser, scheduler_config = engine_and_parser(tiny_base_checkpoint, "voxserve")
+    codec, pool = cpu_codec(tiny_base_checkpoint, engine, scheduler_config)
+    lane = LaneThatHoldsThePriming(InProcessLane(codec, pool.tensor))
+    recording = (0.3 * np.sin(np.arange(30000) * 0.05)).astype(np.float32)
+    voice = VoiceEncoder(load_family(tiny_base_checkpoint)).encode([recording], ["Words."])[0]
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        slots = len(service.free_slots)
+        inputs = {"text": np.array([b"Ended early."], dtype=object), "max_frames": np.array([40])}
+        sink = CollectingSink()
+        service.submit(parser.parse("r1", inputs, voice), sink)
+        assert lane.priming.wait(60)
+        service.end_stream("r1", "request cancelled")
+        assert sink.errors == ["request cancelled"] and len(service.free_slots) == slots - 1
+        lane.release.set()
+        wait_for(lambda: len(service.free_slots) == slots)
+    finally:
+        lane.release.set()
+        service.shutdown()

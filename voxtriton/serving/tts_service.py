@@ -16,6 +16,7 @@ lanes decode them.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Callable, TextIO
@@ -97,6 +98,7 @@ class TTSService(StreamRegistry, EngineLoop, LaneWorkers, CancellationWatcher, C
         self.chunk_trace = chunk_trace
         self.lock = threading.Condition()
         self.incoming: list[Stream] = []
+        self.primings: collections.deque[Stream] = collections.deque()  # see LaneWorkers._prime_ahead
         self.streams: dict[str, Stream] = {}
         self.text_arrived: dict[str, Stream] = {}  # input streams with text the engine has yet to take
         if max_draining < 0:

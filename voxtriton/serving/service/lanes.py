@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ...scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk
+from .streams import QUEUED, RUNNING
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,53 @@ class LaneWorkers:
     def _serve_lane(self, lane: str) -> None:
         while self.running:
             with self.lock:
-                batch = self.scheduler.next_batch(lane)
-                while self.running and not batch:
+                priming, batch = self._next_work(lane)
+                while self.running and not (priming or batch):
                     self.lock.wait(0.5)
-                    batch = self.scheduler.next_batch(lane)
-            if batch:
+                    priming, batch = self._next_work(lane)
+            if priming is not None:
+                self._prime_ahead(priming)
+            elif batch:
                 self._decode_batch(lane, batch)
+
+    def _next_work(self, lane: str):
+        """(a stream to prime, None) first: its first chunk waits for it; else (None, a batch)."""
+        if lane == URGENT and self.primings:
+            stream = self.primings.popleft()
+            stream.priming = RUNNING
+            return stream, []
+        return None, self.scheduler.next_batch(lane)
+
+    def _primes_ahead(self, lane: str | None) -> bool:
+        """Whether an in-context stream pinned to `lane` (None: routed) is primed on the urgent lane
+        as soon as it is submitted, where every first chunk is decoded (the lane workers' policies),
+        while its prompt prefills and its first frames are generated."""
+        return not self.scheduler.config.rules.inline_decode and lane in (None, URGENT)
+
+    def _prime_ahead(self, stream) -> None:
+        primed = False
+        if not stream.closed:
+            try:
+                self._prime(URGENT, stream)
+                primed = True
+            except Exception as error:  # its first chunk primes it on its own lane
+                log.warning("stream %s: priming ahead failed: %s", stream.request.request_id, error)
+        with self.lock:
+            stream.priming = None
+            if primed:
+                stream.primed_on = URGENT
+            self._free_slot(stream)  # if it ended meanwhile
+            self.lock.notify_all()
+
+    def _await_primings(self, batch: list[Chunk]) -> None:
+        """Under the lock, before a batch's codec call: a first chunk's stream whose priming has not
+        started is primed by this call's worker instead; one being primed is waited for."""
+        for chunk in batch:
+            if chunk.first_frame == 0 and chunk.stream.priming == QUEUED:
+                self.primings.remove(chunk.stream)
+                chunk.stream.priming = None
+        while any(chunk.stream.priming == RUNNING for chunk in batch):
+            self.lock.wait()
 
     def _drain_inline(self) -> None:
         while True:
@@ -89,6 +131,7 @@ class LaneWorkers:
 
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
+            self._await_primings(batch)
             live = [(c, c.stream) for c in batch if not c.stream.closed]  # streams still open
             if not live:
                 return
@@ -108,7 +151,7 @@ class LaneWorkers:
             for chunk, stream in live:
                 prime = stream.request.prompt.reference_codes
                 offsets.append(0 if prime is None else len(prime))
-                if prime is not None and chunk.first_frame == 0:
+                if prime is not None and chunk.first_frame == 0 and stream.primed_on != codec_lane:
                     self._prime(codec_lane, stream)
             audio = codec.decode(
                 torch.from_numpy(codes.astype(np.int32)),

@@ -16,6 +16,8 @@ from .protocols import ResponseSink
 
 log = logging.getLogger(__name__)
 
+QUEUED, RUNNING = "queued", "running"  # `Stream.priming`
+
 
 @dataclass(eq=False, kw_only=True)
 class Stream(StreamTimeline):
@@ -28,6 +30,10 @@ class Stream(StreamTimeline):
     codec_slot: int | None  # row of the codec state pool, held until it ends and no chunk is in flight
     frames: list[np.ndarray] = field(default_factory=list)
     decoding: bool = False  # a chunk of this stream is in a codec lane
+    # An in-context voice's codec priming ahead of its first chunk (`LaneWorkers._prime_ahead`):
+    # QUEUED or RUNNING, then None; `primed_on` the lane whose codec primed its row.
+    priming: str | None = None
+    primed_on: str | None = None
     # Input streaming: text ids that arrived since the engine thread last took them, and whether the
     # text has ended (the engine thread hands both to the engine between steps).
     new_text: list[int] = field(default_factory=list)
@@ -65,8 +71,8 @@ def codec_slots(
 ) -> int:
     """Rows the codec state pool needs: one per stream the service holds (generating, waiting for a
     row, or draining: generated, its audio still owed), plus the rows of streams that ended while a
-    lane was decoding their chunk (up to one batch per worker of each lane the policy uses; serial's
-    one inline decode at a time; freed on return)."""
+    lane was decoding their chunk or priming their state (up to one batch per worker of each lane
+    the policy uses; serial's one inline decode at a time; freed on return)."""
     workers = 1 if scheduler_config.rules.inline_decode else lane_workers
     in_flight = sum(scheduler_config.batch_limit(lane) for lane in scheduler_config.lanes)
     return engine.max_running + max_queued + max_draining + workers * in_flight
@@ -119,6 +125,9 @@ class StreamRegistry:
             stream.text_at = stream.text_handed_at = self.clock()
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
+            if request.prompt.reference_codes is not None and self._primes_ahead(lane):
+                stream.priming = QUEUED
+                self.primings.append(stream)
             self.lock.notify_all()
 
     def add_text(self, request_id: str, ids: list[int], end: bool) -> bool:
@@ -167,7 +176,7 @@ class StreamRegistry:
 
     def _free_slot(self, stream: Stream) -> None:
         """Return an ended stream's codec slot, unless a lane may still write it (then on return)."""
-        if stream.closed and not stream.decoding and stream.codec_slot is not None:
+        if stream.closed and not stream.decoding and stream.priming is None and stream.codec_slot is not None:
             self.free_slots.append(stream.codec_slot)
             stream.codec_slot = None
 
