@@ -271,7 +271,13 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
         streamed = [f"{row['text_end_to_audio_end_p90_ms']}" for row in rows]
         waited = [_fmt((row.get("server") or {}).get("text_to_first_audio_ms_mean")) for row in rows]
         lines += [
-            f"Input streaming: each text arrives as words at {meta['text_rate']:g}/s; TTFA counts from the "
+            f"Input streaming: each text arrives as words at {meta['text_rate']:g}/s"
+            + (
+                f", each length is its text's ids plus {meta['text_tail_frames']} frames"
+                if meta.get("text_tail_frames") is not None
+                else ""
+            )
+            + "; TTFA counts from the "
             f"first word. Last word to last audio, p90 ms per row: {', '.join(streamed) or '-'}. First "
             "audio after the latest words the engine had taken for the first chunk (server side, mean "
             f"ms per row): {', '.join(waited) or '-'}.",
@@ -565,6 +571,14 @@ def main() -> None:
         help="input streaming: each text arrives as words at this many per second (an LLM's tokens, "
         "about a word each; TTFA counts from the first); 0: the whole text at once",
     )
+    parser.add_argument(
+        "--text-tail-frames",
+        type=int,
+        help="with --text-rate: each request's length is its text's ids (the interleaved layout takes "
+        "one a frame) plus this many frames, instead of U(--min-seconds, --max-seconds): speech that "
+        "ends this many frames after its text, so the last word to the last audio is what the server "
+        "adds (a random-weight model does not end an utterance where its text does)",
+    )
     parser.add_argument("--speaker", "--voice", help="the voice (the request's speaker)")
     parser.add_argument(
         "--voice-mix",
@@ -590,6 +604,8 @@ def main() -> None:
         return
     if args.text_rate < 0 or (args.text_rate and args.target == "openai"):
         parser.error("--text-rate: a rate above 0, for --target triton (input streaming is voxtriton's)")
+    if args.text_tail_frames is not None and (not args.text_rate or args.text_tail_frames < 0):
+        parser.error("--text-tail-frames: 0 or more frames, with --text-rate")
     if args.smoke and args.target == "openai":
         parser.error("--smoke starts a server: it is for --target triton")
     if args.smoke:
@@ -640,6 +656,7 @@ def main() -> None:
         "utterance_seconds": [args.min_seconds, args.max_seconds],
         "ttfa_target_ms": TTFA_TARGET_S * 1e3,
         "text_rate": args.text_rate or None,  # words per second of input streaming; None: whole texts
+        "text_tail_frames": args.text_tail_frames,  # None: lengths U(utterance_seconds)
         "voice": args.speaker.default if isinstance(args.speaker, VoiceMix) else args.speaker,
         "voice_mix": args.voice_mix or None,
     }

@@ -21,6 +21,9 @@ from server_helpers import start_server, wait_for_metric
 from voxtriton_client import TTSClient
 from voxtriton_client.api import request_inputs
 
+from voxtriton.bench.workload import TEXTS
+from voxtriton.models.text import TextTokenizer
+
 pytestmark = pytest.mark.server
 
 TEXT = "Text that streams in, a few words at a time, is spoken before it ends."
@@ -256,12 +259,15 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
         stop_gateway(gateway)
 
 
-def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_checkpoint):
+@pytest.mark.parametrize("tail", [None, 3])
+def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_checkpoint, tail):
     """--text-rate: every request's text arrives as words at 30 per second; the same playback
-    accounting, plus the last piece to the last audio."""
+    accounting, plus the last piece to the last audio. With --text-tail-frames each request asks
+    for its text's ids plus that many frames."""
     out = tmp_path / "bench"
     root = Path(__file__).resolve().parents[1]
     command = [sys.executable, str(root / "benchmarks" / "serving_bench.py"), "--smoke", "--text-rate", "30"]
+    command += [] if tail is None else ["--text-tail-frames", str(tail)]
     completed = subprocess.run(
         command + ["--checkpoint", str(tiny_checkpoint), "--out", str(out)],
         capture_output=True,
@@ -270,13 +276,18 @@ def test_the_serving_benchmark_streams_text_at_a_token_rate(tmp_path, tiny_check
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert results["meta"]["text_rate"] == 30
+    assert results["meta"]["text_rate"] == 30 and results["meta"]["text_tail_frames"] == tail
     [row] = results["policies"][0]["rates"]
     assert row["requests"] >= 2 and row["failed"] == 0 and row["completed"] == row["requests"]
     assert 0 < row["ttfa_p50_ms"] < 5000 and row["text_end_to_audio_end_p50_ms"] > 0
     assert 0 < row["server"]["text_to_first_audio_ms_mean"] <= row["server"]["server_ttfa_ms_mean"]
     assert row["audio_s"] == pytest.approx(row["audio_asked_s"], rel=1e-9)
     assert sum(window["stalled"] for window in row["timeline"]) == row["stalled_requests"]
+    if tail is not None:
+        ids = [len(TextTokenizer(tiny_checkpoint).encode(text)) for text in TEXTS]
+        frames = round(row["audio_asked_s"] * 12.5)
+        assert row["requests"] * (min(ids) + tail) <= frames <= row["requests"] * (max(ids) + tail)
+        assert "each length is its text's ids plus 3 frames" in (out / "results.md").read_text()
 
 
 def test_the_client_command_speaks_stdin_as_it_comes(server, tmp_path):

@@ -77,6 +77,8 @@ def test_the_openai_target_refuses_incomplete_or_malformed_options(tmp_path, mon
         (["--target", "openai", "--url", "http://x", "--model", "m", "--extra-body", "{"], "not JSON"),
         (["--target", "openai", "--url", "http://x", "--model", "m", "--smoke"], "--smoke starts a server"),
         (["--checkpoint", "x", "--goodput-rules", "strict,loose"], "--goodput-rules: loose"),
+        (["--checkpoint", "x", "--text-tail-frames", "4"], "--text-tail-frames: 0 or more frames, with"),
+        (["--checkpoint", "x", "--text-rate", "20", "--text-tail-frames", "-1"], "--text-tail-frames: 0 or"),
     ):
         monkeypatch.setattr(sys, "argv", ["serving_bench.py", "--out", str(tmp_path), *options])
         with pytest.raises(SystemExit) as exit:

@@ -16,6 +16,7 @@ from pathlib import Path
 from voxtriton.bench.summary import percentile
 from voxtriton.bench.targets import TritonTarget
 from voxtriton.kernels import FALLBACK_WARNING
+from voxtriton.models.text import TextTokenizer
 from voxtriton.serving.launcher import TritonServer, parse_params
 
 
@@ -26,6 +27,10 @@ class Fleet:
     def __init__(self, args, spec: str):
         self.allow_kernel_fallback = args.allow_kernel_fallback
         self.text_rate = args.text_rate
+        self.text_frames = None
+        if args.text_tail_frames is not None:  # the interleaved layout takes one text id a frame
+            tokenizer, tail = TextTokenizer(args.checkpoint), args.text_tail_frames
+            self.text_frames = lambda text: len(tokenizer.encode(text)) + tail
         spec, _, pinned = spec.partition("@")
         self.policy, _, count = spec.partition("*")
         self.label = f"{self.policy} x{count} GPUs" if count else self.policy
@@ -69,7 +74,7 @@ class Fleet:
             )
 
     def make_target(self) -> TritonTarget:
-        return TritonTarget(self.urls, self.text_rate)
+        return TritonTarget(self.urls, self.text_rate, self.text_frames)
 
     def metrics(self) -> dict[str, float]:
         """Counters summed over the servers."""

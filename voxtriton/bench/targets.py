@@ -8,7 +8,8 @@ import asyncio
 import itertools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from voxtriton_client import simulate_playback
 
@@ -72,11 +73,14 @@ class TritonTarget:
     """voxtriton's tritonservers over gRPC; with several, each request goes to the one with the fewest
     requests in flight, ties taking turns, as a proxy's least-request balancing does. A fixed length
     is max_frames with ignore_eos. With `text_rate`, each text streams in (input streaming) as words
-    at that many per second; TTFA then counts from the first word."""
+    at that many per second; TTFA then counts from the first word. `text_frames`, if given, sets a
+    request's length from its text instead (see serving_bench.py --text-tail-frames)."""
 
-    def __init__(self, urls: list[str], text_rate: float = 0.0):
+    def __init__(
+        self, urls: list[str], text_rate: float = 0.0, text_frames: Callable[[str], int] | None = None
+    ):
         self.backends = [Backend(url) for url in urls]
-        self.text_rate = text_rate
+        self.text_rate, self.text_frames = text_rate, text_frames
         self._turn = itertools.count()
 
     def least_loaded(self) -> Backend:
@@ -84,6 +88,8 @@ class TritonTarget:
         return min(self.backends[turn:] + self.backends[:turn], key=lambda b: b.in_flight)
 
     async def request(self, utterance: Utterance, speaker: str | None, sent: float) -> RequestResult:
+        if self.text_frames is not None:
+            utterance = replace(utterance, frames=self.text_frames(utterance.text))
         options = dict(speaker=speaker, seed=utterance.seed, max_frames=utterance.frames, ignore_eos=True)
         backend = self.least_loaded()
         if self.text_rate:
