@@ -29,6 +29,7 @@ pytestmark = pytest.mark.server
 TEXT = "Text that streams in, a few words at a time, is spoken before it ends."
 OPTIONS = {"seed": 11, "max_frames": 30, "ignore_eos": True}
 IDLE_S = 1.5
+TEXT_END_COUNT = "voxtriton_text_end_to_audio_end_seconds_count"
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +82,18 @@ def test_pieces_give_the_codes_of_the_whole_text(client, pieces):
 
 
 def test_the_server_times_the_last_piece_to_the_last_audio(server, client):
-    before = server.metrics().get("voxtriton_text_end_to_audio_end_seconds_count", 0)
+    """And every input stream's first audio after its text, also one whose text all came at once."""
+    waited = "voxtriton_text_to_first_audio_seconds_count"
+    before, waited_before = (server.metrics().get(name, 0) for name in (TEXT_END_COUNT, waited))
     client.synthesize_text_stream(words(), **OPTIONS).raise_for_error()
-    wait_for_metric(server, "voxtriton_text_end_to_audio_end_seconds_count", lambda n: n == before + 1)
+    wait_for_metric(server, TEXT_END_COUNT, lambda n: n == before + 1)
     raw = RawStream(server.grpc_url)  # a sequence of one piece, start and end at once
     try:
         raw.piece(
             uuid.uuid4().hex, "Whole at once.", "w", start=True, end=True, max_frames=8, ignore_eos=True
         )
-        wait_for_metric(server, "voxtriton_text_end_to_audio_end_seconds_count", lambda n: n == before + 2)
+        wait_for_metric(server, TEXT_END_COUNT, lambda n: n == before + 2)
+        wait_for_metric(server, waited, lambda n: n == waited_before + 2)
     finally:
         raw.close()
 

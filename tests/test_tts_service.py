@@ -935,3 +935,50 @@ def test_a_stream_ended_while_it_is_primed_keeps_its_row_until_the_priming_retur
     finally:
         lane.release.set()
         service.shutdown()
+
+
+class LaneThatHoldsItsFirstCall(RecordingLane):
+    def __init__(self, lane):
+        super().__init__(lane)
+        self.holding, self.release, self.first = threading.Event(), threading.Event(), True
+
+    def decode(self, codes, start, slots):
+        if self.first:
+            self.first = False
+            self.holding.set()
+            self.release.wait(60)
+        return super().decode(codes, start, slots)
+
+
+def test_a_stream_ended_before_its_priming_started_gives_its_row_back_at_once(tiny_base_checkpoint):
+    """The urgent lane's one worker is busy with another stream's chunk, so a new in-context stream's
+    priming waits in the queue; ended meanwhile, it leaves the queue and frees its row at once, and
+    the codec never primes it."""
+    from voxtriton.models.families import load_family
+    from voxtriton.serving.voices import VoiceEncoder
+
+    engine, parser, scheduler_config = engine_and_parser(tiny_base_checkpoint, "voxserve")
+    codec, pool = cpu_codec(tiny_base_checkpoint, engine, scheduler_config)
+    lane = LaneThatHoldsItsFirstCall(InProcessLane(codec, pool.tensor))
+    recording = (0.3 * np.sin(np.arange(30000) * 0.05)).astype(np.float32)
+    encoder = VoiceEncoder(load_family(tiny_base_checkpoint))
+    voice = encoder.encode([recording], ["Words."])[0]
+    x_vector = encoder.encode([recording], [None])[0]
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        slots = len(service.free_slots)
+        inputs = {"text": np.array([b"Busy lane."], dtype=object), "max_frames": np.array([20])}
+        first = CollectingSink()
+        service.submit(parser.parse("r1", inputs, x_vector), first)
+        assert lane.holding.wait(60)  # r1's first chunk holds the urgent worker
+        service.submit(parser.parse("r2", inputs, voice), CollectingSink())
+        assert list(service.primings) == [service.streams["r2"]]
+        service.end_stream("r2", "request cancelled")
+        assert not service.primings and len(service.free_slots) == slots - 1  # r1 holds one
+        lane.release.set()
+        assert first.done.wait(120) and first.errors == []
+        wait_for(lambda: len(service.free_slots) == slots)
+        assert all(frames <= 8 for _, frames in lane.calls)  # no priming call
+    finally:
+        lane.release.set()
+        service.shutdown()

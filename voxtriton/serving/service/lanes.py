@@ -51,12 +51,15 @@ class LaneWorkers:
                 self._decode_batch(lane, batch)
 
     def _next_work(self, lane: str):
-        """(a stream to prime, None) first: its first chunk waits for it; else (None, a batch)."""
-        if lane == URGENT and self.primings:
-            stream = self.primings.popleft()
-            stream.priming = RUNNING
-            return stream, []
-        return None, self.scheduler.next_batch(lane)
+        """(None, a batch), or when the lane has no chunk to decode, (a stream to prime, None):
+        primings fill the urgent lane's idle time; one still queued when its first chunk is decoded
+        is primed by that chunk's call (`_await_primings`)."""
+        batch = self.scheduler.next_batch(lane)
+        if batch or lane != URGENT or not self.primings:
+            return None, batch
+        stream = self.primings.popleft()
+        stream.priming = RUNNING
+        return stream, []
 
     def _primes_ahead(self, lane: str | None) -> bool:
         """Whether an in-context stream pinned to `lane` (None: routed) is primed on the urgent lane
@@ -68,7 +71,13 @@ class LaneWorkers:
         primed = False
         if not stream.closed:
             try:
-                self._prime(URGENT, stream)
+                issued = self.clock()
+                if not self._prime(URGENT, stream):  # a codec call: the lane was busy with it
+                    started, ended = self._call_span(URGENT, issued)
+                    if self.metrics:
+                        self.metrics.codec_call(
+                            URGENT, len(stream.request.prompt.reference_codes), ended - started
+                        )
                 primed = True
             except Exception as error:  # its first chunk primes it on its own lane
                 log.warning("stream %s: priming ahead failed: %s", stream.request.request_id, error)
@@ -86,6 +95,7 @@ class LaneWorkers:
             if chunk.first_frame == 0 and chunk.stream.priming == QUEUED:
                 self.primings.remove(chunk.stream)
                 chunk.stream.priming = None
+                self._free_slot(chunk.stream)  # if it ended meanwhile
         while any(chunk.stream.priming == RUNNING for chunk in batch):
             self.lock.wait()
 
@@ -109,11 +119,12 @@ class LaneWorkers:
             self.lane_free_at[lane] = max(ended, self.lane_free_at.get(lane, ended))
         return started, ended
 
-    def _prime(self, lane: str, stream) -> None:
+    def _prime(self, lane: str, stream) -> bool:
         """Put into the stream's codec state row what decoding its in-context voice's reference codes
         from a fresh state leaves there, as the official implementation decodes them in front of the
         generated ones (their audio is dropped). A registered voice's primed state is kept (in
-        `primed_states`) and copied into the row at its next streams: no codec call."""
+        `primed_states`) and copied into the row at its next streams: no codec call. Returns
+        whether the state was such a copy."""
         prompt, slot = stream.request.prompt, stream.codec_slot
         kept = self.primed_states if prompt.reference_key is not None else None
         key = (lane, prompt.reference_key)
@@ -128,6 +139,7 @@ class LaneWorkers:
                 kept.keep(key, slot)
         if self.metrics:
             self.metrics.codec_primed(lane, reused)
+        return reused
 
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
@@ -213,7 +225,7 @@ class LaneWorkers:
                         if chunk.last and stream.text_ended_at is not None
                         else None,
                         since_text_s=(sent_at - stream.first_chunk_text_at)
-                        if chunk.index == 0 and stream.request.text_open
+                        if chunk.index == 0 and stream.input_stream
                         else None,
                     )
                 if self.chunk_trace:

@@ -42,6 +42,7 @@ class Stream(StreamTimeline):
     text_at: float = 0.0  # when the latest text ids arrived (at submit: its first ids)
     text_handed_at: float = 0.0  # `text_at` of the latest ids handed to the engine
     first_chunk_text_at: float | None = None  # `text_handed_at` when its first chunk's last frame came
+    input_stream: bool = False  # its text arrives in pieces (its request's `text_open` at submit)
 
 
 class WarmupSink:
@@ -123,6 +124,7 @@ class StreamRegistry:
                 codec_slot=self.free_slots.pop(),
             )
             stream.text_at = stream.text_handed_at = self.clock()
+            stream.input_stream = request.text_open
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             if request.prompt.reference_codes is not None and self._primes_ahead(lane):
@@ -163,6 +165,9 @@ class StreamRegistry:
             return
         stream.closed = True
         stream.request.cancelled = True
+        if stream.priming == QUEUED:  # not started: it never will
+            self.primings.remove(stream)
+            stream.priming = None
         self.streams.pop(stream.request.request_id, None)
         self.draining -= stream.generation_done
         self._free_slot(stream)
