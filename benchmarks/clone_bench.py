@@ -8,9 +8,12 @@
    seed and length (max_frames with ignore_eos), the cases interleaved request by request:
    - preset: a preset speaker of a CustomVoice checkpoint (--preset-checkpoint or --preset-url), the
      baseline with no reference at all;
-   - inline x-vector / inline in-context: the --reference-seconds recording in every request (WAV
-     bytes), without and with its transcript;
-   - registered x-vector / registered in-context: the same recording registered once (the voices
+   - inline x-vector / inline in-context: a --reference-seconds recording of its own in every
+     request (WAV bytes; the server keeps the latest references' voices, so a recording it has seen
+     would not be encoded again), without and with its transcript;
+   - inline in-context, repeated: the same recording in every request, as a client that sends its
+     reference each time does: encoded and primed at its first request only;
+   - registered x-vector / registered in-context: that recording registered once (the voices
      directory), named in `speaker`.
    --warm-up requests per case go first and are not counted (their TTFA is reported apart). The
    voices are registered before the server starts, so it primes the in-context one's codec state
@@ -35,12 +38,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -60,7 +65,14 @@ from voxtriton.serving.voices import VoiceEncoder, VoiceStore
 TEXT = "A cloned voice reads this sentence, and the listener hears it start."
 REFERENCE_TEXT = "The words that were spoken in the reference recording."
 XVECTOR, IN_CONTEXT = "bench-xvector", "bench-in-context"  # the registered voices' names
-CASES = ("preset", "inline x-vector", "inline in-context", "registered x-vector", "registered in-context")
+CASES = (
+    "preset",
+    "inline x-vector",
+    "inline in-context",
+    "inline in-context, repeated",
+    "registered x-vector",
+    "registered in-context",
+)
 
 
 def reference_wave(seconds: float, seed: int = 0) -> np.ndarray:
@@ -128,7 +140,9 @@ def served(url: str | None, checkpoint: str | None, args, parameters: dict):
         yield server.grpc_url, server.metrics
 
 
-def ttfa_ms(url: str, args, **options) -> float:
+def ttfa_ms(url: str, args, options: dict | Callable[[], dict]) -> float:
+    """One request's TTFA; `options` (or what calling it gives, per request) go with it."""
+    options = options() if callable(options) else options
     synthesis = (
         TTSClient(url)
         .synthesize(TEXT, seed=args.seed, max_frames=args.frames, ignore_eos=True, **options)
@@ -142,22 +156,40 @@ def measure_cases(url: str, cases: dict[str, dict], args) -> dict[str, dict]:
     found = {name: {"first_ms": None, "ttfa_ms": []} for name in cases}
     for name, options in cases.items():
         for index in range(args.warm_up):
-            ms = ttfa_ms(url, args, **options)
+            ms = ttfa_ms(url, args, options)
             if index == 0:
                 found[name]["first_ms"] = round(ms, 3)
     for _ in range(args.requests):
         for name, options in cases.items():
-            found[name]["ttfa_ms"].append(ttfa_ms(url, args, **options))
+            found[name]["ttfa_ms"].append(ttfa_ms(url, args, options))
     return found
+
+
+def settled_primings(metrics, timeout: float = 10.0) -> dict[str, float]:
+    """The server's priming counts once two reads 0.5 s apart agree: its metrics thread writes every
+    0.1 s, later on a loaded host."""
+    counts, deadline = codec_primings(metrics()), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        counts, previous = codec_primings(metrics()), counts
+        if counts == previous:
+            break
+    return counts
 
 
 def ttfa_cases(args, recording: bytes, family) -> tuple[list, dict | None]:
     voices_dir = Path(args.voices_dir or Path(args.out) / "voices")
     # Registered on the CPU, as `voxtriton voices add` does by default (see main for why).
     register(voices_dir, VoiceEncoder(family, "cpu"), family, recording)
+    seeds = itertools.count(1)
+
+    def new_recording() -> bytes:  # the same length and kind, other samples
+        return wav_bytes(reference_wave(args.reference_seconds, seed=next(seeds)))
+
     clones = {
-        "inline x-vector": {"reference_audio": recording},
-        "inline in-context": {"reference_audio": recording, "reference_text": REFERENCE_TEXT},
+        "inline x-vector": lambda: {"reference_audio": new_recording()},
+        "inline in-context": lambda: {"reference_audio": new_recording(), "reference_text": REFERENCE_TEXT},
+        "inline in-context, repeated": {"reference_audio": recording, "reference_text": REFERENCE_TEXT},
         "registered x-vector": {"speaker": XVECTOR},
         "registered in-context": {"speaker": IN_CONTEXT},
     }
@@ -165,8 +197,7 @@ def ttfa_cases(args, recording: bytes, family) -> tuple[list, dict | None]:
     with served(args.url, args.checkpoint, args, {"tts": {"voices_dir": str(voices_dir)}}) as (url, metrics):
         before = codec_primings(metrics()) if metrics else None
         found |= measure_cases(url, clones, args)
-        time.sleep(0.5)  # the server writes its metrics within 0.1 s
-        after = codec_primings(metrics()) if metrics else None
+        after = settled_primings(metrics) if metrics else None
     counted = None if before is None else {state: after[state] - before[state] for state in before}
     if args.preset_checkpoint or args.preset_url:
         preset = {"speaker": args.preset_speaker} if args.preset_speaker else {}

@@ -14,7 +14,7 @@ from voxtriton.errors import RequestError, ServerBusy
 from voxtriton.models.config import load_config
 from voxtriton.models.families import load_family
 from voxtriton.models.text import PromptBuilder, TextTokenizer
-from voxtriton.models.voice import Voice
+from voxtriton.models.voice import Voice, codes_key
 from voxtriton.serving.voices import EncodingQueue, VoiceEncoder, VoiceStore
 
 
@@ -183,3 +183,51 @@ def test_the_voices_command_says_what_is_wrong_in_one_line(tmp_path, tiny_base_c
         capsys.readouterr().err
         == f"voxtriton voices: audio: cannot read {missing}: No such file or directory\n"
     )
+
+
+class CountingEncoder(VoiceEncoder):
+    """A voice encoder that counts the recordings it encodes."""
+
+    def __init__(self, family):
+        super().__init__(family)
+        self.encoded = 0
+
+    def encode(self, waveforms, texts, x_vector_codes=True):
+        self.encoded += len(waveforms)
+        return super().encode(waveforms, texts, x_vector_codes)
+
+
+@pytest.mark.parametrize("cache_size", [0, 2])
+def test_the_encoding_queue_keeps_the_latest_references_voices(tiny_base_checkpoint, cache_size):
+    """With a cache, a recording sent again with the same transcript is not encoded again and gets the
+    same voice, an in-context one keyed by its codes (so its primed state is kept); another
+    transcript is another voice; the least recently used goes first. Without one, every request
+    encodes."""
+    encoder = CountingEncoder(load_family(tiny_base_checkpoint))
+    queue = EncodingQueue(encoder, cache_size=cache_size)
+    recordings = [audio_file(reference_audio(1.5, seed=seed)) for seed in range(3)]
+
+    def voice_of(audio, text):
+        answers = []
+        done = threading.Event()
+        queue.submit(
+            audio, text, lambda v: (answers.append(v), done.set()), lambda e: (answers.append(e), done.set())
+        )
+        assert done.wait(60) and isinstance(answers[0], Voice), answers
+        return answers[0]
+
+    try:
+        first = voice_of(recordings[0], "Words.")
+        again = voice_of(recordings[0], "Words.")
+        x_vector = voice_of(recordings[0], None)
+        if cache_size == 0:
+            assert encoder.encoded == 3 and first.key is None and again.key is None
+            return
+        assert encoder.encoded == 2 and again is first and first.key == codes_key(first.codes)
+        assert x_vector.key is None and not x_vector.in_context and len(x_vector.codes) == 0
+        voice_of(recordings[1], "Words.")  # evicts the first in-context voice (least recently used)
+        assert voice_of(recordings[0], None) is x_vector and encoder.encoded == 3
+        voice_of(recordings[0], "Words.")
+        assert encoder.encoded == 4
+    finally:
+        queue.shutdown()

@@ -158,7 +158,7 @@ class Prompt:
     speaker_position: int = -1
     reference_codes: np.ndarray | None = None  # [T, codebooks] frames, from reference_position on
     reference_position: int = -1
-    reference_key: str | None = None  # a registered voice's `Voice.key`: its primed codec state is kept
+    reference_key: str | None = None  # the voice's `Voice.key`: its primed codec state is kept
 
 
 def languages_of(config: Qwen3TTSConfig) -> list[str]:

@@ -3,9 +3,9 @@
 `embedding` is the speaker encoder's x-vector; `codes` the speech tokenizer's codes of the
 recording; `text` its transcript. With a transcript the prompt is in-context (the reference text
 and codes lead the prompt, and the codec decodes the generated frames after the reference codes);
-without one it is x-vector only, and `codes` are not used. A registered voice has a `key`, a digest
-of its codes, under which the server keeps the codec state primed with them for the voice's next
-streams; an inline one has none.
+without one it is x-vector only, and `codes` are not used. A registered voice, and an inline one the
+server keeps (`reference_cache`), has a `key`, a digest of its codes, under which the server keeps
+the codec state primed with them for the voice's next streams.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Voice:
     embedding: np.ndarray  # [enc_dim] float32
     codes: np.ndarray  # [frames, codebooks] int64
     text: str | None = None
-    key: str | None = None  # registered voices: `codes_key(codes)`
+    key: str | None = None  # registered voices and kept inline ones: `codes_key(codes)`
 
     @property
     def in_context(self) -> bool:

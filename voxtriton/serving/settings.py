@@ -94,9 +94,14 @@ class TTSSettings:
     voices_dir: str = ""
     max_voices: int = 1000
     max_reference_bytes: int = 16 << 20
-    # Registered in-context voices whose primed codec state (about 5 MB each, on the engine's device)
-    # is kept, so their streams start without decoding the reference codes; 0: prime every stream.
+    # In-context voices (registered, or inline ones kept by `reference_cache`) whose primed codec state
+    # (about 5 MB each, on the engine's device) is kept, so their streams start without decoding the
+    # reference codes; 0: prime every stream.
     primed_voices: int = 32
+    # Inline references (`reference_audio`) whose voices are kept, by the recording's bytes and
+    # transcript: one sent again is not encoded again, and an in-context one's primed codec state is
+    # kept with the registered voices'. 0: encode every request's reference.
+    reference_cache: int = 64
     # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (`lane_sms`).
     background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane
@@ -174,6 +179,10 @@ class TTSSettings:
         if self.primed_voices < 0:
             raise ValueError(
                 f"config.pbtxt parameter 'primed_voices' must be 0 or more, got {self.primed_voices}"
+            )
+        if self.reference_cache < 0:
+            raise ValueError(
+                f"config.pbtxt parameter 'reference_cache' must be 0 or more, got {self.reference_cache}"
             )
         if self.lane_workers < 1:
             raise ValueError(

@@ -225,7 +225,7 @@ class TTSTritonModel:
         if family.clones_voices:
             # The encoders run on the engine's device, on a thread and a CUDA stream of their own.
             self.voice_encoder = VoiceEncoder(family, device)
-            self.encoding = EncodingQueue(self.voice_encoder)
+            self.encoding = EncodingQueue(self.voice_encoder, cache_size=settings.reference_cache)
             self.voices = VoiceStore(voices_dir(settings.voices_dir), family, settings.max_voices)
             log.info("tts: voice cloning on, registered voices in %s", self.voices.directory)
         self.parser = request_parser(family, settings, self.voices)

@@ -5,7 +5,9 @@
   transcript is then required), on one device, recordings of one length as one batch.
 - `EncodingQueue` is the `tts` model's encoder thread: requests that bring `reference_audio` wait
   there, not on Triton's execute thread nor on the engine thread, and go on to the engine once
-  their voice is encoded. Recordings that arrive together are encoded together.
+  their voice is encoded. Recordings that arrive together are encoded together; the voices of the
+  latest ones are kept by their bytes and transcript, so a reference sent again is not encoded
+  again (and an in-context one's primed codec state is kept, under its codes' key).
 - `VoiceStore` keeps registered voices in a directory, one `<name>.npz` per voice (x-vector, empty
   for CSM, reference codes, transcript). A name is checked against NAME before it becomes a file
   name, so no request can name a path. Each lookup compares the file's size and modification time with the
@@ -14,7 +16,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import os
 import re
@@ -99,10 +104,13 @@ class _Job:
 
 class EncodingQueue:
     """A thread that encodes queued reference recordings, up to `max_batch` per pass, and hands each
-    voice to its job's `done`; a bad recording or a failing `done` goes to the job's `fail`."""
+    voice to its job's `done`; a bad recording or a failing `done` goes to the job's `fail`. The
+    voices of the last `cache_size` distinct (recording, transcript) pairs are kept."""
 
-    def __init__(self, encoder: VoiceEncoder, max_batch: int = 8):
+    def __init__(self, encoder: VoiceEncoder, max_batch: int = 8, cache_size: int = 0):
         self.encoder, self.max_batch = encoder, max_batch
+        self.cache_size = cache_size
+        self.cache: collections.OrderedDict[tuple[bytes, str | None], Voice] = collections.OrderedDict()
         self.jobs: list[_Job] = []
         self.lock = threading.Condition()
         self.running = True
@@ -137,23 +145,31 @@ class EncodingQueue:
 
     def _encode(self, jobs: list[_Job]) -> None:
         """Answer every job exactly once: its voice to `done`, or an error to `fail`."""
-        ready, waveforms = [], []
+        known, ready, waveforms = [], [], []
         for job in jobs:
+            key = (hashlib.sha256(job.audio).digest(), job.text)
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                known.append((job, self.cache[key]))
+                continue
             try:
                 waveforms.append(read_reference_audio(job.audio))
-                ready.append(job)
+                ready.append((job, key))
             except RequestError as error:
                 job.fail(str(error))
-        if not ready:
-            return
-        try:
-            voices = self.encoder.encode(waveforms, [job.text for job in ready], x_vector_codes=False)
-        except Exception as error:  # a bug or device fault: fail these requests, keep serving
-            log.exception("voice encoder failed")
-            for job in ready:
-                job.fail(f"internal error: reference_audio could not be encoded: {error}")
-            return
-        for job, voice in zip(ready, voices):
+        answers = list(known)
+        if ready:
+            try:
+                texts = [job.text for job, _ in ready]
+                voices = self.encoder.encode(waveforms, texts, x_vector_codes=False)
+            except Exception as error:  # a bug or device fault: fail these requests, keep serving
+                log.exception("voice encoder failed")
+                for job, _ in ready:
+                    job.fail(f"internal error: reference_audio could not be encoded: {error}")
+                voices = []
+            for (job, key), voice in zip(ready, voices):
+                answers.append((job, self._keep(key, voice)))
+        for job, voice in answers:
             try:
                 job.done(voice)
             except (RequestError, ServerBusy) as error:
@@ -161,6 +177,16 @@ class EncodingQueue:
             except Exception as error:  # never leave a request without its answer
                 log.exception("a request with a cloned voice failed before generation")
                 job.fail(f"internal error: {error}")
+
+    def _keep(self, key: tuple[bytes, str | None], voice: Voice) -> Voice:
+        """The voice as kept (an in-context one under its codes' key, so its primed state is kept)."""
+        if not self.cache_size:
+            return voice
+        voice = dataclasses.replace(voice, key=codes_key(voice.codes) if voice.in_context else None)
+        self.cache[key] = voice
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return voice
 
 
 def register_voice(
