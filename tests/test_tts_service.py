@@ -16,6 +16,7 @@ from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.errors import ServerBusy
 from voxtriton.models.config import load_config
+from voxtriton.models.families import load_family
 from voxtriton.models.loader import load_backbone
 from voxtriton.models.text import PromptBuilder, TextTokenizer
 from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT, SchedulerConfig
@@ -25,6 +26,7 @@ from voxtriton.serving.service import cancellation
 from voxtriton.serving.settings import CodecSettings, TTSSettings
 from voxtriton.serving.state_pool import CodecStatePool
 from voxtriton.serving.tts_service import MAX_HOLD_S, TTSService, codec_slots
+from voxtriton.serving.voices import VoiceEncoder
 
 
 class LaneThatFailsAfterCancellation:
@@ -834,6 +836,11 @@ def test_the_warm_up_decodes_on_every_lane_records_nothing_and_leaves_the_servic
         service.shutdown()
 
 
+@pytest.fixture(scope="module")
+def base_encoder(tiny_base_checkpoint):
+    return VoiceEncoder(load_family(tiny_base_checkpoint))
+
+
 class RecordingLane:
     """A codec lane that notes each call's first start and frame count, one call at a time."""
 
@@ -851,21 +858,18 @@ class RecordingLane:
 
 
 @pytest.mark.parametrize("policy", ["voxserve", "serial"])
-def test_an_in_context_stream_is_primed_while_it_prefills(tiny_base_checkpoint, policy):
+def test_an_in_context_stream_is_primed_while_it_prefills(tiny_base_checkpoint, base_encoder, policy):
     """With lane workers (voxserve) the urgent lane primes an in-context voice's codec state as soon
     as the request is submitted: the engine's first step here waits for that (10 s at most), so the
     priming comes before any frame. serial has no lane workers and primes at the first chunk. Either
     way the codec sees one priming call, and the audio is what decoding the reference codes and the
     generated ones in one piece gives after the reference's samples."""
-    from voxtriton.models.families import load_family
-    from voxtriton.serving.voices import VoiceEncoder
-
     engine, parser, scheduler_config = engine_and_parser(tiny_base_checkpoint, policy, chunk_schedule="2,4,8")
     codec, pool = cpu_codec(tiny_base_checkpoint, engine, scheduler_config)
     lane = RecordingLane(InProcessLane(codec, pool.tensor))
     noise = np.random.default_rng(3).standard_normal(36000)
     recording = (0.3 * np.sin(np.arange(36000) * 0.05) + 0.05 * noise).astype(np.float32)
-    voice = VoiceEncoder(load_family(tiny_base_checkpoint)).encode([recording], ["A reference, spoken."])[0]
+    voice = base_encoder.encode([recording], ["A reference, spoken."])[0]
     step, primed_before_the_first_step = engine.step, []
 
     def first_step_waits_for_the_priming():
@@ -912,15 +916,14 @@ class LaneThatHoldsThePriming(RecordingLane):
         return super().decode(codes, start, slots)
 
 
-def test_a_stream_ended_while_it_is_primed_keeps_its_row_until_the_priming_returns(tiny_base_checkpoint):
-    from voxtriton.models.families import load_family
-    from voxtriton.serving.voices import VoiceEncoder
-
+def test_a_stream_ended_while_it_is_primed_keeps_its_row_until_the_priming_returns(
+    tiny_base_checkpoint, base_encoder
+):
     engine, parser, scheduler_config = engine_and_parser(tiny_base_checkpoint, "voxserve")
     codec, pool = cpu_codec(tiny_base_checkpoint, engine, scheduler_config)
     lane = LaneThatHoldsThePriming(InProcessLane(codec, pool.tensor))
     recording = (0.3 * np.sin(np.arange(30000) * 0.05)).astype(np.float32)
-    voice = VoiceEncoder(load_family(tiny_base_checkpoint)).encode([recording], ["Words."])[0]
+    voice = base_encoder.encode([recording], ["Words."])[0]
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
     try:
         slots = len(service.free_slots)
@@ -950,20 +953,18 @@ class LaneThatHoldsItsFirstCall(RecordingLane):
         return super().decode(codes, start, slots)
 
 
-def test_a_stream_ended_before_its_priming_started_gives_its_row_back_at_once(tiny_base_checkpoint):
+def test_a_stream_ended_before_its_priming_started_gives_its_row_back_at_once(
+    tiny_base_checkpoint, base_encoder
+):
     """The urgent lane's one worker is busy with another stream's chunk, so a new in-context stream's
     priming waits in the queue; ended meanwhile, it leaves the queue and frees its row at once, and
     the codec never primes it."""
-    from voxtriton.models.families import load_family
-    from voxtriton.serving.voices import VoiceEncoder
-
     engine, parser, scheduler_config = engine_and_parser(tiny_base_checkpoint, "voxserve")
     codec, pool = cpu_codec(tiny_base_checkpoint, engine, scheduler_config)
     lane = LaneThatHoldsItsFirstCall(InProcessLane(codec, pool.tensor))
     recording = (0.3 * np.sin(np.arange(30000) * 0.05)).astype(np.float32)
-    encoder = VoiceEncoder(load_family(tiny_base_checkpoint))
-    voice = encoder.encode([recording], ["Words."])[0]
-    x_vector = encoder.encode([recording], [None])[0]
+    voice = base_encoder.encode([recording], ["Words."])[0]
+    x_vector = base_encoder.encode([recording], [None])[0]
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
     try:
         slots = len(service.free_slots)

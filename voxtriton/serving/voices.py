@@ -147,7 +147,7 @@ class EncodingQueue:
         """Answer every job exactly once: its voice to `done`, or an error to `fail`."""
         known, ready, waveforms = [], [], []
         for job in jobs:
-            key = (hashlib.blake2b(job.audio, digest_size=16).digest(), job.text)
+            key = (hashlib.blake2b(job.audio, digest_size=16).digest(), job.text) if self.cache_size else None
             if key in self.cache:
                 self.cache.move_to_end(key)
                 known.append((job, self.cache[key]))
@@ -178,7 +178,7 @@ class EncodingQueue:
                 log.exception("a request with a cloned voice failed before generation")
                 job.fail(f"internal error: {error}")
 
-    def _keep(self, key: tuple[bytes, str | None], voice: Voice) -> Voice:
+    def _keep(self, key: tuple[bytes, str | None] | None, voice: Voice) -> Voice:
         """The voice as kept (an in-context one under its codes' key, so its primed state is kept)."""
         if not self.cache_size:
             return voice

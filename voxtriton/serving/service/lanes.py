@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ...scheduler.policy import BACKGROUND, INLINE, URGENT, Chunk
-from .streams import QUEUED, RUNNING
+from .streams import RUNNING
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,8 @@ class LaneWorkers:
         """Under the lock, before a batch's codec call: a first chunk's stream whose priming has not
         started is primed by this call's worker instead; one being primed is waited for."""
         for chunk in batch:
-            if chunk.first_frame == 0 and chunk.stream.priming == QUEUED:
-                self.primings.remove(chunk.stream)
-                chunk.stream.priming = None
-                self._free_slot(chunk.stream)  # if it ended meanwhile
+            if chunk.first_frame == 0:
+                self._unqueue_priming(chunk.stream)
         while any(chunk.stream.priming == RUNNING for chunk in batch):
             self.lock.wait()
 

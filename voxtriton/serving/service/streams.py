@@ -140,10 +140,11 @@ class StreamRegistry:
                 return False
             stream.new_text += ids
             stream.text_ended = end
+            now = self.clock()
             if ids or end:
-                stream.text_at = self.clock()
+                stream.text_at = now
             if end:
-                stream.text_ended_at = self.clock()
+                stream.text_ended_at = now
             self.text_arrived[request_id] = stream
             self.lock.notify_all()
             return True
@@ -165,9 +166,7 @@ class StreamRegistry:
             return
         stream.closed = True
         stream.request.cancelled = True
-        if stream.priming == QUEUED:  # not started: it never will
-            self.primings.remove(stream)
-            stream.priming = None
+        self._unqueue_priming(stream)  # not started: it never will
         self.streams.pop(stream.request.request_id, None)
         self.draining -= stream.generation_done
         self._free_slot(stream)
@@ -178,6 +177,12 @@ class StreamRegistry:
                 stream.sink.fail(error)
             except Exception:  # the client may be gone; nothing else to tell it
                 log.debug("could not deliver error to %s", stream.request.request_id)
+
+    def _unqueue_priming(self, stream: Stream) -> None:
+        """Take a priming that no lane worker has started out of the queue."""
+        if stream.priming == QUEUED:
+            self.primings.remove(stream)
+            stream.priming = None
 
     def _free_slot(self, stream: Stream) -> None:
         """Return an ended stream's codec slot, unless a lane may still write it (then on return)."""
