@@ -161,21 +161,27 @@ def test_codec_graphs_match_eager(tiny_checkpoint, monkeypatch):
 
 
 def test_an_uncaptured_length_runs_as_captured_pieces_and_gives_the_eager_audio(tiny_checkpoint, monkeypatch):
-    """An in-context voice's reference codes (any length) prime its state through the graphs."""
+    """An in-context voice's reference codes (any length) prime its state through the graphs: the
+    priming sizes (batch 1 only) first."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     codec = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
-    runner = CodecRunner(codec, batch_buckets=[1, 2], frame_sizes=[4, 25])
-    codes = torch.randint(0, 2048, (1, 58, 16), device=DEVICE)  # 25 + 25 + 4 + 4
-    start = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    runner = CodecRunner(codec, batch_buckets=[1, 2], frame_sizes=[4, 25], single_frame_sizes=[50])
+    assert sorted(runner.graphs) == [(1, 4), (1, 25), (1, 50), (2, 4), (2, 25)]
+    assert runner._captured_pieces(1, 83) == (50, 25, 4, 4)
+    assert runner._captured_pieces(2, 58) == (25, 25, 4, 4)
     eager = codec.decode
     calls = []  # eager calls, after capture
     monkeypatch.setattr(codec, "decode", lambda *args: calls.append(args[0].shape[1]) or eager(*args))
-    audio_a, state_a = runner.decode(codes, start, codec.new_state(1))
-    audio_b, state_b = eager(codes, start, codec.new_state(1))
-    assert calls == [] and len(runner.graphs) == 4
-    assert (audio_a - audio_b).abs().max().item() <= 1e-5
-    assert (state_a.float() - state_b.float()).abs().max().item() <= 1e-4
-    odd = codes[:, :3]  # 3 frames: no captured lengths add up to it, so it runs eagerly
+    for batch, frames in ((1, 83), (2, 58)):
+        codes = torch.randint(0, 2048, (batch, frames, 16), device=DEVICE)
+        start = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+        audio_a, state_a = runner.decode(codes, start, codec.new_state(batch))
+        audio_b, state_b = eager(codes, start, codec.new_state(batch))
+        assert calls == []
+        assert (audio_a - audio_b).abs().max().item() <= 1e-5
+        assert (state_a.float() - state_b.float()).abs().max().item() <= 1e-4
+    start = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    odd = codes[:1, :3]  # 3 frames: no captured lengths add up to it, so it runs eagerly
     audio_a, _ = runner.decode(odd, start, codec.new_state(1))
     assert calls == [3] and (audio_a - eager(odd, start, codec.new_state(1))[0]).abs().max().item() <= 1e-5
 

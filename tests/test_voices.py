@@ -7,9 +7,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from test_clone_parity import reference_audio
 from test_clone_server import audio_file
 
+from voxtriton.engine.encoder_runner import EncoderRunner
 from voxtriton.errors import RequestError, ServerBusy
 from voxtriton.models.config import load_config
 from voxtriton.models.families import load_family
@@ -231,3 +233,59 @@ def test_the_encoding_queue_keeps_the_latest_references_voices(tiny_base_checkpo
         assert encoder.encoded == 4
     finally:
         queue.shutdown()
+
+
+@pytest.fixture(scope="module")
+def csm_family(tmp_path_factory):
+    from voxtriton.models.csm.checkpoint import make_csm_checkpoint
+
+    return load_family(make_csm_checkpoint("csm-tiny", tmp_path_factory.mktemp("csm-tiny"), seed=0))
+
+
+@pytest.mark.parametrize("which", ["family", "csm_family"])
+def test_recordings_padded_to_a_bucket_get_the_codes_of_their_own_length(request, which):
+    """The speech encoder runs at bucket shapes (the CUDA graphs' shapes): five recordings that end
+    on, just before, just after and between frame boundaries, in batches of two, each row padded to
+    the longest's bucket, get the codes the encoder gives each at its own length."""
+    model = request.getfixturevalue(which).load_voice_encoders("cpu")[1]
+    runner = EncoderRunner(model, lambda codes, samples: codes[: model.frames(samples)], graphs=False)
+    frame = model.config.samples_per_frame
+    lengths = [24 * frame, 24 * frame - 1, 24 * frame + 1, 13 * frame + 500, 31 * frame + 7]
+    waves = [reference_audio(n / 24000, seed=n) for n in lengths]
+    assert [len(wave) for wave in waves] == lengths
+    with torch.inference_mode():
+        padded = runner.run(waves)
+        alone = [model(torch.from_numpy(wave)[None])[0] for wave in waves]
+        # Without each row's length its strided layers would pad the bucket's end, not the row's.
+        batch = torch.zeros(len(waves), next(n for n in runner.lengths if n >= max(lengths)))
+        for row, wave in enumerate(waves):
+            batch[row, : len(wave)] = torch.from_numpy(wave)
+        unmasked = model(batch)
+    for codes, own, wave in zip(padded, alone, waves):
+        assert codes.shape == own.shape == (-(-len(wave) // frame), model.config.num_codes)
+        torch.testing.assert_close(codes, own, rtol=0, atol=0)
+    assert any(not torch.equal(unmasked[row, : len(own)], own) for row, own in enumerate(alone))
+
+
+def test_recordings_padded_to_a_bucket_get_the_x_vector_of_their_own_length(family):
+    """The speaker encoder at bucket shapes: each row's tail is its own end's reflection and the
+    averages count its own frames, so a row gets its x-vector alone (fp32 rounding apart); a bucket
+    leaves `tail_margin` samples after the longest row, without which the last frames would read
+    the next row's zeros, not the reflection."""
+    model = family.load_voice_encoders("cpu")[0]
+    runner = EncoderRunner(model, lambda x_vector, _: x_vector, model.tail_margin, graphs=False)
+    two_seconds = 2 * model.config.sample_rate
+    lengths = [two_seconds, two_seconds + 1, two_seconds - 10, 24000, 61000]
+    waves = [reference_audio(n / 24000, seed=n) for n in lengths]
+
+    def error(x_vector: torch.Tensor, wave: np.ndarray) -> float:
+        alone = model(torch.from_numpy(wave)[None])[0]
+        return ((x_vector - alone).abs().max() / alone.abs().max()).item()
+
+    with torch.inference_mode():
+        assert max(error(x_vector, wave) for x_vector, wave in zip(runner.run(waves), waves)) <= 1e-5
+        without_margin = EncoderRunner(model, lambda x_vector, _: x_vector, graphs=False)
+        assert error(without_margin.run(waves[2:3])[0], waves[2]) > 1e-4
+        batch = torch.zeros(1, runner.lengths[0])
+        batch[0, : lengths[2]] = torch.from_numpy(waves[2])
+        assert error(model(batch)[0], waves[2]) > 1e-2  # no lengths at all

@@ -38,9 +38,15 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 class CodecRunner:
     def __init__(
-        self, model: nn.Module, batch_buckets: list[int] | None = None, frame_sizes: list[int] | None = None
+        self,
+        model: nn.Module,
+        batch_buckets: list[int] | None = None,
+        frame_sizes: list[int] | None = None,
+        single_frame_sizes: list[int] = (),
     ):
-        """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`)."""
+        """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`).
+        Captured: every (batch bucket, frame size), and `single_frame_sizes` at batch 1 only (long
+        calls of one stream: an in-context voice's priming, in fewer pieces)."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -50,9 +56,11 @@ class CodecRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
         self.pool = None
         if self.device.type == "cuda" and self.batch_buckets and frame_sizes:
-            for frames in sorted(set(frame_sizes), reverse=True):
-                for batch in reversed(self.batch_buckets):
-                    self._capture(batch, frames)
+            shapes = {(batch, frames) for batch in self.batch_buckets for frames in frame_sizes}
+            if self.batch_buckets[0] == 1:
+                shapes |= {(1, frames) for frames in single_frame_sizes}
+            for batch, frames in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
+                self._capture(batch, frames)  # largest first: the shared pool is sized once
 
     def _static_inputs(self, batch: int, frames: int) -> dict:
         return {

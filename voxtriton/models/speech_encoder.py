@@ -4,14 +4,17 @@ A Mimi encoder, as the official tokenizer runs it: a causal SEANet convolution s
 sliding-window transformer, a strided convolution to 12.5 Hz and split residual vector quantizers
 (one semantic codebook, then acoustic ones). The codes of the in-context voice prompt come from
 here. Module names mirror the checkpoint (`encoder.encoder.layers.0.conv.weight`, ...) under the
-speech tokenizer's `encoder.` prefix. A batch holds recordings of one length: the last frame of a
-recording depends on where it ends (each strided layer pads its own end), so padding a shorter one
-to a batch's length would change its last frame's codes.
+speech tokenizer's `encoder.` prefix.
+
+Recordings of different lengths go in one batch, zero-padded to a common length, with their own
+`lengths`: every layer is causal, so a frame never reads what follows it, except where a strided
+layer pads its own end to whole frames (the last frame of a recording depends on where it ends).
+Those layers see each row's tail past its length replaced by the padding that row alone would get,
+so each recording's codes are those it gets alone (equal up to float rounding, which the shapes
+change). Fixed shapes are what lets the encoder run as CUDA graphs (`engine.speech_encoder_runner`).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +35,29 @@ class CausalConv1d(nn.Module):
         self.kernel = (kernel - 1) * dilation + 1
         self.padding = self.kernel - stride
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[-1]
-        frames = math.ceil((length - self.kernel + self.padding) / self.stride + 1) - 1
-        extra = frames * self.stride + self.kernel - self.padding - length
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, C, T]; lengths [B]: each row's own length (None: all T). A strided layer's output
+        frame may read past a row's end, so there the row's tail becomes its own end padding."""
+        if lengths is not None and self.stride > 1:
+            x = self._pad_tail(x, lengths)
+        extra = self._extra(x.shape[-1])
         return self.conv(F.pad(x, (self.padding, extra), mode=self.mode))
+
+    def _extra(self, length):
+        """Right padding that completes the last frame (an int, or per row for a tensor of lengths)."""
+        frames = -((self.kernel - self.padding - length) // self.stride)  # ceil((length - k + pad) / s)
+        return frames * self.stride + self.kernel - self.padding - length
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        return (lengths + self.padding + self._extra(lengths) - self.kernel) // self.stride + 1
+
+    def _pad_tail(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        inside = torch.arange(x.shape[-1], device=x.device) < lengths[:, None]
+        if self.mode == "replicate":
+            last = x.gather(2, (lengths - 1)[:, None, None].expand(-1, x.shape[1], 1))
+        else:
+            last = torch.zeros((), device=x.device, dtype=x.dtype)
+        return torch.where(inside[:, None, :], x, last)
 
 
 class ResnetBlock(nn.Module):
@@ -76,10 +97,15 @@ class SEANetEncoder(nn.Module):
         ]
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None):
+        """-> (features, their lengths per row, or None)"""
         for layer in self.layers:
-            x = layer(x)
-        return x
+            if isinstance(layer, CausalConv1d):
+                x = layer(x, lengths)
+                lengths = None if lengths is None else layer.output_lengths(lengths)
+            else:
+                x = layer(x)  # activations and residual blocks: stride 1, causal
+        return x, lengths
 
 
 class LayerScale(nn.Module):
@@ -232,14 +258,17 @@ class MimiEncoder(nn.Module):
         self.downsample = CausalConv1d(hidden, hidden, 4, stride=2, bias=False, mode="replicate")
         self.quantizer = SplitQuantizer(cfg)
 
-    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+    def forward(self, audio: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Waveforms [B, samples] at 24 kHz -> codes [B, frames, num_codes], one frame per started
-        `samples_per_frame`."""
-        x = self.encoder(audio[:, None].to(self.downsample.conv.weight.dtype))
+        `samples_per_frame`. lengths [B]: each row's samples, the rest zeros (None: all); a row's
+        codes are then its first `frames(length)`."""
+        x, lengths = self.encoder(audio[:, None].to(self.downsample.conv.weight.dtype), lengths)
         x = self.encoder_transformer(x.transpose(1, 2)).transpose(1, 2)
-        codes = self.quantizer.encode(self.downsample(x), self.config.num_codes)
-        frames = -(-audio.shape[1] // self.config.samples_per_frame)
-        return codes[:, :, :frames].transpose(1, 2)
+        codes = self.quantizer.encode(self.downsample(x, lengths), self.config.num_codes)
+        return codes[:, :, : self.frames(audio.shape[1])].transpose(1, 2)
+
+    def frames(self, samples: int) -> int:
+        return -(-samples // self.config.samples_per_frame)
 
 
 class SpeechEncoder(nn.Module):
@@ -250,5 +279,8 @@ class SpeechEncoder(nn.Module):
         self.config = cfg
         self.encoder = MimiEncoder(cfg)
 
-    def forward(self, audio: torch.Tensor) -> torch.Tensor:
-        return self.encoder(audio)
+    def forward(self, audio: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder(audio, lengths)
+
+    def frames(self, samples: int) -> int:
+        return self.encoder.frames(samples)

@@ -239,10 +239,15 @@ class CodecSettings:
     # chunk schedule and this lane's batch limit make (`codec_graph_shapes`).
     graph_batch_sizes: str = ""
     graph_frame_sizes: str = ""
+    # Frames per call captured at batch 1 on the urgent lane of a checkpoint that clones voices: an
+    # in-context voice's priming decodes its reference codes (125 frames for 10 s) in fewer calls.
+    graph_priming_sizes: str = "50,100"
     test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (not counting the warm-up's calls)
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)
+        for name in ("graph_batch_sizes", "graph_frame_sizes", "graph_priming_sizes"):
+            check_sizes(name, getattr(self, name))
         if self.lane not in (URGENT, BACKGROUND):
             raise ValueError(
                 f"config.pbtxt parameter 'lane' must be {URGENT!r} or {BACKGROUND!r}, got {self.lane!r}"
@@ -305,6 +310,14 @@ def codec_graph_shapes(scheduler: SchedulerConfig | None = None, lane: str = URG
             {1 << bit for bit in range(limit.bit_length()) if 1 << bit <= limit} | {limit}
         ),
     }
+
+
+def check_sizes(name: str, value: str) -> None:
+    """Comma-separated whole numbers of at least 1 (or nothing)."""
+    if not all(item.strip().isdigit() and int(item) >= 1 for item in value.split(",") if item.strip()):
+        raise ValueError(
+            f"config.pbtxt parameter {name!r} must be comma-separated whole numbers >= 1, got {value!r}"
+        )
 
 
 def int_list(text: str) -> list[int]:

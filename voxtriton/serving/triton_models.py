@@ -224,7 +224,10 @@ class TTSTritonModel:
         self.voice_encoder = self.encoding = self.voices = None
         if family.clones_voices:
             # The encoders run on the engine's device, on a thread and a CUDA stream of their own.
-            self.voice_encoder = VoiceEncoder(family, device)
+            graphs = device.type == "cuda" and settings.cuda_graphs
+            self.voice_encoder = VoiceEncoder(family, device, graphs=graphs)
+            if graphs:
+                log.info("tts: reference encoder CUDA graphs: %d", self.voice_encoder.graph_count())
             self.encoding = EncodingQueue(self.voice_encoder, cache_size=settings.reference_cache)
             self.voices = VoiceStore(voices_dir(settings.voices_dir), family, settings.max_voices)
             log.info("tts: voice cloning on, registered voices in %s", self.voices.directory)

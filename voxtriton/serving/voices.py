@@ -2,7 +2,8 @@
 
 - `VoiceEncoder` runs a Qwen3-TTS Base checkpoint's speaker encoder (x-vector) and speech-tokenizer
   encoder (reference codes), or a CSM checkpoint's Mimi encoder (the codes of a context turn, whose
-  transcript is then required), on one device, recordings of one length as one batch.
+  transcript is then required), on one device; a pass's recordings as one batch (CUDA graphs on a
+  server's GPU).
 - `EncodingQueue` is the `tts` model's encoder thread: requests that bring `reference_audio` wait
   there, not on Triton's execute thread nor on the engine thread, and go on to the engine once
   their voice is encoded. Recordings that arrive together are encoded together; the voices of the
@@ -33,6 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..engine.encoder_runner import EncoderRunner
 from ..errors import RequestError, ServerBusy
 from ..models.family import ModelFamily
 from ..models.voice import Voice, codes_key
@@ -56,42 +58,50 @@ def check_name(name: str, field: str = "name") -> str:
 class VoiceEncoder:
     """Reference waveforms (24 kHz) -> Voices, on `device`, in fp32."""
 
-    def __init__(self, family: ModelFamily, device: torch.device | str = "cpu"):
+    def __init__(self, family: ModelFamily, device: torch.device | str = "cpu", graphs: bool = False):
+        """graphs: run the encoders as CUDA graphs (a server; a one-off encode need not wait for
+        their capture)."""
         self.device = torch.device(device)
-        self.speaker_encoder, self.speech_encoder = family.load_voice_encoders(self.device)
-        self.context_turn = self.speaker_encoder is None  # CSM: a voice is a context turn
+        speaker_encoder, speech_encoder = family.load_voice_encoders(self.device)
+        self.context_turn = speaker_encoder is None  # CSM: a voice is a context turn
         self.codebooks = family.codebooks
         # Beside the engine's streams, so a batch of recordings does not queue behind frame steps.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with self._on_stream():
+            self.speech_encoder = EncoderRunner(
+                speech_encoder, lambda codes, samples: codes[: speech_encoder.frames(samples)], graphs=graphs
+            )
+            self.speaker_encoder = None
+            if speaker_encoder is not None:
+                self.speaker_encoder = EncoderRunner(
+                    speaker_encoder, lambda x_vector, _: x_vector, speaker_encoder.tail_margin, graphs
+                )
+
+    def graph_count(self) -> int:
+        return sum(len(runner.graphs) for runner in (self.speech_encoder, self.speaker_encoder) if runner)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
     def encode(
         self, waveforms: list[np.ndarray], texts: list[str | None], x_vector_codes: bool = True
     ) -> list[Voice]:
-        """Recordings of one length go through both encoders as one batch. Padding would change a
-        recording's voice (the x-vector pools over every frame; the codes' last frame depends on
-        where the recording ends), so recordings of different lengths go in batches of their own.
+        """The recordings go through each encoder as one batch (see `EncoderRunner`).
         `x_vector_codes`: also encode the codes of a recording without a transcript, which its
         x-vector-only prompt does not use (a registered voice keeps them; an inline one gets none)."""
-        by_length: dict[int, list[int]] = {}
-        for index, waveform in enumerate(waveforms):
-            by_length.setdefault(len(waveform), []).append(index)
-        voices: list[Voice | None] = [None] * len(waveforms)
-        every_code, no_codes = x_vector_codes or self.context_turn, np.zeros((0, self.codebooks), np.int64)
-        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with context:
-            for indices in by_length.values():
-                batch = torch.from_numpy(np.stack([waveforms[i] for i in indices])).to(self.device)
-                if self.speaker_encoder is None:
-                    embeddings = np.zeros((len(indices), 0), np.float32)
-                else:
-                    embeddings = self.speaker_encoder(batch).float().cpu().numpy()
-                coded = [row for row, i in enumerate(indices) if every_code or texts[i]]
-                encoded = self.speech_encoder(batch[coded]).cpu().numpy().astype(np.int64) if coded else None
-                for row, index in enumerate(indices):
-                    codes = encoded[coded.index(row)] if row in coded else no_codes
-                    voices[index] = Voice(embeddings[row], codes, texts[index] or None)
-        return voices
+        every_code = x_vector_codes or self.context_turn
+        coded = [index for index, text in enumerate(texts) if every_code or text]
+        with self._on_stream():
+            codes = dict(zip(coded, self.speech_encoder.run([waveforms[i] for i in coded]))) if coded else {}
+            embeddings = self.speaker_encoder.run(waveforms) if self.speaker_encoder is not None else None
+            no_embedding, no_codes = np.zeros(0, np.float32), np.zeros((0, self.codebooks), np.int64)
+            voices = []
+            for index, text in enumerate(texts):
+                embedding = embeddings[index].float().cpu().numpy() if embeddings else no_embedding
+                voice_codes = codes[index].cpu().numpy().astype(np.int64) if index in codes else no_codes
+                voices.append(Voice(embedding, voice_codes, text or None))
+            return voices
 
 
 @dataclass
