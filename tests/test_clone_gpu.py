@@ -58,6 +58,12 @@ def test_the_encoder_graphs_give_the_eager_voices(tiny_base_checkpoint):
     eager = VoiceEncoder(family, DEVICE)
     assert graphed.graph_count() == 2 * len(LENGTH_BUCKETS_S) * len(GRAPH_BATCHES)
     assert eager.graph_count() == 0
+    eager_calls = []  # the graphed encoder's, after capture: none
+    for runner in (graphed.speech_encoder, graphed.speaker_encoder):
+        model = runner.model
+        runner.model = lambda audio, lengths, model=model: (
+            eager_calls.append(audio.shape) or model(audio, lengths)
+        )
     waves = [reference_audio(seconds, seed=seed) for seed, seconds in enumerate([1.0, 2.3, 9.7])]
     for batch in (waves[:1], waves, waves[1:]):
         texts = [REFERENCE_TEXT] * len(batch)
@@ -65,6 +71,7 @@ def test_the_encoder_graphs_give_the_eager_voices(tiny_base_checkpoint):
             np.testing.assert_array_equal(replayed.codes, run.codes)
             scale = np.abs(run.embedding).max()
             np.testing.assert_allclose(replayed.embedding, run.embedding, rtol=0, atol=1e-6 * scale)
+    assert eager_calls == []
     for wave, voice in zip(waves, graphed.encode(waves, [REFERENCE_TEXT] * 3)):
         with torch.inference_mode():  # each encoder eagerly at the recording's own length
             audio = torch.from_numpy(wave)[None].to(DEVICE)

@@ -141,7 +141,7 @@ def test_the_encoding_queue_answers_every_request_once(tiny_base_checkpoint):
 
 
 def test_a_batch_of_recordings_gives_each_the_voice_it_gets_alone(tiny_base_checkpoint):
-    """Two recordings of one length share a batch; the others (1.0 s ends mid-frame) go alone."""
+    """Recordings of two lengths (1.0 s ends mid-frame) in one batch: each gets its voice alone."""
     encoder = VoiceEncoder(load_family(tiny_base_checkpoint))
     audio = [reference_audio(1.0, seed=1), reference_audio(1.3, seed=2), reference_audio(1.0, seed=3)]
     texts = [None, "Words.", "Other words."]

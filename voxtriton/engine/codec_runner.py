@@ -42,7 +42,7 @@ class CodecRunner:
         model: nn.Module,
         batch_buckets: list[int] | None = None,
         frame_sizes: list[int] | None = None,
-        single_frame_sizes: list[int] = (),
+        single_frame_sizes: tuple[int, ...] | list[int] = (),
     ):
         """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`).
         Captured: every (batch bucket, frame size), and `single_frame_sizes` at batch 1 only (long

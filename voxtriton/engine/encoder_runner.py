@@ -7,12 +7,14 @@ recordings are zero-padded to a length bucket and a batch bucket, each row with 
 (each encoder gives a row what it gets alone, see `models.speech_encoder` and
 `models.speaker_encoder`), so on a GPU each (batch, length) bucket is one CUDA graph, captured at
 start: one launch per batch of recordings. A graph keeps the memory of its largest activations
-(about 0.6 GB per 30 s row for the speech encoder, in the pool its graphs share), so graphs go up
-to `GRAPH_BATCHES[-1]` rows and a larger batch replays them in pieces.
+(the speech encoder's about 0.7 GB per 30 s row, in the pool its graphs share), so graphs go up to
+`GRAPH_BATCHES[-1]` rows and a larger batch replays them in pieces. The eager path (a CPU, or no
+graphs) pads the same way: one code path, the one the graphs run.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import numpy as np
@@ -41,6 +43,7 @@ class EncoderRunner:
         self.lengths = [int(s * model.config.sample_rate) + margin for s in LENGTH_BUCKETS_S]
         self.graphs: dict[tuple[int, int], tuple] = {}  # -> (graph, audio and lengths inputs, output)
         self.pool = None
+        self.lock = threading.Lock()  # one batch at a time: the graphs' inputs and outputs are shared
         if graphs and self.device.type == "cuda":
             for length in reversed(self.lengths):  # largest first: the shared pool is sized once
                 for batch in reversed(GRAPH_BATCHES):
@@ -62,8 +65,9 @@ class EncoderRunner:
     def run(self, waveforms: list[np.ndarray]) -> list[torch.Tensor]:
         """Each recording's result on the device, queued on the current stream."""
         results = []
-        for start in range(0, len(waveforms), GRAPH_BATCHES[-1]):
-            results += self._run_batch(waveforms[start : start + GRAPH_BATCHES[-1]])
+        with self.lock:
+            for start in range(0, len(waveforms), GRAPH_BATCHES[-1]):
+                results += self._run_batch(waveforms[start : start + GRAPH_BATCHES[-1]])
         return results
 
     def _run_batch(self, waveforms: list[np.ndarray]) -> list[torch.Tensor]:

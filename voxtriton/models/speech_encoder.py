@@ -11,7 +11,7 @@ Recordings of different lengths go in one batch, zero-padded to a common length,
 layer pads its own end to whole frames (the last frame of a recording depends on where it ends).
 Those layers see each row's tail past its length replaced by the padding that row alone would get,
 so each recording's codes are those it gets alone (equal up to float rounding, which the shapes
-change). Fixed shapes are what lets the encoder run as CUDA graphs (`engine.speech_encoder_runner`).
+change). Fixed shapes are what lets the encoder run as CUDA graphs (`engine.encoder_runner`).
 """
 
 from __future__ import annotations

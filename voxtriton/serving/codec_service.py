@@ -35,7 +35,8 @@ class CodecService:
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             batch_sizes, frame_sizes = settings.graph_shapes() if graphs else (None, None)
-            primes = settings.lane == URGENT and self.family.clones_voices  # primings run on the urgent lane
+            # Primings run on the urgent lane (but a stream pinned to the background lane's).
+            primes = settings.lane == URGENT and self.family.clones_voices
             priming_sizes = int_list(settings.graph_priming_sizes) if primes else []
             self.runner = CodecRunner(self.model, batch_sizes, frame_sizes, priming_sizes)
         self.state_size = self.model.state_size
