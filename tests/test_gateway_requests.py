@@ -9,6 +9,7 @@ import pytest
 from voxtriton_client import Synthesis
 
 from voxtriton.serving.audio_formats import streaming_wav_header
+from voxtriton.serving.drain import SHUTTING_DOWN
 from voxtriton.serving.gateway import (
     MODEL_ALIASES,
     REQUEST_FIELDS,
@@ -84,6 +85,8 @@ def test_server_errors_become_short_sentences():
         "server_busy",
         "The voxtriton server is busy; retry shortly.",
     )
+    stopping = error_from_server(SHUTTING_DOWN)
+    assert (stopping.status, stopping.kind) == (503, "shutting_down")
     field = error_from_server("text: too long: more than 512 tokens")
     assert (field.status, field.param, field.message) == (
         400,

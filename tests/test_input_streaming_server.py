@@ -130,7 +130,23 @@ class RawStream:
             sequence_id=sequence_id,
             sequence_start=start,
             sequence_end=end,
+            enable_empty_final_response=True,
         )
+
+    def audio_samples(self, request_id, timeout=60.0) -> int:
+        """The audio samples of `request_id`'s responses up to its final one (an error fails)."""
+        samples, deadline = 0, time.monotonic() + timeout
+        while True:
+            result, error = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            if error is not None:
+                raise AssertionError(error.message())
+            response = result.get_response()
+            if response.id != request_id:
+                continue
+            if response.outputs:
+                samples += len(result.as_numpy("audio"))
+            if response.parameters["triton_final_response"].bool_param:
+                return samples
 
     def next_error(self, timeout=30.0) -> str:
         deadline = time.monotonic() + timeout

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -139,8 +140,23 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
         )
         assert synthesis.completed and len(synthesis.audio) == 10 * 1920
         assert processes_mentioning(workdir), "tritonserver should be running from the rendered repository"
+        # SIGTERM drains: a stream in flight ends with all its audio before the server stops.
+        started, results = threading.Event(), {}
+        speaker = threading.Thread(
+            target=lambda: results.update(
+                long=TTSClient(f"127.0.0.1:{grpc}").synthesize(
+                    "Still speaking.", max_frames=80, ignore_eos=True, on_chunk=lambda chunk: started.set()
+                )
+            )
+        )
+        speaker.start()
+        assert started.wait(60)
         launcher.send_signal(signal.SIGTERM)
+        speaker.join(60)
+        assert results["long"].error is None and len(results["long"].audio) == 80 * 1920
         assert launcher.wait(60) == 0
+        rest = launcher.stdout.read()
+        assert "voxtriton: stopping: no new requests" in rest and "every stream has ended" in rest, rest
         time.sleep(1)
         assert processes_mentioning(workdir) == [], "SIGTERM must stop tritonserver and its stubs"
         assert not Path(workdir).exists()

@@ -88,3 +88,40 @@ def test_an_idle_sequence_ends_with_an_error_and_frees_its_row(served):
     assert sink.done.wait(10) and "no text piece for 0.3 s (text_idle_timeout_s)" in sink.errors[0]
     assert sequences.ended["5"] == "timed out"
     wait_for(lambda: not service.streams and not service.engine.running)
+
+
+def test_a_sequence_whose_stream_ended_frees_its_id(served):
+    """A stream ended without its sequence (a client's cancel, a failure) closes the sequence at its
+    next piece or sweep: its id may start again at once, and a piece for the old one is refused."""
+    parser, service, sequences = served
+    first = CollectingSink()
+    sequences.piece("3", True, False, {**text("Hello there, and then "), **FIRST}, "a", lambda: first)
+    service.end_stream("a", "cancelled by the client")  # what the cancellation watcher does
+    assert first.done.wait(10) and "cancelled by the client" in first.errors[0]
+    again = CollectingSink()
+    sequences.piece("3", True, True, {**text("Hello again."), **FIRST}, "b", lambda: again)
+    assert again.done.wait(120) and not again.errors
+    sequences.piece(
+        "4", True, False, {**text("Hello there, and then "), **FIRST}, "c", lambda: CollectingSink()
+    )
+    service.end_stream("c", "failed")
+    sequences.expire()
+    assert "4" not in sequences.open and sequences.ended["4"] == "its stream ended"
+    with pytest.raises(RequestError, match=r"sequence 4 has ended \(its stream ended\)"):
+        sequences.piece("4", False, False, text("more"), "d", None)
+
+
+def test_shutdown_ends_every_open_sequence_with_an_error(served):
+    """Submitted or not (no word settled yet), every open sequence hears that the server stops."""
+    _, service, sequences = served
+    sinks = {name: CollectingSink() for name in ("spaces", "one word", "words")}
+    for sequence_id, (name, first_text) in enumerate(
+        (("spaces", "   "), ("one word", "Hello"), ("words", "Hello there, friend "))
+    ):
+        sequences.piece(
+            str(sequence_id), True, False, {**text(first_text), **FIRST}, name, lambda: sinks[name]
+        )
+    sequences.shutdown()
+    for name, sink in sinks.items():
+        assert sink.done.wait(10) and sink.errors == ["server shutting down"], name
+    assert not sequences.open

@@ -983,3 +983,27 @@ def test_a_stream_ended_before_its_priming_started_gives_its_row_back_at_once(
     finally:
         lane.release.set()
         service.shutdown()
+
+
+def test_a_stream_ended_before_the_engine_took_it_is_never_scheduled(tiny_checkpoint):
+    """Ended while it waits for the engine loop's next pass (an input stream's timeout, say): the
+    loop skips it, so it holds no KV row and the chunk scheduler never tracks it."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "voxserve")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    inputs = {"text": np.array([b"Never spoken."], dtype=object), "max_frames": np.array([8])}
+    try:
+        ended, later = CollectingSink(), CollectingSink()
+        with service.lock:  # the loop takes submitted streams under this lock: not before it is free
+            service.submit(parser.parse("ended", inputs), ended)
+            service.end_stream("ended", "sequence timed out")
+        assert ended.done.wait(10) and ended.errors == ["sequence timed out"]
+        service.submit(parser.parse("later", inputs), later)  # a pass after the ended stream's
+        assert later.done.wait(120) and later.errors == []
+        assert "ended" not in service.scheduler.streams
+        wait_for(lambda: not service.streams and not engine.running)
+    finally:
+        service.shutdown()
+    with pytest.raises(ServerBusy, match="server shutting down"):  # a voice encoded too late, say
+        service.submit(parser.parse("late", inputs), CollectingSink())

@@ -289,3 +289,41 @@ def test_recordings_padded_to_a_bucket_get_the_x_vector_of_their_own_length(fami
         batch = torch.zeros(1, runner.lengths[0])
         batch[0, : lengths[2]] = torch.from_numpy(waves[2])
         assert error(model(batch)[0], waves[2]) > 1e-2  # no lengths at all
+
+
+def test_a_request_is_refused_naming_the_field_that_is_too_long(tmp_path, tiny_base_checkpoint):
+    """Interleaved, an in-context voice's transcript leads the text it feeds frame by frame: a long
+    transcript is refused as `reference_text`, a long text as `text`; an input stream naming an
+    in-context voice is refused at its first piece, before any word settles."""
+    from voxtriton.serving.requests import RequestParser
+    from voxtriton.serving.settings import TTSSettings
+
+    config = load_config(tiny_base_checkpoint)
+    store = VoiceStore(tmp_path, load_family(tiny_base_checkpoint))
+    store.add("ic", voice(1))
+    settings = TTSSettings(text_layout="interleaved", max_text_tokens=40)
+    parser = RequestParser(
+        config, PromptBuilder(config, TextTokenizer(tiny_base_checkpoint)), settings, store
+    )
+
+    def inputs(text: str, **more) -> dict:
+        return {
+            name: np.array([value.encode()], dtype=object) for name, value in dict(text=text, **more).items()
+        }
+
+    short = voice(2, "A few words.")  # 20 reference frames
+    assert parser.parse("a", inputs("Hello there."), short).prompt.reference_codes is not None
+    with pytest.raises(RequestError, match="reference_text: too long: with the text, over 40 tokens"):
+        parser.parse("b", inputs("Hello there."), voice(2, "word " * 80))
+    with pytest.raises(RequestError, match="text: too long: more than 40 tokens"):
+        parser.parse("c", inputs("word " * 50), short)
+    with pytest.raises(RequestError, match="reference_text: too long: 4097 bytes"):
+        parser.reference(
+            {
+                **inputs("Hi."),
+                "reference_audio": np.array([b"RIFF"], dtype=object),
+                "reference_text": np.array([b"x" * 4097], dtype=object),
+            }
+        )
+    with pytest.raises(RequestError, match="speaker: an in-context voice .* needs the whole text"):
+        parser.parse_stream(inputs("Hello", speaker="ic"))

@@ -10,4 +10,5 @@ class RequestError(ValueError):
 
 
 class ServerBusy(RuntimeError):
-    """Admission control refused a request; the client may retry later."""
+    """Admission control refused a request (the server is full or shutting down); the client may
+    retry later, or elsewhere."""

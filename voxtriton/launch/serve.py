@@ -43,6 +43,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-repository", type=Path, default=REPOSITORY, help="default: the packaged one")
     parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C, refuse new requests and let the streams in flight end for up to S "
+        "seconds before stopping (a second signal stops at once; default 30)",
+    )
+    parser.add_argument(
         "--param",
         action="append",
         default=[],
@@ -130,11 +138,11 @@ def serve(args: argparse.Namespace) -> int:
             "voxtriton: no --checkpoint given: serving the embedded tiny RANDOM-WEIGHT checkpoint. "
             "It produces noise, not speech. Serve real weights with --checkpoint DIR."
         )
-    stopping = False
+    signals = 0
 
     def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
+        nonlocal signals
+        signals += 1
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -152,14 +160,20 @@ def serve(args: argparse.Namespace) -> int:
             f"  log: {server.log_file}",
             flush=True,
         )
-        while not stopping and server.process.poll() is None:
+        while not signals and server.process.poll() is None:
             time.sleep(0.5)
-        if not stopping:
+        if not signals:
             print(
                 f"voxtriton: tritonserver exited with code {server.process.returncode}; "
                 f"log:\n{server.log_tail()}"
             )
             return 1
+        print(
+            f"voxtriton: stopping: no new requests, up to {args.drain_timeout:g} s for the streams in flight",
+            flush=True,
+        )
+        if server.drain(args.drain_timeout, give_up=lambda: signals > 1):
+            print("voxtriton: every stream has ended", flush=True)
         return 0
     finally:
         server.stop()

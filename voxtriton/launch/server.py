@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from .gpus import MPSDaemon, gpu_count, pinned_device
 from .repository import CODEC_MODELS, REPOSITORY, model_overrides, render_repository
@@ -76,12 +77,16 @@ class TritonServer:
         self.install = find_tritonserver(tritonserver)
         self.pinned = {"CUDA_VISIBLE_DEVICES": pinned_device(gpu)} if gpu is not None else {}
         gpus = 1 if gpu is not None else gpu_count()
-        overrides = model_overrides(checkpoint, policy, gpus, parameters or {})
+        self.workdir = Path(tempfile.mkdtemp(prefix="voxtriton-"))
+        parameters = parameters or {}
+        # `drain`: a file of the server's own, unless the deployment named one.
+        tts = {"drain_file": str(self.workdir / "drain"), **parameters.get("tts", {})}
+        self.drain_file = Path(tts["drain_file"]) if tts["drain_file"] else None
+        overrides = model_overrides(checkpoint, policy, gpus, {**parameters, "tts": tts})
         self.host = host
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
         self.metrics_port = metrics_port or free_port()
-        self.workdir = Path(tempfile.mkdtemp(prefix="voxtriton-"))
         self.repository = render_repository(repository, self.workdir / "models", overrides)
         self.log_file = log_file or self.workdir / "tritonserver.log"
         self.mps = (
@@ -225,6 +230,21 @@ class TritonServer:
                 errors.append(message)
         shown = errors[:limit] if errors else self.log_lines()[-limit:]
         return [line if len(line) <= width else line[: width - 3] + "..." for line in shown]
+
+    def drain(self, timeout: float, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Let the streams in flight end before a stop: the tts model refuses new requests from now
+        on ("server shutting down"). True once it reports none left; False after `timeout`, when
+        `give_up()` says so, or if the server has exited or has no drain file."""
+        if self.drain_file is None or self.process is None:
+            return False
+        self.drain_file.touch()
+        done = self.drain_file.with_name(self.drain_file.name + ".done")
+        deadline = time.monotonic() + timeout
+        while not done.exists():
+            if time.monotonic() > deadline or give_up() or self.process.poll() is not None:
+                return False
+            time.sleep(0.1)
+        return True
 
     def stop(self, grace: float = 20.0) -> None:
         process, self.process = self.process, None

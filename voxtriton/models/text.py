@@ -289,9 +289,7 @@ class PromptHead:
             clone = dict(speaker_embedding=self.voice.embedding, speaker_position=len(self.codec_side) - 2)
             if self.voice.in_context:
                 if not text_ended:
-                    raise RequestError(
-                        "speaker", "an in-context voice (one with a transcript) needs the whole text at once"
-                    )
+                    self.check_streamable()
                 return self._in_context(text_ids, interleaved, clone)
         if interleaved:
             return Prompt(
@@ -303,6 +301,14 @@ class PromptHead:
         text_side = self.text_side + text_ids + [cfg.tts_eos_token_id, cfg.tts_pad_token_id]
         codec_side = self.codec_side + [talker.codec_pad_id] * (len(text_ids) + 1) + [talker.codec_bos_id]
         return Prompt(text_side, codec_side, [], **clone)
+
+    def check_streamable(self) -> None:
+        """Refuse a voice whose prompt needs the whole text: an in-context one lays the text beside
+        its reference frames."""
+        if self.voice is not None and self.voice.in_context:
+            raise RequestError(
+                "speaker", "an in-context voice (one with a transcript) needs the whole text at once"
+            )
 
     def _in_context(self, text_ids: list[int], interleaved: bool, clone: dict) -> Prompt:
         cfg, talker = self.config, self.config.talker

@@ -247,6 +247,8 @@ def error_from_server(message: str) -> SpeechError:
     """A stream's error message -> the caller's error: the field's 400, busy's 503, or a short 502."""
     if message.startswith("server busy"):
         return SpeechError(503, "The voxtriton server is busy; retry shortly.", kind="server_busy")
+    if message.startswith("server shutting down"):
+        return SpeechError(503, "The voxtriton server is shutting down; retry shortly.", kind="shutting_down")
     field_name = message.split(":", 1)[0]
     if field_name in INPUT_TYPES and ":" in message:
         name = FIELD_NAMES.get(field_name, field_name)

@@ -16,7 +16,7 @@ from ..models.family import ModelFamily, SamplingDefaults
 from ..models.text import PromptBuilder, PromptHead
 from ..models.voice import Voice
 from .settings import TTSSettings
-from .voices import NAME, VoiceStore
+from .voices import MAX_TRANSCRIPT_BYTES, NAME, VoiceStore
 
 STRING_INPUTS = ("text", "speaker", "language", "instruct", "reference_text")
 BYTES_INPUTS = ("reference_audio",)  # a recording's file bytes, decoded by the voice encoder
@@ -88,8 +88,8 @@ class RequestParser:
         if "speaker" in inputs and _string("speaker", inputs["speaker"], self.settings.max_text_bytes):
             raise RequestError("speaker", "give a registered voice or reference_audio, not both")
         text = None
-        if "reference_text" in inputs:
-            text = _string("reference_text", inputs["reference_text"], self.settings.max_text_bytes).strip()
+        if "reference_text" in inputs:  # held to a registered voice's transcript limit
+            text = _string("reference_text", inputs["reference_text"], MAX_TRANSCRIPT_BYTES).strip()
         return audio, text or None
 
     def registered_voice(self, name: str) -> Voice:
@@ -111,12 +111,11 @@ class RequestParser:
         if not text_ids:
             raise RequestError("text", "is empty")
         prompt = head.prompt(text_ids, interleaved=self.settings.text_layout == "interleaved")
-        reference_frames = 0 if prompt.reference_codes is None else len(prompt.reference_codes)
-        if (
-            len(prompt.trailing_text_ids) > self.settings.max_text_tokens
-            or len(prompt.text_ids) - reference_frames > self.settings.max_text_tokens
-        ):
-            raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
+        limit = self.settings.max_text_tokens
+        if len(text_ids) > limit:
+            raise RequestError("text", f"too long: more than {limit} tokens")
+        if len(prompt.trailing_text_ids) > limit:  # an in-context voice's transcript leads the text
+            raise RequestError("reference_text", f"too long: with the text, over {limit} tokens to feed")
         return Request(request_id, prompt, self._params(scalars, len(prompt.text_ids)))
 
     def parse_stream(self, inputs: dict[str, np.ndarray]) -> tuple[PromptHead, GenerationParams, str]:
@@ -128,6 +127,7 @@ class RequestParser:
                     name, "not taken on an input stream; register the voice and name it in 'speaker'"
                 )
         strings, head, scalars = self._voice(inputs)
+        head.check_streamable()
         return head, self._params(scalars, len(head.text_side) + 1), strings.get("text", "")
 
     def piece_text(self, inputs: dict[str, np.ndarray]) -> str:

@@ -81,6 +81,9 @@ class TextSequences:
         piece's request with it; the sequence's stream, if it is gone too, got its own error."""
         with self.lock:
             sequence = self.open.get(sequence_id)
+            if sequence is not None and self._stream_ended(sequence):  # cancelled, or failed
+                self._close(sequence, "its stream ended")
+                sequence = None
             if start:
                 if sequence is not None:
                     raise RequestError(
@@ -154,10 +157,20 @@ class TextSequences:
             while len(self.ended) > ENDED_REMEMBERED:
                 self.ended.popitem(last=False)
 
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.open
+
+    def _stream_ended(self, sequence: Sequence) -> bool:
+        return sequence.submitted and not self.service.is_open(sequence.request_id)
+
     def expire(self) -> None:
-        """End the sequences that have had no piece for `idle_timeout_s`."""
+        """End the sequences that have had no piece for `idle_timeout_s`, and forget those whose
+        stream ended without them (a client's cancel, a failure): their ids may start again."""
         now = self.clock()
         with self.lock:
+            for sequence in [s for s in self.open.values() if self._stream_ended(s)]:
+                self._close(sequence, "its stream ended")
             idle = [s for s in self.open.values() if now - s.last_piece_at > self.idle_timeout_s]
             for sequence in idle:
                 self._close(sequence, "timed out")
@@ -180,5 +193,12 @@ class TextSequences:
             self.expire()
 
     def shutdown(self) -> None:
+        """Stop, and end every open sequence with an error."""
         self._stopping.set()
         self.thread.join(5)
+        with self.lock:
+            open_sequences = list(self.open.values())
+            for sequence in open_sequences:
+                self._close(sequence, "the server shut down")
+        for sequence in open_sequences:
+            self._fail(sequence, "server shutting down")

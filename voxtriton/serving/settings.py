@@ -102,6 +102,9 @@ class TTSSettings:
     # transcript: one sent again is not encoded again, and an in-context one's primed codec state is
     # kept with the registered voices'. 0: encode every request's reference.
     reference_cache: int = 64
+    # A shutdown in two steps: once this file exists the model takes no new request and, when no
+    # stream is left, writes `<drain_file>.done` (`voxtriton serve` sets it; "" = none).
+    drain_file: str = ""
     # SMs of the background codec lane (voxserve): a count, or a fraction of the GPU's (`lane_sms`).
     background_sms: str = "0.75"
     # voxserve: "shared" runs the backbone on the whole GPU at high stream priority, background-lane

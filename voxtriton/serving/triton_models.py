@@ -27,6 +27,7 @@ from ..models.families import load_family
 from ..models.fp8 import fp8_kv_runner_options
 from ..scheduler.policy import BACKGROUND, URGENT
 from .codec_service import CodecService
+from .drain import SHUTTING_DOWN, Drain
 from .requests import BYTES_INPUTS, SCALAR_INPUTS, STRING_INPUTS, request_parser
 from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device, resolve_dtype
 from .sequences import TextSequences
@@ -294,6 +295,7 @@ class TTSTritonModel:
         self.sequences = TextSequences(
             self.parser, self.service, settings.text_idle_timeout_s, clock=self.service.clock
         )
+        self.drain = Drain(settings.drain_file, self._idle)
         self.ids = itertools.count()
         self.loading = True  # until Triton's warm-up sample (model_warmup in config.pbtxt) was answered
 
@@ -307,10 +309,13 @@ class TTSTritonModel:
                 for request in requests:
                     request.get_response_sender().send(flags=FINAL)
                 return None
+        draining = self.drain.draining()
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{request.request_id() or 'request'}#{next(self.ids)}"
             try:
+                if draining and not _continues_a_sequence(request):
+                    raise ServerBusy(SHUTTING_DOWN)
                 inputs = {}
                 for name in STRING_INPUTS + BYTES_INPUTS + tuple(SCALAR_INPUTS):
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -427,8 +432,14 @@ class TTSTritonModel:
             primed += 1
         return primed
 
+    def _idle(self) -> bool:
+        """Nothing in flight: no stream, no request waiting for its voice, no open input stream."""
+        encoding_idle = self.encoding is None or self.encoding.idle()
+        return self.service.idle() and encoding_idle and self.sequences.idle()
+
     def finalize(self):
         try:
+            self.drain.shutdown()
             self.sequences.shutdown()
             if self.encoding is not None:
                 self.encoding.shutdown()
@@ -438,6 +449,11 @@ class TTSTritonModel:
             self.state_pool.close()
             if self.chunk_trace:
                 self.chunk_trace.close()
+
+
+def _continues_a_sequence(request) -> bool:
+    """A later piece of an input stream (one that may be open: its text is still taken)."""
+    return request.correlation_id() not in (0, "") and not request.flags() & SEQUENCE_START
 
 
 def _is_warmup_sample(request) -> bool:

@@ -122,6 +122,7 @@ class EncodingQueue:
         self.cache_size = cache_size
         self.cache: collections.OrderedDict[tuple[bytes, str | None], Voice] = collections.OrderedDict()
         self.jobs: list[_Job] = []
+        self.encoding = False  # a batch taken from `jobs` is being encoded and answered
         self.lock = threading.Condition()
         self.running = True
         self.thread = threading.Thread(target=self._run, name="voxtriton-voice-encoder", daemon=True)
@@ -151,7 +152,17 @@ class EncodingQueue:
                 if not self.running:
                     return
                 jobs, self.jobs = self.jobs[: self.max_batch], self.jobs[self.max_batch :]
-            self._encode(jobs)
+                self.encoding = True
+            try:
+                self._encode(jobs)
+            finally:
+                with self.lock:
+                    self.encoding = False
+
+    def idle(self) -> bool:
+        """No request waits for its voice here."""
+        with self.lock:
+            return not self.jobs and not self.encoding
 
     def _encode(self, jobs: list[_Job]) -> None:
         """Answer every job exactly once: its voice to `done`, or an error to `fail`."""

@@ -49,6 +49,8 @@ class EngineLoop:
             if not self.running:
                 return
             for stream in self.incoming:
+                if stream.closed:  # ended before it reached the engine (a sequence's error, a timeout)
+                    continue
                 try:
                     self.engine.add(stream.request)
                 except ValueError as error:

@@ -12,6 +12,7 @@ from ...engine.engine import Engine
 from ...engine.request import Request
 from ...errors import ServerBusy
 from ...scheduler.policy import SchedulerConfig, StreamTimeline
+from ..drain import SHUTTING_DOWN
 from .protocols import ResponseSink
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class StreamRegistry:
         """Queue a request; its chunks stream to `sink`. `lane` pins them to one lane (warm-up).
         `opened_at`: when it arrived, if before now (an input stream's first piece)."""
         with self.lock:
+            if not self.running:  # shut down: nothing would ever end the stream
+                raise ServerBusy(SHUTTING_DOWN)
             waiting = len(self.incoming) + len(self.engine.waiting)
             if request.request_id in self.streams:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -148,6 +151,17 @@ class StreamRegistry:
             self.text_arrived[request_id] = stream
             self.lock.notify_all()
             return True
+
+    def idle(self) -> bool:
+        """No stream is queued, generating or owed audio."""
+        with self.lock:
+            return not self.streams
+
+    def is_open(self, request_id: str) -> bool:
+        """Whether a request's stream has not ended (finished, failed or cancelled)."""
+        with self.lock:
+            stream = self.streams.get(request_id)
+            return stream is not None and not stream.closed
 
     def end_stream(self, request_id: str, error: str) -> None:
         """End a stream with an error (no-op if it has ended)."""

@@ -1,0 +1,50 @@
+"""A shutdown that cuts no stream: the `tts` model's side of `drain_file`.
+
+Triton counts a decoupled request as done once `execute` returns, so on SIGTERM it unloads every
+model at once, the codec models too, and streams still generating fail. Instead, whoever stops the
+server first creates the drain file (`voxtriton serve` does on its first SIGTERM or Ctrl-C): from
+then on the model answers every new request "server shutting down" (a first piece of an input
+stream too; later pieces of open ones are still taken), and once no stream, voice encoding or
+input stream is left it writes `<drain_file>.done`. Stopping Triton after that cuts nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+SHUTTING_DOWN = "server shutting down: not taking new requests; retry on another server"
+
+
+class Drain:
+    def __init__(self, path: str, idle: Callable[[], bool], interval_s: float = 0.1):
+        """path: the drain file ("" = never drain). idle: whether nothing is left in flight."""
+        self.path = Path(path) if path else None
+        self.done_path = self.path.with_name(self.path.name + ".done") if self.path else None
+        self.idle, self.interval_s = idle, interval_s
+        self.started = False
+        self._stopping = threading.Event()
+        if self.path is not None:
+            self.thread = threading.Thread(target=self._watch, name="voxtriton-drain", daemon=True)
+            self.thread.start()
+
+    def draining(self) -> bool:
+        """Whether new requests are refused (checked at every execute: one stat until it exists)."""
+        if not self.started and self.path is not None and self.path.exists():
+            self.started = True
+            log.info("tts: draining: no new requests; %s once the streams in flight end", self.done_path)
+        return self.started
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            if self.draining() and self.idle():
+                self.done_path.touch()
+                log.info("tts: drained: no stream left")
+                return
+
+    def shutdown(self) -> None:
+        self._stopping.set()
