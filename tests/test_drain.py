@@ -13,11 +13,53 @@ from server_helpers import start_server
 from test_input_streaming_server import RawStream
 from voxtriton_client import TTSClient
 
-pytestmark = pytest.mark.server
+from voxtriton.serving.drain import Drain
+from voxtriton.serving.settings import TTSSettings
 
 FRAMES = 120
 
 
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_the_drain_ends_when_nothing_is_in_flight_nor_being_taken(tmp_path):
+    """An earlier run's files go at load; after the drain file appears, `.done` waits for the idle
+    check and for every execute call in progress (it may yet submit what it took)."""
+    drain_file, done = tmp_path / "drain", tmp_path / "drain.done"
+    drain_file.touch()
+    done.touch()
+    busy = threading.Event()
+    busy.set()
+    drain = Drain(str(drain_file), idle=lambda: not busy.is_set(), interval_s=0.01)
+    try:
+        assert not drain_file.exists() and not done.exists()
+        with drain.execute() as draining:
+            assert not draining
+            drain_file.touch()
+            busy.clear()
+            time.sleep(0.2)
+            assert not done.exists()  # this call is still taking its requests
+        wait_until(done.exists)
+        with drain.execute() as draining:
+            assert draining
+    finally:
+        drain.shutdown()
+    still_busy = Drain(str(tmp_path / "other"), idle=lambda: False, interval_s=0.01)
+    try:
+        (tmp_path / "other").touch()
+        time.sleep(0.2)
+        assert not (tmp_path / "other.done").exists()
+    finally:
+        still_busy.shutdown()
+    with pytest.raises(ValueError, match="'drain_file': its directory .*missing does not exist"):
+        TTSSettings(drain_file=str(tmp_path / "missing" / "drain"))
+
+
+@pytest.mark.server
 def test_a_drained_server_ends_its_streams_and_then_says_so(tiny_checkpoint):
     parameters = {"tts": {"text_layout": "interleaved"}}
     with start_server(tiny_checkpoint, parameters=parameters) as server:

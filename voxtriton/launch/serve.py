@@ -174,6 +174,8 @@ def serve(args: argparse.Namespace) -> int:
         )
         if server.drain(args.drain_timeout, give_up=lambda: signals > 1):
             print("voxtriton: every stream has ended", flush=True)
+        else:
+            print("voxtriton: stopping with streams still in flight: they end with an error", flush=True)
         return 0
     finally:
         server.stop()

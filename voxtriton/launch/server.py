@@ -237,8 +237,9 @@ class TritonServer:
         `give_up()` says so, or if the server has exited or has no drain file."""
         if self.drain_file is None or self.process is None:
             return False
-        self.drain_file.touch()
         done = self.drain_file.with_name(self.drain_file.name + ".done")
+        done.unlink(missing_ok=True)
+        self.drain_file.touch()
         deadline = time.monotonic() + timeout
         while not done.exists():
             if time.monotonic() > deadline or give_up() or self.process.poll() is not None:

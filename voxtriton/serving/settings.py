@@ -183,6 +183,11 @@ class TTSSettings:
             raise ValueError(
                 f"config.pbtxt parameter 'primed_voices' must be 0 or more, got {self.primed_voices}"
             )
+        if self.drain_file and not Path(self.drain_file).parent.is_dir():
+            raise ValueError(
+                f"config.pbtxt parameter 'drain_file': its directory {Path(self.drain_file).parent} "
+                "does not exist"
+            )
         if self.reference_cache < 0:
             raise ValueError(
                 f"config.pbtxt parameter 'reference_cache' must be 0 or more, got {self.reference_cache}"

@@ -309,7 +309,11 @@ class TTSTritonModel:
                 for request in requests:
                     request.get_response_sender().send(flags=FINAL)
                 return None
-        draining = self.drain.draining()
+        with self.drain.execute() as draining:
+            self._take(requests, draining)
+        return None
+
+    def _take(self, requests, draining: bool) -> None:
         for request in requests:
             sender = request.get_response_sender()
             request_id = f"{request.request_id() or 'request'}#{next(self.ids)}"
@@ -339,7 +343,6 @@ class TTSTritonModel:
                     pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {error}")),
                     flags=FINAL,
                 )
-        return None
 
     def _submit_with_voice(self, request_id, inputs, sink, audio: bytes, text: str | None) -> None:
         def submit(voice):
@@ -433,9 +436,11 @@ class TTSTritonModel:
         return primed
 
     def _idle(self) -> bool:
-        """Nothing in flight: no stream, no request waiting for its voice, no open input stream."""
-        encoding_idle = self.encoding is None or self.encoding.idle()
-        return self.service.idle() and encoding_idle and self.sequences.idle()
+        """Nothing in flight: no open input stream, no request waiting for its voice, no stream. In
+        this order, upstream first: each hands its work downstream before it lets go of it."""
+        return (
+            self.sequences.idle() and (self.encoding is None or self.encoding.idle()) and self.service.idle()
+        )
 
     def finalize(self):
         try:
