@@ -231,8 +231,8 @@ def test_new_streams_go_to_the_server_with_the_fewest_in_flight(proxy):
         for _ in range(4):  # one at a time, each once the previous one streams
             listeners.append(Listener(url))
             listeners[-1].wait_for_chunks(1)
-        assert first.metrics()["voxtriton_active_streams"] == 2
-        assert second.metrics()["voxtriton_active_streams"] == 2
+        for server in (first, second):  # the gauge is published a moment after the chunk went out
+            wait_for_metric(server, "voxtriton_active_streams", lambda streams: streams == 2, timeout=5)
         # Envoy's own count agrees once any short call in flight (a readiness probe) has ended
         envoy.wait_until(
             lambda hosts: sorted(status["rq_active"] for status in hosts.values()) == [2, 2],
