@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from ..serving.drain import done_marker
 from .gpus import MPSDaemon, gpu_count, pinned_device
 from .repository import CODEC_MODELS, REPOSITORY, model_overrides, render_repository
 from .tritonserver import find_tritonserver
@@ -237,7 +238,7 @@ class TritonServer:
         `give_up()` says so, or if the server has exited or has no drain file."""
         if self.drain_file is None or self.process is None:
             return False
-        done = self.drain_file.with_name(self.drain_file.name + ".done")
+        done = done_marker(self.drain_file)
         done.unlink(missing_ok=True)
         self.drain_file.touch()
         deadline = time.monotonic() + timeout

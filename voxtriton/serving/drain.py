@@ -22,12 +22,17 @@ log = logging.getLogger(__name__)
 SHUTTING_DOWN = "server shutting down: not taking new requests; retry on another server"
 
 
+def done_marker(drain_file: Path) -> Path:
+    """The file the model writes once a drain has left no stream: `<drain_file>.done`."""
+    return drain_file.with_name(drain_file.name + ".done")
+
+
 class Drain:
     def __init__(self, path: str, idle: Callable[[], bool], interval_s: float = 0.1):
         """path: the drain file ("" = never drain). idle: whether nothing is left in flight (checked
         with no execute call in progress)."""
         self.path = Path(path) if path else None
-        self.done_path = self.path.with_name(self.path.name + ".done") if self.path else None
+        self.done_path = done_marker(self.path) if self.path else None
         self.idle, self.interval_s = idle, interval_s
         self.lock = threading.Lock()
         self.started = False
