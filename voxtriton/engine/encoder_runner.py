@@ -7,7 +7,7 @@ recordings are zero-padded to a length bucket and a batch bucket, each row with 
 (each encoder gives a row what it gets alone, see `models.speech_encoder` and
 `models.speaker_encoder`), so on a GPU each (batch, length) bucket is one CUDA graph, captured at
 start: one launch per batch of recordings. A graph keeps the memory of its largest activations
-(the speech encoder's about 0.7 GB per 30 s row, in the pool its graphs share), so graphs go up to
+(the speech encoder's about 0.7 GB per 30 s row on the CPU, in the pool its graphs share), so graphs go up to
 `GRAPH_BATCHES[-1]` rows and a larger batch replays them in pieces. The eager path (a CPU, or no
 graphs) pads the same way: one code path, the one the graphs run.
 """
