@@ -177,7 +177,11 @@ def test_registered_voices_are_primed_before_ready_newest_first(encoder, tiny_ba
 @pytest.mark.parametrize(
     "options,message",
     [
-        (dict(reference_audio=b"RIFF\x00\x00not audio at all"), "reference_audio: not a WAV or FLAC file"),
+        (
+            dict(reference_audio=b"RIFF\x00\x00not audio at all"),
+            "reference_audio: not an audio file that can be read (WAV, FLAC, OGG, MP3, ...): "
+            "Format not recognised",
+        ),
         (dict(reference_audio=audio_file(reference_audio(0.5))), "reference_audio: too short: 0.50 s"),
         (dict(reference_audio=audio_file(reference_audio(31.0))), "reference_audio: too long: 31.00 s"),
         (dict(reference_audio=audio_file(np.zeros(48000, np.float32))), "reference_audio: is silent"),
@@ -241,3 +245,21 @@ def test_the_ready_hint_of_a_base_checkpoint_registers_a_voice_and_speaks_in_it(
     audio, rate = soundfile.read(output)
     assert rate == 24000 and len(audio) == 50 * 1920
     assert (voices_dir / "anna.npz").is_file()  # where the server reads voices from
+
+
+def test_the_cli_clones_the_voice_of_a_recording_file(server, client, tmp_path, capsys):
+    from voxtriton_client import cli
+
+    recording = audio_file(reference_audio(1.5, seed=11))
+    (tmp_path / "reference.wav").write_bytes(recording)
+    out = tmp_path / "out.wav"
+    options = ["--seed", "3", "--max-frames", "12", "--reference-text", REFERENCE_TEXT]
+    arguments = ["speak", TEXT, "-o", str(out), "--server", server.grpc_url, *options]
+    assert cli.main([*arguments, "--reference-audio", str(tmp_path / "reference.wav")]) == 0
+    assert "TTFA" in capsys.readouterr().out
+    expected = client.synthesize(
+        TEXT, seed=3, max_frames=12, reference_audio=recording, reference_text=REFERENCE_TEXT
+    ).raise_for_error()
+    written, rate = soundfile.read(out, dtype="float32")
+    assert rate == 24000 and len(written) == len(expected.audio) > 0
+    assert np.abs(written - expected.audio).max() <= 1.5 / 32767  # 16-bit PCM

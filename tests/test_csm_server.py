@@ -222,7 +222,7 @@ def test_reference_audio_is_a_context_turn_with_the_in_process_engines_codes(
     [
         (dict(reference_audio="recording"), "reference_text: is required with reference_audio"),
         (dict(reference_text=CONTEXT_TEXT), "reference_text: given without reference_audio"),
-        (dict(reference_audio=b"RIFF", reference_text=CONTEXT_TEXT), "reference_audio: not a WAV or FLAC"),
+        (dict(reference_audio=b"RIFF", reference_text=CONTEXT_TEXT), "reference_audio: not an audio file"),
         (dict(reference_audio="short", reference_text=CONTEXT_TEXT), "reference_audio: too short: 0.50 s"),
         (dict(reference_audio="silent", reference_text=CONTEXT_TEXT), "reference_audio: is silent"),
         (

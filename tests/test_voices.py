@@ -136,7 +136,7 @@ def test_the_encoding_queue_answers_every_request_once(tiny_base_checkpoint):
     assert {name: len(values) for name, values in answers.items()} == {"good": 1, "not-audio": 1, "busy": 1}
     kind, voice = answers["good"][0]
     assert kind == "voice" and voice.in_context and voice.codes.shape == (19, 16)
-    assert answers["not-audio"][0][1].startswith("reference_audio: not a WAV or FLAC file")
+    assert answers["not-audio"][0][1].startswith("reference_audio: not an audio file")
     assert answers["busy"][0] == ("error", "server busy: full")
 
 

@@ -6,12 +6,27 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .api import LANES, SAMPLE_RATE, TTSClient
 from .wav import StreamingWavWriter
 
 
 def speak(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    if not output.parent.is_dir():
+        print(f"error: -o/--output: no directory {str(output.parent)!r}", file=sys.stderr)
+        return 2
+    reference = None
+    if args.reference_audio is not None:
+        try:
+            reference = Path(args.reference_audio).read_bytes()
+        except OSError as error:
+            print(
+                f"error: --reference-audio: cannot read {args.reference_audio!r}: {error.strerror}",
+                file=sys.stderr,
+            )
+            return 2
     client = TTSClient(args.server)
     options = dict(
         speaker=args.speaker,
@@ -22,11 +37,14 @@ def speak(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        reference_audio=reference,
+        reference_text=args.reference_text,
     )
-    print(f"{'chunk':>5} {'arrived ms':>10} {'audio ms':>8} {'lane':>10}")
-    with StreamingWavWriter(args.output, SAMPLE_RATE) as wav:
+    with StreamingWavWriter(output, SAMPLE_RATE) as wav:
 
         def on_chunk(chunk):
+            if wav.samples == 0:
+                print(f"{'chunk':>5} {'arrived ms':>10} {'audio ms':>8} {'lane':>10}")
             wav.write(chunk.audio)
             lane = LANES.get(int(chunk.info[3]), "?") if chunk.info is not None else ""
             index = int(chunk.info[0]) if chunk.info is not None else ""
@@ -41,7 +59,8 @@ def speak(args: argparse.Namespace) -> int:
         else:
             synthesis = client.synthesize(args.text, on_chunk=on_chunk, info=True, **options)
     if synthesis.error:
-        print(f"error: {synthesis.error}", file=sys.stderr)
+        output.unlink(missing_ok=True)  # no file that looks like a result
+        print(f"error: {synthesis.error}{connection_hint(synthesis.error, args.server)}", file=sys.stderr)
         return 1
     report = synthesis.playback
     print(
@@ -52,6 +71,12 @@ def speak(args: argparse.Namespace) -> int:
     if synthesis.last_audio_after_last_piece_s is not None:
         print(f"last audio {synthesis.last_audio_after_last_piece_s * 1000:.1f} ms after the last line")
     return 0
+
+
+def connection_hint(error: str, server: str) -> str:
+    if "failed to connect" in error or "Connection refused" in error:
+        return f"\n(no Triton server answers at {server}: start one with `voxtriton serve`, or pass --server)"
+    return ""
 
 
 def stall_summary(report) -> str:
@@ -81,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     say.add_argument("--temperature", type=float)
     say.add_argument("--top-p", type=float)
     say.add_argument("--top-k", type=int)
+    say.add_argument(
+        "--reference-audio",
+        metavar="FILE",
+        help="Base checkpoints: clone the voice of this recording (WAV, FLAC, ...; 1-30 s)",
+    )
+    say.add_argument(
+        "--reference-text", help="the recording's transcript: the in-context prompt (better likeness)"
+    )
     say.set_defaults(run=speak)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -24,11 +24,15 @@ def read_reference_audio(raw: bytes, field: str = "reference_audio") -> np.ndarr
     import soundfile
 
     if not raw:
-        raise RequestError(field, "is empty (expected the bytes of a WAV or FLAC file)")
+        raise RequestError(field, "is empty (expected an audio file's bytes: WAV, FLAC, ...)")
     try:
         audio, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
     except Exception as error:  # libsndfile's errors have no common type
-        raise RequestError(field, f"not a WAV or FLAC file that can be read ({error})") from None
+        # "Error opening <_io.BytesIO object at 0x...>: Format not recognised." -> its reason alone
+        reason = str(error).rsplit(": ", 1)[-1].rstrip(".") or type(error).__name__
+        raise RequestError(
+            field, f"not an audio file that can be read (WAV, FLAC, OGG, MP3, ...): {reason}"
+        ) from None
     if not 8000 <= rate <= 192000:
         raise RequestError(field, f"sample rate {rate} Hz is not supported (8000 to 192000)")
     seconds = audio.shape[0] / rate

@@ -1,0 +1,37 @@
+"""`voxtriton-client speak` when something is wrong before any audio: one line on stderr naming the
+option or the server, a non-zero exit, and no output file that looks like a result."""
+
+from __future__ import annotations
+
+from voxtriton_client import cli
+
+from voxtriton.serving.launcher import free_port
+
+
+def speak(*args: str) -> int:
+    return cli.main(["speak", "Hello.", *args])
+
+
+def test_an_output_directory_that_does_not_exist_is_named(tmp_path, capsys):
+    assert speak("-o", str(tmp_path / "missing" / "out.wav")) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: -o/--output: no directory {str(tmp_path / 'missing')!r}\n"
+    assert captured.out == ""
+
+
+def test_an_unreadable_reference_is_named(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    assert speak("-o", str(out), "--reference-audio", str(tmp_path / "none.wav")) == 2
+    assert capsys.readouterr().err.startswith("error: --reference-audio: cannot read")
+    assert not out.exists()
+
+
+def test_no_server_leaves_no_file_and_says_where_it_looked(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    address = f"127.0.0.1:{free_port()}"
+    assert speak("-o", str(out), "--server", address) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: failed to connect")
+    assert f"no Triton server answers at {address}" in captured.err
+    assert captured.out == ""  # no chunk table for a stream that brought no chunk
+    assert not out.exists()
