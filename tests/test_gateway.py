@@ -22,9 +22,10 @@ from server_helpers import start_server, wait_for_metric
 from voxtriton_client import TTSClient
 
 from voxtriton.models.config import load_config
+from voxtriton.models.families import load_family
 from voxtriton.serving.gateway import MODEL_ALIASES
 from voxtriton.serving.launcher import TritonServer, free_port
-from voxtriton.serving.settings import default_checkpoint_dir
+from voxtriton.serving.settings import TTSSettings, default_checkpoint_dir
 
 pytestmark = pytest.mark.server
 
@@ -192,7 +193,8 @@ def test_errors_map_to_status_codes_with_json_bodies(stack, body, status, param)
 
 
 def test_busy_servers_answer_503(tiny_checkpoint):
-    with start_server(tiny_checkpoint, parameters={"tts": {"max_streams": "1", "max_queued": "0"}}) as server:
+    limits = {"max_streams": "1", "max_queued": "0", "max_frames": "100"}
+    with start_server(tiny_checkpoint, parameters={"tts": limits}) as server:
         gateway, url = start_gateway(server.grpc_url, tiny_checkpoint)
         try:
             body = {
@@ -216,6 +218,7 @@ def test_busy_servers_answer_503(tiny_checkpoint):
         error["type"] == "server_busy" and error["message"] == "The voxtriton server is busy; retry shortly."
     )
     assert models["data"][0]["voices"] == sorted(load_config(tiny_checkpoint).talker.speakers)
+    assert models["data"][0]["offers"]["max_frames"] == 100  # the server's limit, not the checkpoint's
 
 
 def test_models_list_the_voices_of_a_server_run_without_a_checkpoint(tmp_path, monkeypatch):
@@ -241,6 +244,10 @@ def test_models_list_the_served_model_its_aliases_and_the_backends_voices(stack,
     voices = sorted(load_config(tiny_checkpoint).talker.speakers)
     assert (card.id, card.object, card.owned_by) == ("tts", "model", "voxtriton")
     assert card.aliases == list(MODEL_ALIASES) and card.voices == voices and "ryan" in voices
+    # the checkpoint's default length (8192 frames) held to the server's limit
+    assert (
+        card.offers["max_frames"] == TTSSettings.max_frames < load_family(tiny_checkpoint).sampling.max_frames
+    )
     assert client.models.retrieve("gpt-4o-mini-tts").id == "tts"
     with pytest.raises(openai.NotFoundError, match="unknown model 'whisper-1'"):
         client.models.retrieve("whisper-1")

@@ -91,6 +91,13 @@ def test_register_speak_list_and_delete(stack):
     status, _, payload = post(url, {"model": "tts", "input": TEXT, "voice": "narrator"})
     error = json.loads(payload)["error"]
     assert status == 400 and error["param"] == "voice" and "unknown voice 'narrator'" in error["message"]
+    # No voice at all: a Base model's request names the gateway's field, not the server's input.
+    status, _, payload = post(url, {"model": "tts", "input": TEXT})
+    error = json.loads(payload)["error"]
+    assert status == 400 and error["param"] == "voice", error
+    assert (
+        error["message"] == "voice: this model clones voices: name a registered one (POST /v1/audio/voices)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -98,11 +105,12 @@ def test_register_speak_list_and_delete(stack):
     [
         (registration("../etc/passwd", b"x"), "name", "is not a voice name"),
         ({"name": "a", "audio": "not base64!"}, "audio", "not valid base64"),
+        (registration("text", b"plain words"), "audio", "audio: not an audio file that can be read"),
         (registration("quiet", audio_file(np.zeros(48000, np.float32))), "audio", "audio: is silent"),
         (registration("short", audio_file(reference_audio(0.4))), "audio", "audio: too short"),
         (registration("a", audio_file(reference_audio(1.0)), voice="x"), "voice", "unknown field"),
     ],
-    ids=["path-name", "not-base64", "silent", "too-short", "unknown-field"],
+    ids=["path-name", "not-base64", "not-audio", "silent", "too-short", "unknown-field"],
 )
 def test_bad_registrations_are_refused_naming_the_field(stack, body, param, message):
     url, _ = stack

@@ -34,7 +34,7 @@ from ..models.config import CheckpointError
 from ..models.families import load_family
 from .audio_formats import MEDIA_TYPES, check_encoders, new_encoder
 from .gateway_voices import add_voice_routes
-from .settings import default_checkpoint_dir, voices_dir
+from .settings import TTSSettings, default_checkpoint_dir, voices_dir
 from .voices import VoiceStore
 
 log = logging.getLogger("voxtriton.gateway")
@@ -193,14 +193,22 @@ class Backend:
         except InferenceServerException:
             return False
 
-    async def checkpoint(self) -> Path:
-        """The checkpoint directory this backend's tts model loaded ("" there means the default one)."""
+    async def parameters(self) -> dict[str, str]:
+        """The tts model's config.pbtxt parameters as this backend loaded them."""
         config = await self.client().client.get_model_config(
             MODEL, as_json=True, client_timeout=HEALTH_TIMEOUT_S
         )
         # Triton's JSON leaves out an empty string: the parameter then has no "string_value".
-        configured = config["config"]["parameters"].get("checkpoint_dir", {}).get("string_value", "")
+        return {key: value.get("string_value", "") for key, value in config["config"]["parameters"].items()}
+
+    async def checkpoint(self) -> Path:
+        """The checkpoint directory this backend's tts model loaded ("" there means the default one)."""
+        configured = (await self.parameters()).get("checkpoint_dir", "")
         return Path(configured) if configured else default_checkpoint_dir()
+
+    async def max_frames_limit(self) -> int:
+        """The most frames this backend generates for one request (`tts:max_frames`)."""
+        return int((await self.parameters()).get("max_frames") or TTSSettings.max_frames)
 
     async def synthesize(self, text: str, on_chunk=None, **options) -> Synthesis:
         """`AsyncTTSClient.synthesize` on this backend; BackendUnreachable when it refuses the connection
@@ -250,6 +258,10 @@ def error_from_server(message: str) -> SpeechError:
     if message.startswith("server shutting down"):
         return SpeechError(503, "The voxtriton server is shutting down; retry shortly.", kind="shutting_down")
     field_name = message.split(":", 1)[0]
+    if field_name == "reference_audio":  # not a gateway field: a Base model was given no voice
+        return SpeechError(
+            400, "voice: this model clones voices: name a registered one (POST /v1/audio/voices)", "voice"
+        )
     if field_name in INPUT_TYPES and ":" in message:
         name = FIELD_NAMES.get(field_name, field_name)
         return SpeechError(400, name + message[len(field_name) :], name)
@@ -382,6 +394,10 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
 
     async def model_card() -> dict:
         directory = await served_checkpoint()
+        try:
+            limit = await backend.max_frames_limit()
+        except InferenceServerException:  # it went down since
+            raise unreachable() from None
         offers = {}
         try:
             family = load_family(directory)
@@ -393,6 +409,9 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
             )
             voices_list = sorted(family.speakers) + names
             offers = {"offers": family.describe()}
+            # the checkpoint's default length, held to what the server allows
+            default = offers["offers"]["max_frames"]
+            offers["offers"]["max_frames"] = limit if default is None else min(default, limit)
         except (OSError, CheckpointError) as error:  # a backend on another host: its path is not here
             log.warning("voices unknown (%s); give the gateway --checkpoint to list them", error)
             voices_list = []
