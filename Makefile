@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 
-# Pinned here, not in pyproject.toml, because each needs --no-deps:
-# - the CPU build of torch (a plain `pip install torch` pulls a multi-GB CUDA build);
+# Pinned here, not in pyproject.toml:
+# - torch, from PyPI (a CUDA build, several GB) unless TORCH_INDEX names another index, e.g.
+#   `make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu` on a host without a GPU;
 # - nvidia-pytriton: only its bundled tritonserver binary, libraries and Python-backend stubs are used;
 # - qwen-tts-hf (the official implementation, for parity tests) would pull gradio; torchaudio is only
 #   imported by it, and PyPI's build is for CUDA, so its compiled extension is removed (torchaudio then
@@ -20,19 +22,29 @@ REFERENCE := qwen-tts-hf==0.1.1.post1 torchaudio==2.11.0
 
 .PHONY: install serve test test-fast lint clean
 
-$(STAMP): pyproject.toml Makefile
+TORCH_INDEX ?=
+
+# What serving needs: voxtriton, the gateway, torch and Triton.
+$(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -c "import torch" 2>/dev/null || \
+		$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
+	$(PY) -m pip install -q -e ".[gateway]"
+	$(PY) -m pip install -q --no-deps $(TRITON)
+	touch $(SERVE_STAMP)
+
+# And what the tests need: their tools, the kernels' interpreter and the reference implementation.
+$(STAMP): $(SERVE_STAMP)
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q $(TRITON_LANG)
 	$(PY) -m pip install -q -e ".[test,parity,gateway]"
-	$(PY) -m pip install -q --no-deps $(TRITON) $(REFERENCE)
+	$(PY) -m pip install -q --no-deps $(REFERENCE)
 	rm -f $(VENV)/lib/python3*/site-packages/torchaudio/lib/*.so
 	touch $(STAMP)
 
 install: $(STAMP)
 
-serve: install
+serve: $(SERVE_STAMP)
 	$(BIN)/voxtriton serve $(ARGS)
 
 # ruff (lint and format, configured in pyproject.toml) with zero findings.
