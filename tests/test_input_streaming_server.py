@@ -133,11 +133,17 @@ class RawStream:
             enable_empty_final_response=True,
         )
 
-    def audio_samples(self, request_id, timeout=60.0) -> int:
-        """The audio samples of `request_id`'s responses up to its final one (an error fails)."""
+    def audio_samples(self, request_id, timeout=60.0, final=True) -> int:
+        """The audio samples of `request_id`'s responses up to its final one (an error fails), or
+        with `final` False, of those that have come so far."""
         samples, deadline = 0, time.monotonic() + timeout
         while True:
-            result, error = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            try:
+                result, error = self.events.get(
+                    block=final, timeout=max(0.01, deadline - time.monotonic()) if final else None
+                )
+            except queue.Empty:
+                return samples
             if error is not None:
                 raise AssertionError(error.message())
             response = result.get_response()
@@ -158,6 +164,24 @@ class RawStream:
     def close(self):
         self.client.stop_stream(cancel_requests=True)
         self.client.close()
+
+
+def test_a_stream_waiting_for_text_sends_the_frames_it_has(server):
+    """The first piece settles 7 text ids (its last word may still change): the prompt holds the
+    first, the other 6 give 6 frames, then the stream waits for text. Its listener needs them, so
+    it sends all 6 (chunks of 2, 2, then 2), where the schedule alone would send 4 and wait for the
+    frames of its next size, 4 (tts `scheduler_text_wait_send`)."""
+    raw = RawStream(server.grpc_url)
+    try:
+        sequence, options = uuid.uuid4().hex, {"seed": 3, "max_frames": 30, "ignore_eos": True}
+        raw.piece(sequence, "One two three four five six seven eight", "t0", start=True, **options)
+        time.sleep(0.8)  # well under the idle timeout
+        sent = raw.audio_samples("t0", final=False)
+        raw.piece(sequence, " nine.", "t1", end=True)
+        samples_per_frame = (sent + raw.audio_samples("t0")) / options["max_frames"]
+        assert sent / samples_per_frame == 6
+    finally:
+        raw.close()
 
 
 def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, client):

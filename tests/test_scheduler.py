@@ -72,6 +72,65 @@ def test_catch_up_does_not_skip_a_repeated_size_its_frames_only_fill():
         SchedulerConfig(catch_up=True, chunk_schedule="2,16,4")
 
 
+def test_a_stream_waiting_for_text_sends_its_frames_once_its_listener_needs_them():
+    """Input streaming: frames that wait for text to fill the schedule's next size go out as the
+    largest schedule size they fill when the stream is paused for text and its slack is below the
+    margin; the schedule's size stays next."""
+    sched, clock = scheduler(slack_margin_s=0.3)  # 2,2,4,4,8,...; background estimate 0.05
+    stream = sched.open("s")
+    sched.frames_generated("s", 2)
+    serve(sched, URGENT)  # the first chunk, sent at 0: 0.16 s of audio
+    sched.frames_generated("s", 2)
+    serve(sched, URGENT)  # 0.32 s of audio sent; 4 frames are next
+    sched.frames_generated("s", 3)  # then the stream runs out of text
+    assert sched.next_batch(URGENT) == []
+    sched.set_text_waits({"s"})
+    [chunk] = sched.next_batch(URGENT)  # slack 0.32 - 0.1 < 0.3: the 2 of 3 frames a size fills
+    assert (chunk.first_frame, chunk.frames, chunk.decode_frames, chunk.last) == (4, 2, 2, False)
+    sched.chunk_done(chunk, 0.01)
+    assert sched.next_batch(URGENT) == []  # 1 frame left: no schedule size is that small
+    sched.set_text_waits(set())  # text came: the next chunk is the schedule's 4 again
+    assert not stream.waiting_for_text
+    [chunk] = sched.frames_generated("s", 3)
+    assert (chunk.first_frame, chunk.frames) == (6, 4)
+
+
+def test_a_stream_waiting_for_text_keeps_its_frames_while_its_listener_has_audio():
+    sched, clock = scheduler(slack_margin_s=0.3)
+    sched.open("s")
+    sched.frames_generated("s", 2)
+    serve(sched, URGENT)
+    for size in (2, 4, 4):  # 0.16 + 0.8 s of audio sent at 0: deadline 0.96
+        [chunk] = sched.frames_generated("s", size)
+        serve(sched, chunk.lane)
+    sched.frames_generated("s", 5)  # 8 are next
+    sched.set_text_waits({"s"})
+    assert sched.next_batch(URGENT) == [] and sched.next_batch(BACKGROUND) == []
+    send_at = sched.next_text_wait_send()
+    assert send_at == pytest.approx(0.96 - sched.expected_background_s() - 0.3)
+    clock.now = send_at - 0.01
+    assert not sched.send_for_text_waits()
+    clock.now = send_at + 0.01
+    assert sched.send_for_text_waits()
+    [chunk] = sched.next_batch(URGENT)
+    assert (chunk.frames, chunk.decode_frames) == (4, 4)
+    assert sched.next_text_wait_send() is None  # a chunk in flight, then 1 frame: nothing to send
+
+
+def test_text_waits_change_nothing_before_the_first_chunk_or_when_turned_off():
+    for config, first_sent in (({}, False), ({"text_wait_send": False}, True)):
+        sched, clock = scheduler(slack_margin_s=0.3, chunk_schedule="4,8", **config)
+        sched.open("s")
+        if first_sent:
+            sched.frames_generated("s", 4)
+            serve(sched, URGENT)
+        sched.frames_generated("s", 3)
+        sched.set_text_waits({"s"})
+        assert sched.next_batch(URGENT) == [] and sched.next_text_wait_send() is None
+    sched.close("s")
+    assert sched.text_waiting == set()
+
+
 def test_invalid_configuration_is_refused():
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="fastest")

@@ -13,7 +13,9 @@ Definitions (../shared/design.md):
   one clock.
 - Chunk sizes are fixed by the schedule (first chunk small, then growing to a maximum), so where
   chunk boundaries fall never depends on timing: only which lane decodes a chunk does. With
-  `catch_up`, a stream whose generation ran ahead skips to a later size of the schedule.
+  `catch_up`, a stream whose generation ran ahead skips to a later size of the schedule. With
+  `text_wait_send`, a stream that waits for its text (input streaming) sends the frames it has once
+  its listener needs them, in a smaller chunk than the schedule's next.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class SchedulerConfig:
     # A chunk after the first may take the largest later size of the schedule that the frames already
     # generated fill: fewer, larger codec calls. Chunk boundaries then depend on timing, the audio not.
     catch_up: bool = False
+    # Input streaming: a stream paused for its text whose slack fell below `slack_margin_s` sends its
+    # generated frames now, as the largest schedule size they fill, instead of waiting for text to
+    # fill the schedule's next size. Its audio then keeps up with text that arrives at the pace of
+    # speech; without it, the ramp's larger chunks need text about 1.5x faster than speech. Chunk
+    # boundaries then depend on timing, the audio not.
+    text_wait_send: bool = True
 
     def __post_init__(self):
         get_policy(self.policy)
@@ -132,6 +140,7 @@ class Chunk:
     ready_at: float
     # Frames the codec call decodes: the schedule's size, to which a shorter last chunk is padded so it
     # joins a batch of that size and its CUDA graph (the codec is causal: the real audio is unchanged).
+    # A chunk sent while its stream waits for text is a schedule size itself, never padded.
     decode_frames: int
     lane: str = ""
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane
@@ -164,6 +173,7 @@ class StreamTimeline:
     stall_s: float = 0.0
     closed: bool = False
     lane: str | None = None  # every chunk goes to this lane, whatever its slack (the server's warm-up)
+    waiting_for_text: bool = False  # paused until more of its text arrives (input streaming)
 
     def deadline(self) -> float | None:
         if self.first_sent_at is None:
@@ -191,6 +201,7 @@ class ChunkScheduler:
     estimates: dict[str, LaneEstimate] = field(default_factory=dict)
     routed: dict[str, int] = field(default_factory=lambda: {URGENT: 0, BACKGROUND: 0, INLINE: 0})
     deadline_misses: int = 0
+    text_waiting: set[str] = field(default_factory=set)  # ids of the streams waiting for text
 
     def __post_init__(self):
         for lane in (URGENT, BACKGROUND, INLINE):
@@ -214,6 +225,7 @@ class ChunkScheduler:
     def close(self, stream_id: str) -> None:
         """Forget a stream (finished, cancelled or failed); its queued chunks are dropped."""
         stream = self.streams.pop(stream_id, None)
+        self.text_waiting.discard(stream_id)
         if stream is not None:
             stream.closed = True
             for queue in self.queues.values():
@@ -234,19 +246,69 @@ class ChunkScheduler:
         if self.config.catch_up and stream.chunks > 0:
             position = self.config.catch_up_position(position, pending)
         wanted = self.config.chunk_frames(position)
-        if pending < wanted and not (stream.generation_done and pending > 0):
+        if pending >= wanted or (stream.generation_done and pending > 0):
+            size, decode_frames, next_position = min(pending, wanted), wanted, position + 1
+        elif size := self._text_wait_size(stream, pending):
+            decode_frames, next_position = size, position  # the schedule's size stays the next one
+        else:
             return []
-        size = min(pending, wanted)
         last = stream.generation_done and size == pending
-        chunk = Chunk(stream, stream.chunks, stream.frames_chunked, size, last, self.clock(), wanted)
+        chunk = Chunk(stream, stream.chunks, stream.frames_chunked, size, last, self.clock(), decode_frames)
         stream.chunks += 1
-        stream.schedule_position = position + 1
+        stream.schedule_position = next_position
         stream.frames_chunked += size
         stream.in_flight = chunk
         chunk.lane = self.route(chunk)
         self.routed[chunk.lane] += 1
         self.queues[chunk.lane].append(chunk)
         return [chunk]
+
+    # -- input streaming ---------------------------------------------------------------------------
+
+    def set_text_waits(self, stream_ids: set[str]) -> None:
+        """The streams now paused for their text (every other stream is not); cut the chunks that
+        those whose listeners need audio soon can send (`text_wait_send`)."""
+        for stream_id in self.text_waiting - stream_ids:
+            if stream_id in self.streams:
+                self.streams[stream_id].waiting_for_text = False
+        self.text_waiting = {stream_id for stream_id in stream_ids if stream_id in self.streams}
+        for stream_id in self.text_waiting:
+            self.streams[stream_id].waiting_for_text = True
+        self.send_for_text_waits()
+
+    def send_for_text_waits(self) -> bool:
+        """Cut the chunks that streams waiting for text send now (see `text_wait_send`); whether
+        there were any."""
+        cut = False
+        for stream_id in self.text_waiting:
+            cut = bool(self._advance(self.streams[stream_id])) or cut
+        return cut
+
+    def next_text_wait_send(self) -> float | None:
+        """When the next stream waiting for text will send its frames (None: none will, unless
+        something else changes), so a caller with nothing else to do can sleep until then."""
+        times = [
+            self._text_wait_send_at(stream)
+            for stream in map(self.streams.get, self.text_waiting)
+            if stream.in_flight is None
+            and stream.first_sent_at is not None
+            and stream.frames_generated - stream.frames_chunked >= min(self.config.sizes)
+        ]
+        return min(times, default=None)
+
+    def _text_wait_send_at(self, stream: StreamTimeline) -> float:
+        """When the stream's slack falls below the margin (as `slack` counts it)."""
+        return stream.deadline() - self.expected_background_s() - self.config.slack_margin_s
+
+    def _text_wait_size(self, stream: StreamTimeline, pending: int) -> int:
+        """Frames a stream waiting for text sends now: the largest schedule size its `pending`
+        frames fill once its slack is below the margin (a captured codec shape), else 0. Not before
+        its first chunk, whose size sets how much audio the listener starts with."""
+        if not (self.config.text_wait_send and stream.waiting_for_text) or stream.first_sent_at is None:
+            return 0
+        if self.clock() < self._text_wait_send_at(stream):
+            return 0
+        return max((size for size in self.config.sizes if size <= pending), default=0)
 
     # -- routing ---------------------------------------------------------------------------------
 

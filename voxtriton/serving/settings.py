@@ -84,8 +84,9 @@ class TTSSettings:
     max_text_tokens: int = 1024
     text_layout: str = "full"  # full (official default) | interleaved
     # Input streaming (a Triton sequence of text pieces): text ids waiting ahead of a stream before it
-    # starts, or resumes after running out of text. More: steadier prosody; fewer: earlier audio.
-    text_lookahead: int = 3
+    # starts, or resumes after running out of text. The codes do not depend on it (a paused stream
+    # generates nothing); more: fewer, longer bursts of frames, each later; 1: a frame per id as it comes.
+    text_lookahead: int = 1
     # An input stream that gets no text piece for this long ends with an error and frees its row.
     text_idle_timeout_s: float = 10.0
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)

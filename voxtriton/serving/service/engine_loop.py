@@ -38,7 +38,11 @@ class EngineLoop:
             self._hand_text()
             while self.running and not self.incoming and not self.engine.has_work:
                 self.engine_idle = True
-                self.lock.wait(0.5)  # woken by submit; the timeout only refreshes the gauges
+                # Woken by submit, by text, or when a stream waiting for text must send its frames;
+                # the timeout also refreshes the gauges.
+                self.lock.wait(self._idle_wait())
+                if self.scheduler.send_for_text_waits():
+                    self.lock.notify_all()
                 self._publish_gauges()
                 started, cpu_started = (
                     time.perf_counter(),
@@ -63,6 +67,8 @@ class EngineLoop:
         with self.lock:
             for output in outputs:
                 self._on_frame(output.request, output.codes, output.finish_reason)
+            # After the frames: a stream paused by this step has sent every frame it generated.
+            self.scheduler.set_text_waits({r.request_id for r in self.engine.streaming if r.paused})
             self._publish_gauges()
             self.lock.notify_all()
         if self.scheduler.config.rules.inline_decode:
@@ -83,6 +89,12 @@ class EngineLoop:
                         **dataclasses.asdict(timing),
                     }
                 )
+
+    def _idle_wait(self) -> float:
+        """Seconds the idle engine thread may sleep: until a stream waiting for text must send its
+        frames, at most 0.5."""
+        send_at = self.scheduler.next_text_wait_send()
+        return 0.5 if send_at is None else min(0.5, max(0.001, send_at - self.clock()))
 
     def _hand_text(self) -> None:
         """Give the engine the text that reached input streams (under the lock, between steps)."""
