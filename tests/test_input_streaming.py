@@ -189,3 +189,22 @@ def test_text_beyond_the_rows_capacity_or_after_its_end_is_refused(setup):
     done = whole(setup)
     with pytest.raises(ValueError, match="takes no more text"):
         engine.add_text(done, [1000], end=True)
+
+
+def test_a_request_waits_for_text_once_every_frame_it_generated_is_returned(setup, overlap):
+    """`waiting_for_text` lists a request that cannot generate until more text comes, only once the
+    frames of its text are all back: with overlap, one step after the step that launched the last."""
+    engine = new_engine(setup, overlap=overlap)
+    stream = Piecewise(setup, {0: ["One two three four five six seven eight"]}, end_step=100)
+    returned, waiting_since = 0, None
+    for step in range(12):
+        stream.before_step(engine, step)
+        returned += len(engine.step())
+        if engine.waiting_for_text() and waiting_since is None:
+            waiting_since = step
+        assert engine.waiting_for_text() in ([], [stream.request])
+        if engine.waiting_for_text():
+            assert returned == stream.request.frames == len(stream.request.text) == 6
+    # 6 frames, one a step from the step that admits the request; with overlap each comes a step later.
+    assert waiting_since == (6 if overlap else 5)
+    assert not engine.has_work

@@ -99,9 +99,10 @@ def test_the_server_times_the_last_piece_to_the_last_audio(server, client):
 
 
 def test_the_server_times_the_first_audio_from_the_text_it_waited_for(server, client):
-    """Words 0.15 s apart: the first chunk waits for the look-ahead's words, several pieces after the
-    first. TTFA counts from the first piece; the text-to-first-audio wait only from the latest words
-    the engine had taken, so it is shorter by at least a piece's interval."""
+    """Words 0.15 s apart: the first chunk waits for the words of its frames (each piece's last word
+    waits for the next piece), several pieces after the first. TTFA counts from the first piece;
+    the text-to-first-audio wait only from the latest words the engine had taken, so it is shorter
+    by at least a piece's interval."""
     names = ("voxtriton_ttfa_seconds", "voxtriton_text_to_first_audio_seconds")
     before = {
         name: (server.metrics().get(f"{name}_count", 0), server.metrics().get(f"{name}_sum", 0))
@@ -175,8 +176,12 @@ def test_a_stream_waiting_for_text_sends_the_frames_it_has(server):
     try:
         sequence, options = uuid.uuid4().hex, {"seed": 3, "max_frames": 30, "ignore_eos": True}
         raw.piece(sequence, "One two three four five six seven eight", "t0", start=True, **options)
-        time.sleep(0.8)  # well under the idle timeout
-        sent = raw.audio_samples("t0", final=False)
+        sent, until = 0, time.monotonic() + 1.2  # under the idle timeout
+        while sent < 6 * 1920 and time.monotonic() < until:
+            time.sleep(0.05)
+            sent += raw.audio_samples("t0", final=False)
+        time.sleep(0.1)  # nothing more comes
+        sent += raw.audio_samples("t0", final=False)
         raw.piece(sequence, " nine.", "t1", end=True)
         samples_per_frame = (sent + raw.audio_samples("t0")) / options["max_frames"]
         assert sent / samples_per_frame == 6

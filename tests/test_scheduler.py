@@ -118,15 +118,20 @@ def test_a_stream_waiting_for_text_keeps_its_frames_while_its_listener_has_audio
 
 
 def test_text_waits_change_nothing_before_the_first_chunk_or_when_turned_off():
-    for config, first_sent in (({}, False), ({"text_wait_send": False}, True)):
-        sched, clock = scheduler(slack_margin_s=0.3, chunk_schedule="4,8", **config)
+    """Frames that a schedule size fills wait all the same: 3 before an 8-frame first chunk (a 2
+    would fit), and 5 before an 8 with the setting off (a 4 would fit)."""
+    cases = (("8,2", {}, 0, 3), ("4,8", {"text_wait_send": False}, 4, 5))
+    for schedule, config, first_chunk, pending in cases:
+        sched, clock = scheduler(slack_margin_s=0.3, chunk_schedule=schedule, **config)
         sched.open("s")
-        if first_sent:
-            sched.frames_generated("s", 4)
+        if first_chunk:
+            sched.frames_generated("s", first_chunk)
             serve(sched, URGENT)
-        sched.frames_generated("s", 3)
+        sched.frames_generated("s", pending)
         sched.set_text_waits({"s"})
-        assert sched.next_batch(URGENT) == [] and sched.next_text_wait_send() is None
+        clock.now = 10.0  # long past any deadline
+        assert not sched.send_for_text_waits() and sched.next_text_wait_send() is None
+        assert sched.next_batch(URGENT) == []
     sched.close("s")
     assert sched.text_waiting == set()
 

@@ -7,7 +7,13 @@ import time
 
 import numpy as np
 import pytest
-from test_tts_service import CollectingSink, cpu_codec, engine_and_parser, wait_for
+from test_tts_service import (
+    CollectingSink,
+    assert_audio_is_the_whole_decode,
+    cpu_codec,
+    engine_and_parser,
+    wait_for,
+)
 
 from voxtriton.errors import RequestError
 from voxtriton.models.config import load_config
@@ -125,3 +131,33 @@ def test_shutdown_ends_every_open_sequence_with_an_error(served):
     for name, sink in sinks.items():
         assert sink.done.wait(10) and sink.errors == ["server shutting down"], name
     assert not sequences.open
+
+
+@pytest.mark.parametrize("policy", ["voxserve", "concurrent", "serial"])
+def test_a_stream_waiting_for_text_sends_the_frames_it_has_under_every_policy(tiny_checkpoint, policy):
+    """The first piece gives 6 frames (see the server test of the same name), then no text comes:
+    all 6 are sent (2, 2, 2) while the stream waits, also under `serial`, whose engine thread
+    decodes them itself although no frame step runs; the audio is still that of one whole decode."""
+    engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, policy)
+    config = load_config(tiny_checkpoint)
+    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), text_layout="interleaved", max_positions=256)
+    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    sequences = TextSequences(parser, service, 60)
+    try:
+        sink = CollectingSink()
+        first = {"max_frames": np.array([12]), "ignore_eos": np.array([True]), "seed": np.array([2])}
+        sequences.piece(
+            "w", True, False, {**text("One two three four five six seven eight"), **first}, "w0", lambda: sink
+        )
+        wait_for(lambda: sum(int(info[2]) for info in sink.info) >= 6)
+        time.sleep(0.3)  # and no more
+        assert [int(info[2]) for info in sink.info] == [2, 2, 2] and not sink.done.is_set()
+        sequences.piece("w", False, True, text(" nine."), "w1", None)
+        assert sink.done.wait(120) and not sink.errors
+    finally:
+        sequences.shutdown()
+        service.shutdown()
+    assert_audio_is_the_whole_decode(codec, sink, 12)

@@ -95,6 +95,11 @@ class Engine:
             or any(self._may_generate(r) or r.cancelled for r in self.running)
         )
 
+    def waiting_for_text(self) -> list[Request]:
+        """Running requests that generate nothing until more of their text arrives, every frame they
+        generated returned (none in a step in flight)."""
+        return [r for r in self.streaming if not self._may_generate(r) and r.emitted == r.frames]
+
     def add(self, request: Request) -> None:
         needed = request.position + request.params.max_frames
         if needed > self.runner.max_positions:

@@ -280,17 +280,20 @@ class ChunkScheduler:
         """Cut the chunks that streams waiting for text send now (see `text_wait_send`); whether
         there were any."""
         cut = False
-        for stream_id in self.text_waiting:
-            cut = bool(self._advance(self.streams[stream_id])) or cut
+        for stream in map(self.streams.get, self.text_waiting):
+            cut = stream is not None and bool(self._advance(stream)) or cut
         return cut
 
     def next_text_wait_send(self) -> float | None:
         """When the next stream waiting for text will send its frames (None: none will, unless
         something else changes), so a caller with nothing else to do can sleep until then."""
+        if not self.config.text_wait_send:
+            return None
         times = [
             self._text_wait_send_at(stream)
             for stream in map(self.streams.get, self.text_waiting)
-            if stream.in_flight is None
+            if stream is not None
+            and stream.in_flight is None
             and stream.first_sent_at is not None
             and stream.frames_generated - stream.frames_chunked >= min(self.config.sizes)
         ]

@@ -43,6 +43,8 @@ class EngineLoop:
                 self.lock.wait(self._idle_wait())
                 if self.scheduler.send_for_text_waits():
                     self.lock.notify_all()
+                    if self.scheduler.config.rules.inline_decode:
+                        break  # this thread decodes the chunk, after the (empty) step below
                 self._publish_gauges()
                 started, cpu_started = (
                     time.perf_counter(),
@@ -67,8 +69,7 @@ class EngineLoop:
         with self.lock:
             for output in outputs:
                 self._on_frame(output.request, output.codes, output.finish_reason)
-            # After the frames: a stream paused by this step has sent every frame it generated.
-            self.scheduler.set_text_waits({r.request_id for r in self.engine.streaming if r.paused})
+            self.scheduler.set_text_waits({r.request_id for r in self.engine.waiting_for_text()})
             self._publish_gauges()
             self.lock.notify_all()
         if self.scheduler.config.rules.inline_decode:
@@ -103,6 +104,7 @@ class EngineLoop:
                 continue
             ids, stream.new_text = stream.new_text, []
             stream.text_handed_at = stream.text_at
+            stream.waiting_for_text = False  # until the next step says it is paused again
             try:
                 self.engine.add_text(stream.request, ids, stream.text_ended)
             except ValueError as error:
