@@ -172,11 +172,13 @@ def test_a_stream_waiting_for_text_sends_the_frames_it_has(server):
     first, the other 6 give 6 frames, then the stream waits for text. Its listener needs them, so
     it sends all 6 (chunks of 2, 2, then 2), where the schedule alone would send 4 and wait for the
     frames of its next size, 4 (tts `scheduler_text_wait_send`)."""
+    text_waits = "voxtriton_chunks_text_wait_total"
+    before = server.metrics().get(text_waits, 0)
     raw = RawStream(server.grpc_url)
     try:
         sequence, options = uuid.uuid4().hex, {"seed": 3, "max_frames": 30, "ignore_eos": True}
         raw.piece(sequence, "One two three four five six seven eight", "t0", start=True, **options)
-        sent, until = 0, time.monotonic() + 1.2  # under the idle timeout
+        sent, until = 0, time.monotonic() + 1.0  # the next piece well before the idle timeout (1.5 s)
         while sent < 6 * 1920 and time.monotonic() < until:
             time.sleep(0.05)
             sent += raw.audio_samples("t0", final=False)
@@ -187,6 +189,7 @@ def test_a_stream_waiting_for_text_sends_the_frames_it_has(server):
         assert sent / samples_per_frame == 6
     finally:
         raw.close()
+    wait_for_metric(server, text_waits, lambda n: n == before + 1)  # the third chunk
 
 
 def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, client):

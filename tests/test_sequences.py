@@ -3,6 +3,7 @@ checkpoint): what the `tts` model does with the pieces of a Triton sequence, wit
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -36,21 +37,33 @@ def text(value: str) -> dict:
 FIRST = {"max_frames": np.array([16]), "ignore_eos": np.array([True]), "seed": np.array([4])}
 
 
-@pytest.fixture()
-def served(tiny_checkpoint):
-    engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2,4")
+@contextlib.contextmanager
+def text_sequences(
+    tiny_checkpoint, policy: str, idle_s: float, expire_every_s: float | None = None, **scheduler
+):
+    """TextSequences over a tts service with in-process CPU codec lanes, the tiny checkpoint's engine
+    and its interleaved-layout parser; yields (parser, service, sequences, codec)."""
+    engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, policy, **scheduler)
     config = load_config(tiny_checkpoint)
     settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), text_layout="interleaved", max_positions=256)
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
-    sequences = TextSequences(parser, service, IDLE_S, interval_s=3600)  # expired by hand below
+    sequences = TextSequences(parser, service, idle_s, interval_s=expire_every_s)
     try:
-        yield parser, service, sequences
+        yield parser, service, sequences, codec
     finally:
         sequences.shutdown()
         service.shutdown()
+
+
+@pytest.fixture()
+def served(tiny_checkpoint):
+    # Idle sequences are expired by hand below.
+    served = text_sequences(tiny_checkpoint, "concurrent", IDLE_S, expire_every_s=3600, chunk_schedule="2,4")
+    with served as (parser, service, sequences, _):
+        yield parser, service, sequences
 
 
 def test_pieces_give_the_codes_of_the_whole_text(served):
@@ -138,15 +151,7 @@ def test_a_stream_waiting_for_text_sends_the_frames_it_has_under_every_policy(ti
     """The first piece gives 6 frames (see the server test of the same name), then no text comes:
     all 6 are sent (2, 2, 2) while the stream waits, also under `serial`, whose engine thread
     decodes them itself although no frame step runs; the audio is still that of one whole decode."""
-    engine, _, scheduler_config = engine_and_parser(tiny_checkpoint, policy)
-    config = load_config(tiny_checkpoint)
-    settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), text_layout="interleaved", max_positions=256)
-    parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
-    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
-    lane = InProcessLane(codec, pool.tensor)
-    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
-    sequences = TextSequences(parser, service, 60)
-    try:
+    with text_sequences(tiny_checkpoint, policy, 60) as (_, _, sequences, codec):
         sink = CollectingSink()
         first = {"max_frames": np.array([12]), "ignore_eos": np.array([True]), "seed": np.array([2])}
         sequences.piece(
@@ -157,7 +162,4 @@ def test_a_stream_waiting_for_text_sends_the_frames_it_has_under_every_policy(ti
         assert [int(info[2]) for info in sink.info] == [2, 2, 2] and not sink.done.is_set()
         sequences.piece("w", False, True, text(" nine."), "w1", None)
         assert sink.done.wait(120) and not sink.errors
-    finally:
-        sequences.shutdown()
-        service.shutdown()
     assert_audio_is_the_whole_decode(codec, sink, 12)

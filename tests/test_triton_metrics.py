@@ -59,6 +59,7 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics.chunk_sent("urgent", 2, 0.004, True, 0.09)
     metrics.chunk_sent("urgent", 4, 0.006, False, 0.2, promoted=True)
     metrics.chunk_sent("urgent", 8, 0.007, False, 0.3, promoted=True)
+    metrics.chunk_sent("urgent", 2, 0.005, False, 0.4, text_wait=True)
     metrics.codec_call("background", 75, 0.04)
     metrics.codec_call("background", 50, 0.03)
     metrics.frame_step(
@@ -78,9 +79,10 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     assert calls == []  # nothing on the caller's thread
     metrics.close()
     chunks = [c for c in calls if c[0] == "voxtriton_chunks_total"]
-    assert chunks == [("voxtriton_chunks_total", (("lane", "urgent"),), "increment", 3)]  # one round trip
+    assert chunks == [("voxtriton_chunks_total", (("lane", "urgent"),), "increment", 4)]  # one round trip
     assert [c[2:] for c in calls if c[0] == "voxtriton_chunks_promoted_total"] == [("increment", 2)]
-    assert [c[3] for c in calls if c[0] == "voxtriton_codec_seconds"] == [0.004, 0.006, 0.007]
+    assert [c[2:] for c in calls if c[0] == "voxtriton_chunks_text_wait_total"] == [("increment", 1)]
+    assert [c[3] for c in calls if c[0] == "voxtriton_codec_seconds"] == [0.004, 0.006, 0.007, 0.005]
     background = (("lane", "background"),)
     per_call = {c[0]: c[3] for c in calls if c[1] == background and c[0] != "voxtriton_lane_queue_depth"}
     assert per_call == pytest.approx(

@@ -145,6 +145,7 @@ class Chunk:
     lane: str = ""
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane
     taken: bool = False  # queued for the background lane, then decoded by the idle urgent lane
+    text_wait: bool = False  # cut while its stream waited for text, smaller than the schedule's size
 
     def due(self, ttfa_target_s: float) -> float:
         """When the listener needs this chunk: its playback deadline, or for a first chunk the TTFA
@@ -246,16 +247,18 @@ class ChunkScheduler:
         if self.config.catch_up and stream.chunks > 0:
             position = self.config.catch_up_position(position, pending)
         wanted = self.config.chunk_frames(position)
+        text_wait = False
         if pending >= wanted or (stream.generation_done and pending > 0):
-            size, decode_frames, next_position = min(pending, wanted), wanted, position + 1
+            size, decode_frames, position = min(pending, wanted), wanted, position + 1
         elif size := self._text_wait_size(stream, pending):
-            decode_frames, next_position = size, position  # the schedule's size stays the next one
+            decode_frames, text_wait = size, True  # the schedule's size stays the next one
         else:
             return []
         last = stream.generation_done and size == pending
         chunk = Chunk(stream, stream.chunks, stream.frames_chunked, size, last, self.clock(), decode_frames)
+        chunk.text_wait = text_wait
         stream.chunks += 1
-        stream.schedule_position = next_position
+        stream.schedule_position = position
         stream.frames_chunked += size
         stream.in_flight = chunk
         chunk.lane = self.route(chunk)

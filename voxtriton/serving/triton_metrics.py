@@ -65,6 +65,12 @@ class TritonMetrics:
             "out of slack there and were decoded on the urgent lane (voxserve)",
             counter,
         ).Metric(labels={})
+        self.text_wait = _family(
+            "voxtriton_chunks_text_wait_total",
+            "Input streaming: chunks that a stream waiting for text sent with the frames it had, smaller "
+            "than the schedule's next size, as its listener's buffer ran low",
+            counter,
+        ).Metric(labels={})
         codec = _family(
             "voxtriton_codec_seconds",
             "Codec decode call latency (one batch of chunks), by lane, observed once per chunk",
@@ -207,6 +213,7 @@ class TritonMetrics:
         promoted=False,
         since_text_end_s=None,
         since_text_s=None,
+        text_wait=False,
     ):
         queue = self._updates
         if since_text_end_s is not None:
@@ -216,6 +223,8 @@ class TritonMetrics:
         queue.append((self.chunks[lane], "increment", 1))
         if promoted:
             queue.append((self.promoted, "increment", 1))
+        if text_wait:
+            queue.append((self.text_wait, "increment", 1))
         queue.append((self.codec[lane], "observe", decode_s))
         if first:
             queue.append((self.ttfa, "observe", since_submit_s))

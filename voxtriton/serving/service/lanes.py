@@ -225,6 +225,7 @@ class LaneWorkers:
                         since_text_s=(sent_at - stream.first_chunk_text_at)
                         if chunk.index == 0 and stream.input_stream
                         else None,
+                        text_wait=chunk.text_wait,
                     )
                 if self.chunk_trace:
                     self._trace(chunk, len(live), started, ended, sent_at)

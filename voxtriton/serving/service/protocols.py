@@ -41,9 +41,11 @@ class ServiceMetrics(Protocol):
         promoted: bool = False,
         since_text_end_s: float | None = None,
         since_text_s: float | None = None,
+        text_wait: bool = False,
     ) -> None:
         """A chunk's audio was sent; `promoted`: it waited for the background lane until its slack ran
-        out and was decoded on the urgent lane instead. `since_submit_s` counts from an input stream's
+        out and was decoded on the urgent lane instead; `text_wait`: its stream, waiting for text,
+        sent it smaller than the schedule's next size. `since_submit_s` counts from an input stream's
         first text piece; `since_text_end_s`, on an input stream's last chunk, from its last piece;
         `since_text_s`, on an input stream's first chunk, from the arrival of the latest text the
         engine had taken when the chunk's last frame came out (within a frame step): how long its

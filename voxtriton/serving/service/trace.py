@@ -26,6 +26,7 @@ class ChunkTrace:
                 "lane": chunk.lane,
                 "promoted": chunk.promoted,
                 "taken": chunk.taken,
+                "text_wait": chunk.text_wait,
                 "frames": chunk.frames,
                 "batch": batch,
                 "arrived": chunk.stream.opened_at,
