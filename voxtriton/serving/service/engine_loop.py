@@ -69,7 +69,7 @@ class EngineLoop:
         with self.lock:
             for output in outputs:
                 self._on_frame(output.request, output.codes, output.finish_reason)
-            self.scheduler.set_text_waits({r.request_id for r in self.engine.waiting_for_text()})
+            self._note_text_waits()
             self._publish_gauges()
             self.lock.notify_all()
         if self.scheduler.config.rules.inline_decode:
@@ -99,17 +99,23 @@ class EngineLoop:
 
     def _hand_text(self) -> None:
         """Give the engine the text that reached input streams (under the lock, between steps)."""
+        if not self.text_arrived:
+            return
         for stream in self.text_arrived.values():
             if stream.closed:
                 continue
             ids, stream.new_text = stream.new_text, []
             stream.text_handed_at = stream.text_at
-            stream.waiting_for_text = False  # until the next step says it is paused again
             try:
                 self.engine.add_text(stream.request, ids, stream.text_ended)
             except ValueError as error:
                 self._end(stream, str(error))
         self.text_arrived.clear()
+        self._note_text_waits()  # a stream with new text may generate again
+
+    def _note_text_waits(self) -> None:
+        """Tell the scheduler which streams wait for text now (it may cut their chunks)."""
+        self.scheduler.set_text_waits({r.request_id for r in self.engine.waiting_for_text()})
 
     def _on_frame(self, request: Request, codes: np.ndarray, reason: str | None) -> None:
         stream = self.streams.get(request.request_id)
