@@ -77,7 +77,7 @@ def test_a_stream_waiting_for_text_sends_its_frames_once_its_listener_needs_them
     largest schedule size they fill when the stream is paused for text and its slack is below the
     margin; the schedule's size stays next."""
     sched, clock = scheduler(slack_margin_s=0.3)  # 2,2,4,4,8,...; background estimate 0.05
-    stream = sched.open("s")
+    sched.open("s")
     sched.frames_generated("s", 2)
     serve(sched, URGENT)  # the first chunk, sent at 0: 0.16 s of audio
     sched.frames_generated("s", 2)
@@ -90,7 +90,7 @@ def test_a_stream_waiting_for_text_sends_its_frames_once_its_listener_needs_them
     sched.chunk_done(chunk, 0.01)
     assert sched.next_batch(URGENT) == []  # 1 frame left: no schedule size is that small
     sched.set_text_waits(set())  # text came: the next chunk is the schedule's 4 again
-    assert not stream.waiting_for_text
+    assert "s" not in sched.text_waiting
     [chunk] = sched.frames_generated("s", 3)
     assert (chunk.first_frame, chunk.frames) == (6, 4)
 

@@ -174,7 +174,6 @@ class StreamTimeline:
     stall_s: float = 0.0
     closed: bool = False
     lane: str | None = None  # every chunk goes to this lane, whatever its slack (the server's warm-up)
-    waiting_for_text: bool = False  # paused until more of its text arrives (input streaming)
 
     def deadline(self) -> float | None:
         if self.first_sent_at is None:
@@ -271,12 +270,7 @@ class ChunkScheduler:
     def set_text_waits(self, stream_ids: set[str]) -> None:
         """The streams now paused for their text (every other stream is not); cut the chunks that
         those whose listeners need audio soon can send (`text_wait_send`)."""
-        for stream_id in self.text_waiting - stream_ids:
-            if stream_id in self.streams:
-                self.streams[stream_id].waiting_for_text = False
         self.text_waiting = {stream_id for stream_id in stream_ids if stream_id in self.streams}
-        for stream_id in self.text_waiting:
-            self.streams[stream_id].waiting_for_text = True
         self.send_for_text_waits()
 
     def send_for_text_waits(self) -> bool:
@@ -310,7 +304,8 @@ class ChunkScheduler:
         """Frames a stream waiting for text sends now: the largest schedule size its `pending`
         frames fill once its slack is below the margin (a captured codec shape), else 0. Not before
         its first chunk, whose size sets how much audio the listener starts with."""
-        if not (self.config.text_wait_send and stream.waiting_for_text) or stream.first_sent_at is None:
+        waiting = stream.stream_id in self.text_waiting
+        if not (self.config.text_wait_send and waiting) or stream.first_sent_at is None:
             return 0
         if self.clock() < self._text_wait_send_at(stream):
             return 0
