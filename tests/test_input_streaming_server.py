@@ -115,6 +115,16 @@ def test_the_server_times_the_first_audio_from_the_text_it_waited_for(server, cl
     assert 0 < waited and ttfa - waited >= 0.15, (ttfa, waited)
 
 
+def test_an_input_stream_starts_with_a_first_chunk_of_text_start_frames(client):
+    """While its text is still arriving, a stream's first chunk holds `scheduler_text_start_frames`
+    frames (4), its listener's buffer against the gaps between words; a whole text starts with the
+    schedule's first size (2). The audio is the same, up to the rounding of other chunk bounds."""
+    whole = client.synthesize(TEXT, **OPTIONS).raise_for_error()
+    streamed = client.synthesize_text_stream(slowly(words(), 0.15), **OPTIONS).raise_for_error()
+    assert [round(c.seconds / 0.08) for c in (whole.chunks[0], streamed.chunks[0])] == [2, 4]
+    np.testing.assert_allclose(streamed.audio, whole.audio, atol=1e-5)
+
+
 class RawStream:
     """One gRPC stream to `tts`, every event (result or error) kept with its request id."""
 
@@ -170,8 +180,8 @@ class RawStream:
 def test_a_stream_waiting_for_text_sends_the_frames_it_has(server):
     """The first piece settles 7 text ids (its last word may still change): the prompt holds the
     first, the other 6 give 6 frames, then the stream waits for text. Its listener needs them, so
-    it sends all 6 (chunks of 2, 2, then 2), where the schedule alone would send 4 and wait for the
-    frames of its next size, 4 (tts `scheduler_text_wait_send`)."""
+    it sends all 6 (a first chunk of 4, `scheduler_text_start_frames`, then 2), where the schedule
+    alone would send 4 and wait for the frames of its next size, 4 (`scheduler_text_wait_send`)."""
     text_waits = "voxtriton_chunks_text_wait_total"
     before = server.metrics().get(text_waits, 0)
     raw = RawStream(server.grpc_url)

@@ -136,6 +136,29 @@ def test_text_waits_change_nothing_before_the_first_chunk_or_when_turned_off():
     assert sched.text_waiting == set()
 
 
+def test_a_stream_whose_text_is_arriving_starts_with_the_first_size_of_text_start_frames():
+    """The start skips the schedule's smaller sizes only while text is arriving; the schedule goes
+    on after the start's size, and a stream whose text ended first starts as any other."""
+    config = SchedulerConfig(text_start_frames=5)  # 2,2,4,4,8,8,16,16,25
+    assert (config.first_position(False), config.first_position(True)) == (0, 4)
+    assert SchedulerConfig(text_start_frames=40).first_position(True) == 8  # the largest size
+
+    def chunks_cut(text_open):
+        sched, clock = scheduler(text_start_frames=5, policy="concurrent")
+        sched.open("s").text_open = text_open
+        cut = []
+        for _ in range(24):
+            sched.frames_generated("s", 1)
+            while batch := serve(sched, URGENT):
+                cut += batch
+        return [chunk.frames for chunk in cut]
+
+    assert chunks_cut(text_open=True) == [8, 8]  # then 16, which 8 frames do not fill
+    assert chunks_cut(text_open=False) == [2, 2, 4, 4, 8]
+    with pytest.raises(ValueError, match="text_start_frames"):
+        SchedulerConfig(text_start_frames=0)
+
+
 def test_invalid_configuration_is_refused():
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="fastest")

@@ -149,8 +149,9 @@ def test_shutdown_ends_every_open_sequence_with_an_error(served):
 @pytest.mark.parametrize("policy", ["voxserve", "concurrent", "serial"])
 def test_a_stream_waiting_for_text_sends_the_frames_it_has_under_every_policy(tiny_checkpoint, policy):
     """The first piece gives 6 frames (see the server test of the same name), then no text comes:
-    all 6 are sent (2, 2, 2) while the stream waits, also under `serial`, whose engine thread
-    decodes them itself although no frame step runs; the audio is still that of one whole decode."""
+    all 6 are sent (4, the start's size, then 2) while the stream waits, also under `serial`, whose
+    engine thread decodes them itself although no frame step runs; the audio is still that of one
+    whole decode."""
     with text_sequences(tiny_checkpoint, policy, 60) as (_, _, sequences, codec):
         sink = CollectingSink()
         first = {"max_frames": np.array([12]), "ignore_eos": np.array([True]), "seed": np.array([2])}
@@ -159,7 +160,7 @@ def test_a_stream_waiting_for_text_sends_the_frames_it_has_under_every_policy(ti
         )
         wait_for(lambda: sum(int(info[2]) for info in sink.info) >= 6)
         time.sleep(0.3)  # and no more
-        assert [int(info[2]) for info in sink.info] == [2, 2, 2] and not sink.done.is_set()
+        assert [int(info[2]) for info in sink.info] == [4, 2] and not sink.done.is_set()
         sequences.piece("w", False, True, text(" nine."), "w1", None)
         assert sink.done.wait(120) and not sink.errors
     assert_audio_is_the_whole_decode(codec, sink, 12)

@@ -15,7 +15,9 @@ Definitions (../shared/design.md):
   chunk boundaries fall never depends on timing: only which lane decodes a chunk does. With
   `catch_up`, a stream whose generation ran ahead skips to a later size of the schedule. With
   `text_wait_send`, a stream that waits for its text (input streaming) sends the frames it has once
-  its listener needs them, in a smaller chunk than the schedule's next.
+  its listener needs them, in a smaller chunk than the schedule's next; with `text_start_frames`, a
+  stream whose text is still arriving starts with a larger first chunk, its listener's buffer
+  against the gaps between words.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class SchedulerConfig:
     # speech; without it, the ramp's larger chunks need text about 1.5x faster than speech. Chunk
     # boundaries then depend on timing, the audio not.
     text_wait_send: bool = True
+    # Input streaming: a stream whose text is still arriving when its first chunk is cut starts at
+    # the schedule's first size of at least this many frames (skipping the smaller ones). While text
+    # paces generation, the first chunk's audio is all the listener has against the gaps between
+    # words: with text barely faster than speech, a 2-frame start (160 ms) runs dry at the first
+    # late word. A larger start delays the first audio by the time its text takes to arrive.
+    text_start_frames: int = 4
 
     def __post_init__(self):
         get_policy(self.policy)
@@ -81,6 +89,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler_catch_up needs a chunk_schedule that never shrinks, got {self.chunk_schedule!r}"
             )
+        if self.text_start_frames < 1:
+            raise ValueError(f"scheduler_text_start_frames must be >= 1, got {self.text_start_frames}")
         if self.idle_urgent_takes_frames < 0:
             raise ValueError(
                 f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}"
@@ -115,6 +125,14 @@ class SchedulerConfig:
         more, smaller codec calls. The second chunk must arrive while the first plays.
         """
         return self.sizes[min(index, len(self.sizes) - 1)]
+
+    def first_position(self, text_open: bool) -> int:
+        """The schedule position of a stream's first chunk: 0, or with its text still arriving the
+        first of at least `text_start_frames` frames (the largest size if none is)."""
+        if not text_open:
+            return 0
+        fitting = (at for at, size in enumerate(self.sizes) if size >= self.text_start_frames)
+        return next(fitting, len(self.sizes) - 1)
 
     def catch_up_position(self, position: int, pending: int) -> int:
         """The schedule position of a stream's next chunk when `pending` generated frames wait to be
@@ -174,6 +192,7 @@ class StreamTimeline:
     stall_s: float = 0.0
     closed: bool = False
     lane: str | None = None  # every chunk goes to this lane, whatever its slack (the server's warm-up)
+    text_open: bool = False  # input streaming: its text is still arriving (see `text_start_frames`)
 
     def deadline(self) -> float | None:
         if self.first_sent_at is None:
@@ -243,7 +262,9 @@ class ChunkScheduler:
             return []
         pending = stream.frames_generated - stream.frames_chunked
         position = stream.schedule_position
-        if self.config.catch_up and stream.chunks > 0:
+        if stream.chunks == 0:
+            position = self.config.first_position(stream.text_open)
+        elif self.config.catch_up:
             position = self.config.catch_up_position(position, pending)
         wanted = self.config.chunk_frames(position)
         text_wait = False

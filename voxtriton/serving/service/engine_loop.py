@@ -106,6 +106,7 @@ class EngineLoop:
                 continue
             ids, stream.new_text = stream.new_text, []
             stream.text_handed_at = stream.text_at
+            stream.text_open = not stream.text_ended
             try:
                 self.engine.add_text(stream.request, ids, stream.text_ended)
             except ValueError as error:
@@ -126,9 +127,10 @@ class EngineLoop:
         if reason is not None and not stream.generation_done:  # (the engine sends one last frame)
             stream.generation_done = True
             self.draining += 1
-        if stream.first_chunk_text_at is None and (
-            len(stream.frames) >= self.scheduler.config.chunk_frames(0) or stream.generation_done
-        ):
+        config = self.scheduler.config
+        first_frames = config.chunk_frames(config.first_position(stream.text_open))
+        first_chunk_full = len(stream.frames) >= first_frames or stream.generation_done
+        if stream.first_chunk_text_at is None and first_chunk_full:
             stream.first_chunk_text_at = stream.text_handed_at
         self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
 

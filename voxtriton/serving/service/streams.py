@@ -127,7 +127,7 @@ class StreamRegistry:
                 codec_slot=self.free_slots.pop(),
             )
             stream.text_at = stream.text_handed_at = self.clock()
-            stream.input_stream = request.text_open
+            stream.input_stream = stream.text_open = request.text_open
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             if request.prompt.reference_codes is not None and self._primes_ahead(lane):
