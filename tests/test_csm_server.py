@@ -130,6 +130,8 @@ def test_fields_csm_does_not_take_are_refused_naming_them(server, client, field,
 def test_an_input_stream_is_refused_naming_the_reason(client):
     synthesis = client.synthesize_text_stream(["Hello ", "there."], speaker="0", max_frames=4)
     assert synthesis.error is not None and "CSM reads its text whole" in synthesis.error
+    error = client.synthesize("Hello.", speaker="0", max_frames=4, start_frames=4).error
+    assert error is not None and "start_frames: CSM reads its text whole" in error, error
     assert speak(client, "still serving", seed=2, frames=3).completed
 
 

@@ -125,6 +125,21 @@ def test_an_input_stream_starts_with_a_first_chunk_of_text_start_frames(client):
     np.testing.assert_allclose(streamed.audio, whole.audio, atol=1e-5)
 
 
+def test_a_request_sets_its_own_start_and_a_whole_text_cannot(client):
+    """`start_frames` in the first piece: 1 starts with the schedule's first size (2), 5 with its first
+    of at least 5 (8); the audio is the same. A whole text and a start below 1 are refused, naming it."""
+    starts = {}
+    for start in (1, 5):
+        streamed = client.synthesize_text_stream(slowly(words(), 0.15), start_frames=start, **OPTIONS)
+        starts[start] = streamed.raise_for_error()
+    assert {start: round(s.chunks[0].seconds / 0.08) for start, s in starts.items()} == {1: 2, 5: 8}
+    np.testing.assert_allclose(starts[1].audio, starts[5].audio, atol=1e-5)
+    error = client.synthesize(TEXT, start_frames=4, **OPTIONS).error
+    assert error is not None and error.startswith("start_frames: only an input stream takes it"), error
+    error = client.synthesize_text_stream(words(), start_frames=0, **OPTIONS).error
+    assert error is not None and "start_frames: must be at least 1, got 0" in error, error
+
+
 class RawStream:
     """One gRPC stream to `tts`, every event (result or error) kept with its request id."""
 
@@ -311,6 +326,12 @@ def test_the_gateway_websocket_takes_text_pieces_and_returns_pcm(server, client)
         assert error["type"] == "error" and error["error"]["param"] == "voice", error
         assert "unknown speaker 'nobody'" in error["error"]["message"]
 
+        # start_frames goes to the server (which refuses 0), and must be an integer.
+        for start, message in ((0, "must be at least 1, got 0"), ("4", "must be an integer")):
+            messages = [{"input": "Hello", "start_frames": start}, {"input": " there.", "end": True}]
+            _, error = speak(url, messages)
+            assert error["error"]["param"] == "start_frames" and message in error["error"]["message"], error
+
         _, error = speak(url, [{"input": "Hello", "speed": 2}])
         assert error["error"]["param"] == "speed"
         assert "unknown field in the first message" in error["error"]["message"]
@@ -366,3 +387,11 @@ def test_the_client_command_speaks_stdin_as_it_comes(server, tmp_path):
     assert "last audio" in completed.stdout and "after the last line" in completed.stdout
     with wave.open(str(output)) as wav:
         assert wav.getnframes() == 12 * 1920
+    refused = subprocess.run(
+        command + ["--server", server.grpc_url, "--start-frames", "0"],
+        input="Hello.\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "start_frames: must be at least 1" in refused.stderr, refused

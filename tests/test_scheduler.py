@@ -142,6 +142,7 @@ def test_a_stream_whose_text_is_arriving_starts_with_the_first_size_of_text_star
     config = SchedulerConfig(text_start_frames=5)  # 2,2,4,4,8,8,16,16,25
     assert (config.first_position(False), config.first_position(True)) == (0, 4)
     assert SchedulerConfig(text_start_frames=40).first_position(True) == 8  # the largest size
+    assert (config.first_position(True, start_frames=1), config.first_position(True, 3)) == (0, 2)
 
     def chunks_cut(text_open):
         sched, clock = scheduler(text_start_frames=5, policy="concurrent")

@@ -37,6 +37,7 @@ INPUT_TYPES = {
     "top_p": np.float32,
     "top_k": np.int32,
     "repetition_penalty": np.float32,
+    "start_frames": np.int32,  # input streams: the first chunk's frames at least
     "reference_audio": np.object_,  # Base checkpoints: a recording's file bytes (WAV, FLAC)
     "reference_text": np.object_,
 }

@@ -39,6 +39,7 @@ def speak(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         reference_audio=reference,
         reference_text=args.reference_text,
+        start_frames=args.start_frames,
     )
     with StreamingWavWriter(output, SAMPLE_RATE) as wav:
 
@@ -113,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     say.add_argument(
         "--reference-text", help="the recording's transcript: the in-context prompt (better likeness)"
+    )
+    say.add_argument(
+        "--start-frames",
+        type=int,
+        help='with "-": frames the first chunk holds at least, its buffer against slow lines '
+        "(default: the server's scheduler_text_start_frames)",
     )
     say.set_defaults(run=speak)
     args = parser.parse_args(argv)

@@ -109,6 +109,9 @@ class Request:
     cancelled: bool = field(default=False, repr=False)
     # Input streaming: more text may come (`Engine.add_text`); until it ends, frames wait for it.
     text_open: bool = False
+    # Input streaming: its first chunk's frames at least while its text arrives (None: the server's
+    # `scheduler_text_start_frames`); the scheduler's, carried here from the first piece.
+    start_frames: int | None = None
     text: list[int] = field(init=False, repr=False)  # text ids fed one per frame: those known so far
     text_written: int = 0  # of them, those in the request's row
     paused: bool = False  # waits for text (its row kept, no frame generated)

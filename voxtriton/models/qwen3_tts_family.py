@@ -53,6 +53,7 @@ def qwen3_tts_family(checkpoint_dir: Path, config: Qwen3TTSConfig | None = None)
         "top_k": "top-k of every codebook",
         "top_p": "top-p of every codebook",
         "repetition_penalty": f"penalty on repeated codebook-0 codes (default {sampling.repetition_penalty})",
+        "start_frames": "input streams: the first chunk's frames at least (scheduler_text_start_frames)",
     }
     if config.model_type == "custom_voice":
         fields["speaker"] = f"one of {', '.join(speakers)}"

@@ -126,12 +126,14 @@ class SchedulerConfig:
         """
         return self.sizes[min(index, len(self.sizes) - 1)]
 
-    def first_position(self, text_open: bool) -> int:
+    def first_position(self, text_open: bool, start_frames: int | None = None) -> int:
         """The schedule position of a stream's first chunk: 0, or with its text still arriving the
-        first of at least `text_start_frames` frames (the largest size if none is)."""
+        first of at least `start_frames` frames (the request's; None: `text_start_frames`), the
+        largest size if none is."""
         if not text_open:
             return 0
-        fitting = (at for at, size in enumerate(self.sizes) if size >= self.text_start_frames)
+        start_frames = self.text_start_frames if start_frames is None else start_frames
+        fitting = (at for at, size in enumerate(self.sizes) if size >= start_frames)
         return next(fitting, len(self.sizes) - 1)
 
     def catch_up_position(self, position: int, pending: int) -> int:
@@ -193,6 +195,7 @@ class StreamTimeline:
     closed: bool = False
     lane: str | None = None  # every chunk goes to this lane, whatever its slack (the server's warm-up)
     text_open: bool = False  # input streaming: its text is still arriving (see `text_start_frames`)
+    text_start_frames: int | None = None  # its request's start, if it asked (else the configured one)
 
     def deadline(self) -> float | None:
         if self.first_sent_at is None:
@@ -241,6 +244,10 @@ class ChunkScheduler:
         self.streams[stream.stream_id] = stream
         return stream
 
+    def first_position(self, stream: StreamTimeline) -> int:
+        """The schedule position of the stream's first chunk (`SchedulerConfig.first_position`)."""
+        return self.config.first_position(stream.text_open, stream.text_start_frames)
+
     def close(self, stream_id: str) -> None:
         """Forget a stream (finished, cancelled or failed); its queued chunks are dropped."""
         stream = self.streams.pop(stream_id, None)
@@ -263,7 +270,7 @@ class ChunkScheduler:
         pending = stream.frames_generated - stream.frames_chunked
         position = stream.schedule_position
         if stream.chunks == 0:
-            position = self.config.first_position(stream.text_open)
+            position = self.first_position(stream)
         elif self.config.catch_up:
             position = self.config.catch_up_position(position, pending)
         wanted = self.config.chunk_frames(position)

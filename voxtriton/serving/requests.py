@@ -28,6 +28,7 @@ SCALAR_INPUTS = {
     "top_p": np.float32,
     "top_k": np.int32,
     "repetition_penalty": np.float32,
+    "start_frames": np.int32,
 }
 
 
@@ -107,6 +108,12 @@ class RequestParser:
         if not text.strip():
             raise RequestError("text", "is empty")
         _, head, scalars = self._voice(inputs, voice)
+        if "start_frames" in scalars:
+            raise RequestError(
+                "start_frames",
+                "only an input stream takes it (a sequence's first piece): a whole text's audio starts "
+                "with the schedule's first chunk",
+            )
         text_ids = self.prompts.tokenizer.encode(text)
         if not text_ids:
             raise RequestError("text", "is empty")
@@ -118,9 +125,12 @@ class RequestParser:
             raise RequestError("reference_text", f"too long: with the text, over {limit} tokens to feed")
         return Request(request_id, prompt, self._params(scalars, len(prompt.text_ids)))
 
-    def parse_stream(self, inputs: dict[str, np.ndarray]) -> tuple[PromptHead, GenerationParams, str]:
+    def parse_stream(
+        self, inputs: dict[str, np.ndarray]
+    ) -> tuple[PromptHead, GenerationParams, str, int | None]:
         """The first piece of an input stream: its prompt head, its parameters (for a prompt of the head
-        and one text id: the interleaved layout) and its text. A cloned voice is a registered one."""
+        and one text id: the interleaved layout), its text and its `start_frames` (None: the server's).
+        A cloned voice is a registered one."""
         for name in ("reference_audio", "reference_text"):
             if name in inputs:
                 raise RequestError(
@@ -128,7 +138,11 @@ class RequestParser:
                 )
         strings, head, scalars = self._voice(inputs)
         head.check_streamable()
-        return head, self._params(scalars, len(head.text_side) + 1), strings.get("text", "")
+        start_frames = scalars.get("start_frames")
+        if start_frames is not None and start_frames < 1:
+            raise RequestError("start_frames", f"must be at least 1, got {start_frames}")
+        params = self._params(scalars, len(head.text_side) + 1)
+        return head, params, strings.get("text", ""), start_frames
 
     def piece_text(self, inputs: dict[str, np.ndarray]) -> str:
         """The text of a later piece of an input stream (may be empty)."""

@@ -39,6 +39,7 @@ class Sequence:
     started_at: float  # its first piece (the stream's arrival, for TTFA and the first chunk's due time)
     last_piece_at: float
     known: list[int] = field(default_factory=list)  # text ids settled before the stream was submitted
+    start_frames: int | None = None  # the first chunk's frames at least (None: the server's setting)
     has_words: bool = False  # a piece held more than white space (the stream starts after one)
     text_bytes: int = 0  # of all its pieces, held to max_text_bytes like a whole request's text
     submitted: bool = False
@@ -89,7 +90,7 @@ class TextSequences:
                     raise RequestError(
                         "sequence_start", f"sequence {sequence_id} is already open (it has not ended)"
                     )
-                head, params, text = self.parser.parse_stream(inputs)
+                head, params, text, start_frames = self.parser.parse_stream(inputs)
                 sequence = Sequence(
                     sequence_id,
                     request_id,
@@ -99,6 +100,7 @@ class TextSequences:
                     TextStream(self.parser.prompts.tokenizer),
                     self.clock(),
                     self.clock(),
+                    start_frames=start_frames,
                 )
                 self.open[sequence_id] = sequence
                 self.ended.pop(sequence_id, None)
@@ -140,6 +142,7 @@ class TextSequences:
             # Its end, if it came already, goes the way of every end (`add_text`), which times it.
             prompt = sequence.head.prompt(sequence.known, interleaved=True, text_ended=False)
             request = Request(sequence.request_id, prompt, sequence.params, text_open=True)
+            request.start_frames = sequence.start_frames
             self.service.submit(request, sequence.sink, opened_at=sequence.started_at)
             sequence.submitted, ids = True, []
             if not end:

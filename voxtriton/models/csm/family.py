@@ -76,6 +76,7 @@ def csm_family(checkpoint_dir: Path, config: CsmConfig | None = None) -> ModelFa
         refused={
             "language": "CSM takes no language; it reads the text as written",
             "instruct": "CSM takes no style instruction; the voice comes from `speaker`",
+            "start_frames": "CSM reads its text whole: it takes no input stream, whose start this sets",
         },
         end_code=end,
         is_end=is_end,

@@ -127,8 +127,7 @@ class EngineLoop:
         if reason is not None and not stream.generation_done:  # (the engine sends one last frame)
             stream.generation_done = True
             self.draining += 1
-        config = self.scheduler.config
-        first_frames = config.chunk_frames(config.first_position(stream.text_open))
+        first_frames = self.scheduler.config.chunk_frames(self.scheduler.first_position(stream))
         first_chunk_full = len(stream.frames) >= first_frames or stream.generation_done
         if stream.first_chunk_text_at is None and first_chunk_full:
             stream.first_chunk_text_at = stream.text_handed_at

@@ -128,6 +128,7 @@ class StreamRegistry:
             )
             stream.text_at = stream.text_handed_at = self.clock()
             stream.input_stream = stream.text_open = request.text_open
+            stream.text_start_frames = request.start_frames
             self.streams[request.request_id] = stream
             self.incoming.append(stream)
             if request.prompt.reference_codes is not None and self._primes_ahead(lane):
