@@ -217,6 +217,14 @@ def test_the_codecs_capture_the_shapes_the_scheduler_will_ask_for():
         assert "graph_frame_sizes" not in urgent + background
     finally:
         server.cleanup()
+    server = TritonServer(parameters={"tts": {"scheduler_single_frame_start_streams": "8"}}, use_mps=False)
+    try:  # 1-frame first chunks: on the urgent lane only, which decodes every first chunk
+        urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
+        background = (server.repository / "codec_background" / "config.pbtxt").read_text()
+        assert 'key: "graph_frame_sizes" value: { string_value: "1,2,4,8,16,25" }' in urgent
+        assert 'key: "graph_frame_sizes" value: { string_value: "2,4,8,16,25" }' in background
+    finally:
+        server.cleanup()
     server = TritonServer(use_mps=False)  # nothing given: the repository's own shapes
     try:
         urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()

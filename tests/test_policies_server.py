@@ -77,6 +77,7 @@ def baseline(tiny_checkpoint):
             },
         ),
         ("voxserve", {"tts": {"scheduler_catch_up": "true"}}),
+        ("voxserve", {"tts": {"scheduler_single_frame_start_streams": "8"}}),
     ],
 )
 def test_policy_changes_timing_not_content(tiny_checkpoint, baseline, policy, parameters):
@@ -84,7 +85,8 @@ def test_policy_changes_timing_not_content(tiny_checkpoint, baseline, policy, pa
     to one codec model) and the background lane's fullest size. Also one call in flight (with a
     shorter GIL switch interval), the other batching rules, and the catch-up option set through the
     config (on this CPU the backbone rarely runs ahead of the codec, so its chunks mostly follow the
-    schedule; test_tts_service makes it catch up). Each server is warm when it reports ready."""
+    schedule; test_tts_service makes it catch up), and 1-frame first chunks (4 streams: a light load
+    by the setting). Each server is warm when it reports ready."""
     with start_server(tiny_checkpoint, policy=policy, parameters=parameters) as server:
         assert_warm_when_ready(server, policy)
         results = run_all(server.grpc_url)
@@ -99,6 +101,8 @@ def test_policy_changes_timing_not_content(tiny_checkpoint, baseline, policy, pa
         assert list(info[:, 0]) == list(range(len(info)))  # in order, exactly once
         assert info[:, 2].sum() == frames
         assert set(info[:, 3]) <= expected_lane
+        if "scheduler_single_frame_start_streams" in (parameters or {}).get("tts", {}):
+            assert list(info[:3, 2]) == [1, 2, 2]
 
 
 def test_voxserve_uses_both_lanes_and_keeps_order(baseline):

@@ -160,6 +160,37 @@ def test_a_stream_whose_text_is_arriving_starts_with_the_first_size_of_text_star
         SchedulerConfig(text_start_frames=0)
 
 
+def test_under_light_load_a_whole_text_starts_with_one_frame_then_the_schedule():
+    """`single_frame_start_streams`: while at most that many streams are open, a stream whose text
+    is whole starts with a 1-frame chunk, and the schedule follows from its first size; not above
+    it, not for an input stream whose text is arriving, not for a stream pinned to a lane, and
+    never by default."""
+
+    def first_sizes(open_streams, light=2, text_open=False, lane=None, policy="concurrent"):
+        sched, clock = scheduler(policy=policy, single_frame_start_streams=light)
+        for other in range(open_streams - 1):
+            sched.open(f"other{other}")
+        stream = sched.open("s", lane=lane)
+        stream.text_open = text_open
+        sizes = []
+        for _ in range(9):
+            sched.frames_generated("s", 1)
+            while batch := sched.next_batch(lane or URGENT):
+                sizes += [chunk.decode_frames for chunk in batch if chunk.stream is stream]
+                for chunk in batch:
+                    sched.chunk_done(chunk, 0.01)
+        return sizes
+
+    assert first_sizes(open_streams=2) == [1, 2, 2, 4]
+    assert first_sizes(open_streams=3) == [2, 2, 4]
+    assert first_sizes(open_streams=1, text_open=True) == [4, 4]  # the text's start
+    assert first_sizes(open_streams=1, lane=BACKGROUND, policy="voxserve") == [2, 2, 4]
+    assert first_sizes(open_streams=1, light=0) == [2, 2, 4]
+    assert SchedulerConfig().single_frame_start_streams == 0
+    with pytest.raises(ValueError, match="single_frame_start_streams"):
+        SchedulerConfig(single_frame_start_streams=-1)
+
+
 def test_invalid_configuration_is_refused():
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="fastest")

@@ -107,12 +107,13 @@ def codec_graphs_for_the_scheduler(parameters: dict[str, dict[str, str]]) -> dic
         "scheduler_chunk_schedule": "graph_frame_sizes",
         "scheduler_max_batch": "graph_batch_sizes",
         "scheduler_background_max_batch": "graph_batch_sizes",
+        "scheduler_single_frame_start_streams": "graph_frame_sizes",
     }
     given = {setting.removeprefix("scheduler_"): tts[setting] for setting in keys if setting in tts}
     if not given:
         return parameters
     try:
-        for limit in ("max_batch", "background_max_batch"):
+        for limit in ("max_batch", "background_max_batch", "single_frame_start_streams"):
             if limit in given:
                 given[limit] = int(given[limit])
         scheduler = SchedulerConfig(**given)

@@ -127,11 +127,9 @@ class EngineLoop:
         if reason is not None and not stream.generation_done:  # (the engine sends one last frame)
             stream.generation_done = True
             self.draining += 1
-        first_frames = self.scheduler.config.chunk_frames(self.scheduler.first_position(stream))
-        first_chunk_full = len(stream.frames) >= first_frames or stream.generation_done
-        if stream.first_chunk_text_at is None and first_chunk_full:
+        cut = self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
+        if any(chunk.index == 0 for chunk in cut):
             stream.first_chunk_text_at = stream.text_handed_at
-        self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
 
     def _fail_all_running(self, message: str) -> None:
         """After a failed step: end every stream the engine had taken, running, being admitted
