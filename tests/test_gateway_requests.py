@@ -57,6 +57,7 @@ def test_unknown_fields_are_named_all_at_once():
         ("seed", "7", "seed: must be an integer"),
         ("seed", True, "seed: must be an integer"),
         ("max_frames", 2.5, "max_frames: must be an integer"),
+        ("max_frames", 2**32 + 30, "max_frames: must be between -2147483648 and 2147483647"),
         ("ignore_eos", 1, "ignore_eos: must be true or false"),
         ("voice", 3, "voice: must be a string"),
         ("stream_format", "chunks", "stream_format: 'chunks' is not one of audio, sse"),

@@ -156,6 +156,15 @@ def test_a_stream_whose_text_is_arriving_starts_with_the_first_size_of_text_star
 
     assert chunks_cut(text_open=True) == [8, 8]  # then 16, which 8 frames do not fill
     assert chunks_cut(text_open=False) == [2, 2, 4, 4, 8]
+
+    # The text ends while 3 frames wait for the start's 8: the next frame cuts the first size.
+    sched, clock = scheduler(text_start_frames=5, policy="concurrent")
+    stream = sched.open("s")
+    stream.text_open = True
+    assert sched.frames_generated("s", 3) == []
+    stream.text_open = False
+    [chunk] = sched.frames_generated("s", 1)
+    assert (chunk.index, chunk.frames) == (0, 2)
     with pytest.raises(ValueError, match="text_start_frames"):
         SchedulerConfig(text_start_frames=0)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 from tritonclient.utils import InferenceServerException
 from voxtriton_client import AsyncTTSClient, Chunk, Synthesis
 from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
@@ -129,6 +130,10 @@ def voice_options(body: dict, fields: dict = OPTIONAL_FIELDS) -> dict:
             continue
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise SpeechError(400, f"{source}: must be {TYPE_NAMES[kind]}", source)
+        if kind is int:  # as the tts input's type holds it (numpy would wrap a larger one around)
+            limits = np.iinfo(INPUT_TYPES[target])
+            if not limits.min <= value <= limits.max:
+                raise SpeechError(400, f"{source}: must be between {limits.min} and {limits.max}", source)
         options[target] = value
     return options
 

@@ -128,7 +128,7 @@ class EngineLoop:
             stream.generation_done = True
             self.draining += 1
         cut = self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
-        if any(chunk.index == 0 for chunk in cut):
+        if stream.input_stream and any(chunk.index == 0 for chunk in cut):
             stream.first_chunk_text_at = stream.text_handed_at
 
     def _fail_all_running(self, message: str) -> None:

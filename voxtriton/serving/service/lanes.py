@@ -223,7 +223,7 @@ class LaneWorkers:
                         if chunk.last and stream.text_ended_at is not None
                         else None,
                         since_text_s=(sent_at - stream.first_chunk_text_at)
-                        if chunk.index == 0 and stream.input_stream
+                        if chunk.index == 0 and stream.first_chunk_text_at is not None
                         else None,
                         text_wait=chunk.text_wait,
                     )

@@ -42,7 +42,7 @@ class Stream(StreamTimeline):
     text_ended_at: float | None = None  # when its last piece arrived
     text_at: float = 0.0  # when the latest text ids arrived (at submit: its first ids)
     text_handed_at: float = 0.0  # `text_at` of the latest ids handed to the engine
-    first_chunk_text_at: float | None = None  # `text_handed_at` when its first chunk's last frame came
+    first_chunk_text_at: float | None = None  # input streams: `text_handed_at` when its first chunk was cut
     input_stream: bool = False  # its text arrives in pieces (its request's `text_open` at submit)
 
 
