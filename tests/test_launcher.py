@@ -184,53 +184,48 @@ def test_gpu_count_honours_cuda_visible_devices(tmp_path, monkeypatch, visible, 
     assert gpu_count() == expected
 
 
+def codec_configs(parameters: dict | None = None) -> tuple[str, str]:
+    """The config.pbtxt of codec_urgent and codec_background in the repository a server with
+    `parameters` would run (the server is not started)."""
+    server = TritonServer(parameters=parameters, use_mps=False)
+    try:
+        return tuple(
+            (server.repository / model / "config.pbtxt").read_text()
+            for model in ("codec_urgent", "codec_background")
+        )
+    finally:
+        server.cleanup()
+
+
 @pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 def test_the_codecs_capture_the_shapes_the_scheduler_will_ask_for():
     """A chunk schedule or batch limits given for tts set the codecs' graph shapes, each up to its own
     lane's limit, unless given for them."""
-    server = TritonServer(
-        parameters={
+    urgent, background = codec_configs(
+        {
             "tts": {
                 "scheduler_chunk_schedule": "1,1,2,2,4,25",
                 "scheduler_max_batch": "24",
                 "scheduler_background_max_batch": "48",
             },
             "codec_background": {"graph_batch_sizes": "4,24"},
-        },
-        use_mps=False,
+        }
     )
-    try:
-        urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
-        background = (server.repository / "codec_background" / "config.pbtxt").read_text()
-        for config in (urgent, background):
-            assert 'key: "graph_frame_sizes" value: { string_value: "1,2,4,25" }' in config
-        assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16,24" }' in urgent
-        assert 'key: "graph_batch_sizes" value: { string_value: "4,24" }' in background
-    finally:
-        server.cleanup()
-    server = TritonServer(parameters={"tts": {"scheduler_background_max_batch": "48"}}, use_mps=False)
-    try:  # only voxserve's background lane makes the larger calls
-        urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
-        background = (server.repository / "codec_background" / "config.pbtxt").read_text()
-        assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16" }' in urgent
-        assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16,32,48" }' in background
-        assert "graph_frame_sizes" not in urgent + background
-    finally:
-        server.cleanup()
-    server = TritonServer(parameters={"tts": {"scheduler_single_frame_start_streams": "8"}}, use_mps=False)
-    try:  # 1-frame first chunks: on the urgent lane only, which decodes every first chunk
-        urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
-        background = (server.repository / "codec_background" / "config.pbtxt").read_text()
-        assert 'key: "graph_frame_sizes" value: { string_value: "1,2,4,8,16,25" }' in urgent
-        assert 'key: "graph_frame_sizes" value: { string_value: "2,4,8,16,25" }' in background
-    finally:
-        server.cleanup()
-    server = TritonServer(use_mps=False)  # nothing given: the repository's own shapes
-    try:
-        urgent = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
-        assert "1,2,4,25" not in urgent and "16,24" not in urgent
-    finally:
-        server.cleanup()
+    for config in (urgent, background):
+        assert 'key: "graph_frame_sizes" value: { string_value: "1,2,4,25" }' in config
+    assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16,24" }' in urgent
+    assert 'key: "graph_batch_sizes" value: { string_value: "4,24" }' in background
+    # only voxserve's background lane makes the larger calls
+    urgent, background = codec_configs({"tts": {"scheduler_background_max_batch": "48"}})
+    assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16" }' in urgent
+    assert 'key: "graph_batch_sizes" value: { string_value: "1,2,4,8,16,32,48" }' in background
+    assert "graph_frame_sizes" not in urgent + background
+    # 1-frame first chunks: on the urgent lane only, which decodes every first chunk
+    urgent, background = codec_configs({"tts": {"scheduler_single_frame_start_streams": "8"}})
+    assert 'key: "graph_frame_sizes" value: { string_value: "1,2,4,8,16,25" }' in urgent
+    assert 'key: "graph_frame_sizes" value: { string_value: "2,4,8,16,25" }' in background
+    urgent, _ = codec_configs()  # nothing given: the repository's own shapes
+    assert "1,2,4,25" not in urgent and "16,24" not in urgent
 
 
 @pytest.mark.parametrize("model", ["embedded", "custom_voice", "base", "csm"])

@@ -53,8 +53,8 @@ OPTIONAL_FIELDS = {
     "max_frames": ("max_frames", int),
     "ignore_eos": ("ignore_eos", bool),
 }
-# A text stream's first message only: the frames its first audio chunk holds at least.
-STREAM_OPTIONS = {"start_frames": ("start_frames", int)}
+# A text stream's first message takes these too: the frames its first audio chunk holds at least.
+STREAM_OPTIONS = OPTIONAL_FIELDS | {"start_frames": ("start_frames", int)}
 REQUEST_FIELDS = ("model", "input", "response_format", "speed", "stream_format", *OPTIONAL_FIELDS)
 STREAM_FIELDS = ("input", "end")  # of every message of a text stream; the first may hold the options too
 TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false"}
@@ -153,8 +153,7 @@ def parse_text_piece(message, first: bool) -> tuple[str, bool, dict]:
     the tts options and "format": the first message's only); SpeechError(400) naming the field."""
     if not isinstance(message, dict):
         raise SpeechError(400, "each message must be a JSON object")
-    options = OPTIONAL_FIELDS | STREAM_OPTIONS
-    allowed = STREAM_FIELDS + (tuple(options) + ("model", "response_format") if first else ())
+    allowed = STREAM_FIELDS + (tuple(STREAM_OPTIONS) + ("model", "response_format") if first else ())
     unknown = [name for name in message if name not in allowed]
     if unknown:
         where = "the first message" if first else "a later message (options go in the first)"
@@ -170,7 +169,7 @@ def parse_text_piece(message, first: bool) -> tuple[str, bool, dict]:
         return text, end, {}
     resolve_model(message.get("model", MODEL))
     response_format = parse_response_format(message.get("response_format", "pcm"))
-    return text, end, {"format": response_format, **voice_options(message, options)}
+    return text, end, {"format": response_format, **voice_options(message, STREAM_OPTIONS)}
 
 
 class BackendUnreachable(ConnectionError):

@@ -141,8 +141,13 @@ class TextSequences:
                 return
             # Its end, if it came already, goes the way of every end (`add_text`), which times it.
             prompt = sequence.head.prompt(sequence.known, interleaved=True, text_ended=False)
-            request = Request(sequence.request_id, prompt, sequence.params, text_open=True)
-            request.start_frames = sequence.start_frames
+            request = Request(
+                sequence.request_id,
+                prompt,
+                sequence.params,
+                text_open=True,
+                start_frames=sequence.start_frames,
+            )
             self.service.submit(request, sequence.sink, opened_at=sequence.started_at)
             sequence.submitted, ids = True, []
             if not end:
