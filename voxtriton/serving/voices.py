@@ -65,23 +65,25 @@ class VoiceEncoder:
         speaker_encoder, speech_encoder = family.load_voice_encoders(self.device)
         self.context_turn = speaker_encoder is None  # CSM: a voice is a context turn
         self.codebooks = family.codebooks
-        # Beside the engine's streams, so a batch of recordings does not queue behind frame steps.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        with self._on_stream():
+        # Beside the engine's streams, so a batch of recordings does not queue behind frame steps; one
+        # stream per encoder, so an in-context voice's two encoders run at once (each is too small at
+        # one recording to fill the GPU).
+        cuda = self.device.type == "cuda"
+        self.speech_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.speaker_stream = torch.cuda.Stream(self.device) if cuda else None
+        with _on(self.speech_stream):
             self.speech_encoder = EncoderRunner(
                 speech_encoder, lambda codes, samples: codes[: speech_encoder.frames(samples)], graphs=graphs
             )
-            self.speaker_encoder = None
-            if speaker_encoder is not None:
+        self.speaker_encoder = None
+        if speaker_encoder is not None:
+            with _on(self.speaker_stream):
                 self.speaker_encoder = EncoderRunner(
                     speaker_encoder, lambda x_vector, _: x_vector, speaker_encoder.tail_margin, graphs
                 )
 
     def graph_count(self) -> int:
         return sum(len(runner.graphs) for runner in (self.speech_encoder, self.speaker_encoder) if runner)
-
-    def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     @torch.inference_mode()
     def encode(
@@ -92,16 +94,28 @@ class VoiceEncoder:
         x-vector-only prompt does not use (a registered voice keeps them; an inline one gets none)."""
         every_code = x_vector_codes or self.context_turn
         coded = [index for index, text in enumerate(texts) if every_code or text]
-        with self._on_stream():
+        # Both queued before either is read: the two streams overlap.
+        with _on(self.speech_stream):
             codes = dict(zip(coded, self.speech_encoder.run([waveforms[i] for i in coded]))) if coded else {}
+        with _on(self.speaker_stream):
             embeddings = self.speaker_encoder.run(waveforms) if self.speaker_encoder is not None else None
-            no_embedding, no_codes = np.zeros(0, np.float32), np.zeros((0, self.codebooks), np.int64)
-            voices = []
-            for index, text in enumerate(texts):
-                embedding = embeddings[index].float().cpu().numpy() if embeddings else no_embedding
-                voice_codes = codes[index].cpu().numpy().astype(np.int64) if index in codes else no_codes
-                voices.append(Voice(embedding, voice_codes, text or None))
-            return voices
+            embeddings = [embedding.float().cpu().numpy() for embedding in embeddings or []]
+        with _on(self.speech_stream):
+            codes = {index: code.cpu().numpy().astype(np.int64) for index, code in codes.items()}
+        no_embedding, no_codes = np.zeros(0, np.float32), np.zeros((0, self.codebooks), np.int64)
+        return [
+            Voice(
+                embeddings[index] if embeddings else no_embedding,
+                codes.get(index, no_codes),
+                text or None,
+            )
+            for index, text in enumerate(texts)
+        ]
+
+
+def _on(stream: torch.cuda.Stream | None):
+    """Queue work on `stream`; None (a CPU): as it comes."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 @dataclass
