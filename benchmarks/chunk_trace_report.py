@@ -1,8 +1,9 @@
 """Where late chunks lost their time, from a server's chunk trace (tts `chunk_trace_path`).
 
-First chunks: the server's part of TTFA split into generation (admission, prefill and the first
-frames), the wait for a codec lane, the codec call and the send, at p50 and p90, over the slowest
-tenth, and per time window.
+First chunks: the server's part of TTFA split into encoding (a request's reference recording),
+generation (admission, prefill and the first frames), the wait for a codec lane, the codec call and
+the send, at p50 and p90, over the slowest tenth, and per time window; and for in-context voices,
+when their codec priming ended against when the first chunk's frames were cut.
 Per chunk index: how long after the stream's first chunk was sent the chunk was cut (its frames
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
 after they were due) by index and lane. All chunks and late ones by route: the lane they were

@@ -205,8 +205,16 @@ def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
     firsts = report(read_trace(path), window_s=4.0)["first_chunks"]
     assert firsts["count"] == 10
     # stream(): cut 50 ms + 2 frames of 20 ms after arrival, a 1 ms wait, 5 ms codec, sent as it ends
-    assert firsts["p50_ms"] == {"generate": 90.0, "lane_wait": 1.0, "codec": 5.0, "send": 0.0, "total": 96.0}
+    assert firsts["p50_ms"] == {
+        "encode": 0.0,
+        "generate": 90.0,
+        "lane_wait": 1.0,
+        "codec": 5.0,
+        "send": 0.0,
+        "total": 96.0,
+    }
     assert firsts["slowest_tenth_mean_ms"] == {
+        "encode": 0.0,
         "generate": 90.0,
         "lane_wait": 300.0,
         "codec": 5.0,
@@ -218,9 +226,34 @@ def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
     )
     assert firsts["p90_ms_by_window"]["4s"] == {
         "count": 1,
+        "encode": 0.0,
         "generate": 90.0,
         "lane_wait": 300.0,
         "codec": 5.0,
         "send": 2.0,
         "total": 397.0,
     }
+    assert firsts["primed_after_cut_ms"] is None  # no in-context voice
+
+
+def test_a_references_encoding_and_priming_are_split_out_of_the_first_chunks_path(tmp_path):
+    """A request whose reference took 30 ms to encode before the service took it, and whose priming
+    ended 4 ms after its first chunk's frames were cut; a preset-voice request beside it."""
+    cloned = stream("cloned", 0.0, 0.02)
+    first = cloned[0]  # generation starts once the voice is there: 30 ms later than stream()'s
+    cloned[0] = {**first, **{key: first[key] + 0.03 for key in ("cut", "start", "end", "sent")}}
+    cloned[0].update(submitted=0.03, primed=cloned[0]["cut"] + 0.004)
+    preset = stream("preset", 0.0, 0.02)
+    preset[0] = {**preset[0], "submitted": 0.0, "primed": None}
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in cloned + preset))
+    firsts = report(read_trace(path), window_s=4.0)["first_chunks"]
+    assert firsts["slowest_tenth_mean_ms"] == {
+        "encode": 30.0,
+        "generate": 90.0,
+        "lane_wait": 1.0,
+        "codec": 5.0,
+        "send": 0.0,
+        "total": 126.0,
+    }
+    assert firsts["primed_after_cut_ms"] == {"count": 1, "p50": 4.0, "p90": 4.0}

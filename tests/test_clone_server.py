@@ -117,6 +117,28 @@ def primings_after(server, before: dict[str, float], decoded: int, reused: int) 
     return counts
 
 
+def test_an_inline_references_encoding_counts_in_its_ttfa(server, client):
+    """The server's TTFA of a request that brings `reference_audio` runs from its arrival, as the
+    client's does: both hold the encoding (`voxtriton_reference_encoding_seconds`), so they differ
+    by far less than it (a long in-context recording: hundreds of ms to encode on a CPU)."""
+    names = ("voxtriton_reference_encoding_seconds", "voxtriton_ttfa_seconds")
+    before = server.metrics()
+    recording = audio_file(reference_audio(25.0, seed=11))
+    synthesis = clone(client, frames=4, reference_audio=recording, reference_text=REFERENCE_TEXT)
+    synthesis.raise_for_error()
+    deadline = time.monotonic() + 10
+    while True:  # metrics are written within 0.1 s
+        after = server.metrics()
+        counts = [after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0) for name in names]
+        if counts == [1, 1] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert counts == [1, 1]
+    encoded, ttfa = (after[f"{name}_sum"] - before.get(f"{name}_sum", 0) for name in names)
+    assert 0 < encoded <= ttfa <= synthesis.playback.ttfa_s
+    assert synthesis.playback.ttfa_s - ttfa < encoded / 2, (synthesis.playback.ttfa_s, ttfa, encoded)
+
+
 def test_a_voice_is_primed_once_and_its_state_reused(
     server, client, encoder, voices_dir, tiny_base_checkpoint
 ):

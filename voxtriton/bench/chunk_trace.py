@@ -151,7 +151,8 @@ def lane_backlog(chunks: list[dict], starts: list[float]) -> tuple[list[int], co
 
 
 FIRST_CHUNK_PARTS = {  # the server's part of TTFA, in order
-    "generate": lambda r: r["cut"] - r["arrived"],  # admission, prefill and the first chunk's frames
+    "encode": lambda r: _submitted(r) - r["arrived"],  # a reference_audio's wait and encoders (else 0)
+    "generate": lambda r: r["cut"] - _submitted(r),  # admission, prefill and the first chunk's frames
     "lane_wait": lambda r: (
         r["start"] - r["cut"]
     ),  # for a lane worker, and in Triton's queue behind the lane's other call
@@ -161,13 +162,21 @@ FIRST_CHUNK_PARTS = {  # the server's part of TTFA, in order
 }
 
 
+def _submitted(record: dict) -> float:
+    """When the service took the request (traces without the field: at its arrival)."""
+    return record.get("submitted", record["arrived"])
+
+
 def first_chunks(records: list[dict], origin: float, window_s: float) -> dict | None:
     """Where the server's part of TTFA goes: each part of every first chunk's path (p50, p90), the
     parts' means over the slowest tenth of first chunks (the tail that fails a p90 target), and per
-    time window (by arrival) the p90 of the whole and of each part."""
+    time window (by arrival) the p90 of the whole and of each part. For in-context voices primed
+    ahead: when the priming ended against when the first chunk's frames were cut (above 0: the
+    chunk waited for it, within its lane wait)."""
     firsts = [r for r in records if r["index"] == 0]
     if not firsts:
         return None
+    primed = [r["primed"] - r["cut"] for r in firsts if r.get("primed") is not None]
 
     def parts(group, q):
         return {name: quantile_ms([part(r) for r in group], q) for name, part in FIRST_CHUNK_PARTS.items()}
@@ -188,6 +197,13 @@ def first_chunks(records: list[dict], origin: float, window_s: float) -> dict | 
             f"{key * window_s:g}s": {"count": len(group), **parts(group, 0.9)}
             for key, group in sorted(windows.items())
         },
+        "primed_after_cut_ms": {
+            "count": len(primed),
+            "p50": quantile_ms(primed, 0.5),
+            "p90": quantile_ms(primed, 0.9),
+        }
+        if primed
+        else None,
     }
 
 

@@ -57,6 +57,12 @@ class TritonMetrics:
             "chunk was generated, received, to that chunk sent (the wait once the text it needed was there)",
             histogram,
         ).Metric(labels={}, buckets=LATENCY_BUCKETS)
+        self.reference_encoding = _family(
+            "voxtriton_reference_encoding_seconds",
+            "Requests with reference_audio: received to voice encoded (waiting for the encoder "
+            "thread, reading the recording, the encoders; a reference kept from before: its lookup)",
+            histogram,
+        ).Metric(labels={}, buckets=LATENCY_BUCKETS)
         chunks = _family("voxtriton_chunks_total", "Audio chunks sent, by codec lane", counter)
         self.chunks = {lane: chunks.Metric(labels={"lane": lane}) for lane in LANES}
         self.promoted = _family(
@@ -235,6 +241,9 @@ class TritonMetrics:
         queue.append((self.codec_calls[lane], "increment", 1))
         queue.append((self.codec_busy[lane], "increment", seconds))
         queue.append((self.codec_frames[lane], "increment", frames))
+
+    def reference_encoded(self, seconds):
+        self._updates.append((self.reference_encoding, "observe", seconds))
 
     def codec_primed(self, lane, reused):
         self._updates.append((self.primings[lane, reused], "increment", 1))

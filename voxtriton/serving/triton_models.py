@@ -345,8 +345,11 @@ class TTSTritonModel:
                 )
 
     def _submit_with_voice(self, request_id, inputs, sink, audio: bytes, text: str | None) -> None:
+        arrived = self.service.clock()  # its TTFA and first chunk's due time count the encoding too
+
         def submit(voice):
-            self.service.submit(self.parser.parse(request_id, inputs, voice), sink)
+            self.metrics.reference_encoded(self.service.clock() - arrived)
+            self.service.submit(self.parser.parse(request_id, inputs, voice), sink, opened_at=arrived)
 
         self.encoding.submit(audio, text, submit, sink.fail)
 

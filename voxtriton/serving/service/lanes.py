@@ -84,7 +84,7 @@ class LaneWorkers:
         with self.lock:
             stream.priming = None
             if primed:
-                stream.primed_on = URGENT
+                stream.primed_on, stream.primed_at = URGENT, self.clock()
             self._free_slot(stream)  # if it ended meanwhile
             self.lock.notify_all()
 

@@ -35,6 +35,8 @@ class Stream(StreamTimeline):
     # QUEUED or RUNNING, then None; `primed_on` the lane whose codec primed its row.
     priming: str | None = None
     primed_on: str | None = None
+    primed_at: float | None = None  # when its priming ahead ended (None: none ran ahead of its chunk)
+    submitted_at: float = 0.0  # when the service took it (after its voice was encoded; else its arrival)
     # Input streaming: text ids that arrived since the engine thread last took them, and whether the
     # text has ended (the engine thread hands both to the engine between steps).
     new_text: list[int] = field(default_factory=list)
@@ -126,7 +128,7 @@ class StreamRegistry:
                 sink=sink,
                 codec_slot=self.free_slots.pop(),
             )
-            stream.text_at = stream.text_handed_at = self.clock()
+            stream.text_at = stream.text_handed_at = stream.submitted_at = self.clock()
             stream.input_stream = stream.text_open = request.text_open
             stream.text_start_frames = request.start_frames
             self.streams[request.request_id] = stream
