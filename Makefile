@@ -24,9 +24,13 @@ REFERENCE := qwen-tts-hf==0.1.1.post1 torchaudio==2.11.0
 
 TORCH_INDEX ?=
 
+# numpy 1.26.4, which the bundled Triton's Python backend needs, has wheels up to Python 3.12 only.
+export CHECK_PYTHON := import sys; v = sys.version_info[:2]; sys.exit(None if (3, 11) <= v <= (3, 12) else \
+	f"voxtriton needs Python 3.11 or 3.12, and $(PYTHON) is {v[0]}.{v[1]}: make PYTHON=python3.12 ...")
+
 # What serving needs: voxtriton, the gateway, torch and Triton.
 $(SERVE_STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || { $(PYTHON) -c "$$CHECK_PYTHON" && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || \
 		$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)

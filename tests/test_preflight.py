@@ -119,7 +119,7 @@ def test_a_missing_tritonserver_is_named(checkpoint, tmp_path):
         ("tts:max_streams", "expected MODEL:KEY=VALUE"),
         (":max_streams=8", "expected MODEL:KEY=VALUE"),
         ("tss:max_streams=8", "unknown model 'tss'"),
-        ("tts:max_stream=8", "unknown parameter(s) max_stream"),
+        ("tts:max_stream=8", "unknown parameter(s) max_stream (did you mean max_streams?); the keys: docs/"),
         ("*:max_streams=8", "model codec_background: config.pbtxt: unknown parameter(s) max_streams"),
         ("tts:max_streams=many", "'max_streams': cannot read 'many' as int"),
         ("tts:cuda_graphs=maybe", "'cuda_graphs': cannot read 'maybe' as bool"),

@@ -170,12 +170,23 @@ def test_input_streams_take_x_vector_voices_only(tiny_base_checkpoint):
         builder.head(voice=voice(0)).prompt(text_ids, interleaved=True, text_ended=False)
 
 
-def test_the_voices_command_says_what_is_wrong_in_one_line(tmp_path, tiny_base_checkpoint, capsys):
+def test_the_voices_command_says_what_is_wrong_in_one_line(
+    tmp_path, tiny_base_checkpoint, tiny_checkpoint, capsys
+):
     from voxtriton.cli import main
 
     common = ["--voices-dir", str(tmp_path)]
     assert main(["voices", "list", "--checkpoint", str(tmp_path / "none"), *common]) == 2
     assert "--checkpoint: " in capsys.readouterr().err
+    for action in (["list"], ["delete", "x"]):  # a checkpoint that clones no voice has none to list
+        assert main(["voices", *action, "--checkpoint", str(tiny_checkpoint), *common]) == 2
+        assert capsys.readouterr().err == (
+            "voxtriton voices: checkpoint: is custom_voice; "
+            "voices need a Qwen3-TTS Base or a CSM checkpoint\n"
+        )
+    assert main(["voices", "list", "--checkpoint", str(tiny_base_checkpoint), *common]) == 0
+    listed = capsys.readouterr()
+    assert (listed.out, listed.err) == ("", f"voxtriton voices: no registered voices in {tmp_path}\n")
     missing = str(tmp_path / "missing.wav")
     assert (
         main(["voices", "add", "x", "--checkpoint", str(tiny_base_checkpoint), "--audio", missing, *common])

@@ -591,8 +591,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="the voxtriton server's Triton gRPC address, or a proxy's in front of several "
         "(default 127.0.0.1:8001)",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes it (default 127.0.0.1)"
+    )
+    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
     parser.add_argument(
         "--checkpoint",
         help="checkpoint directory whose voices /v1/models lists (default: the one the backend "

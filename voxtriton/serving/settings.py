@@ -7,6 +7,7 @@ deployment changes. Unknown parameter names are rejected so a typo cannot silent
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -51,7 +52,13 @@ def _coerce(kind, text: str, name: str):
 def _check_known(params: dict[str, str], known: set[str]) -> None:
     unknown = sorted(set(params) - known)
     if unknown:
-        raise ValueError(f"config.pbtxt: unknown parameter(s) {', '.join(unknown)}")
+        named = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            named.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        raise ValueError(
+            f"config.pbtxt: unknown parameter(s) {', '.join(named)}; the keys: docs/configuration.md"
+        )
 
 
 def _from_parameters(cls, params: dict[str, str], prefix: str = ""):

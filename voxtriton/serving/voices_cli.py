@@ -53,10 +53,10 @@ def voices_command(args: argparse.Namespace) -> int:
         return 2
     store = VoiceStore(voices_dir(args.voices_dir), family)
     try:
+        if not family.clones_voices:
+            kind = getattr(family.config, "model_type", family.name)
+            raise RequestError("checkpoint", f"is {kind}; voices need a Qwen3-TTS Base or a CSM checkpoint")
         if args.action == "add":
-            if not family.clones_voices:
-                kind = getattr(family.config, "model_type", family.name)
-                raise RequestError("checkpoint", f"is {kind}; voices need a Base checkpoint")
             try:
                 audio = Path(args.audio).read_bytes()
             except OSError as error:
@@ -64,8 +64,11 @@ def voices_command(args: argparse.Namespace) -> int:
             encoder = VoiceEncoder(family, args.device)
             print(json.dumps(register_voice(store, encoder, args.name, audio, args.text, args.replace)))
         elif args.action == "list":
-            for name in store.names():
+            names = store.names()
+            for name in names:
                 print(json.dumps(store.describe(name)))
+            if not names:  # stdout stays JSON lines (none here); the note goes to stderr
+                print(f"voxtriton voices: no registered voices in {store.directory}", file=sys.stderr)
         elif not store.delete(args.name):
             raise RequestError("name", f"no voice {args.name!r} in {store.directory}")
     except RequestError as error:
