@@ -206,7 +206,7 @@ def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
     assert firsts["count"] == 10
     # stream(): cut 50 ms + 2 frames of 20 ms after arrival, a 1 ms wait, 5 ms codec, sent as it ends
     assert firsts["p50_ms"] == {
-        "encode": 0.0,
+        "submit": 0.0,
         "generate": 90.0,
         "lane_wait": 1.0,
         "codec": 5.0,
@@ -214,7 +214,7 @@ def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
         "total": 96.0,
     }
     assert firsts["slowest_tenth_mean_ms"] == {
-        "encode": 0.0,
+        "submit": 0.0,
         "generate": 90.0,
         "lane_wait": 300.0,
         "codec": 5.0,
@@ -226,7 +226,7 @@ def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
     )
     assert firsts["p90_ms_by_window"]["4s"] == {
         "count": 1,
-        "encode": 0.0,
+        "submit": 0.0,
         "generate": 90.0,
         "lane_wait": 300.0,
         "codec": 5.0,
@@ -236,7 +236,7 @@ def test_first_chunks_split_the_servers_ttfa_and_find_the_tail(tmp_path):
     assert firsts["primed_after_cut_ms"] is None  # no in-context voice
 
 
-def test_a_references_encoding_and_priming_are_split_out_of_the_first_chunks_path(tmp_path):
+def test_the_wait_before_submit_and_the_priming_are_split_out_of_the_first_chunks_path(tmp_path):
     """A request whose reference took 30 ms to encode before the service took it, and whose priming
     ended 4 ms after its first chunk's frames were cut; a preset-voice request beside it."""
     cloned = stream("cloned", 0.0, 0.02)
@@ -249,7 +249,7 @@ def test_a_references_encoding_and_priming_are_split_out_of_the_first_chunks_pat
     path.write_text("".join(json.dumps(r) + "\n" for r in cloned + preset))
     firsts = report(read_trace(path), window_s=4.0)["first_chunks"]
     assert firsts["slowest_tenth_mean_ms"] == {
-        "encode": 30.0,
+        "submit": 30.0,
         "generate": 90.0,
         "lane_wait": 1.0,
         "codec": 5.0,

@@ -142,6 +142,8 @@ def test_a_stream_whose_text_is_arriving_starts_with_the_first_size_of_text_star
     config = SchedulerConfig(text_start_frames=5)  # 2,2,4,4,8,8,16,16,25
     assert (config.first_position(False), config.first_position(True)) == (0, 4)
     assert SchedulerConfig(text_start_frames=40).first_position(True) == 8  # the largest size
+    shrinking = SchedulerConfig(chunk_schedule="4,16,8", text_start_frames=20)
+    assert shrinking.first_position(True) == 1  # the largest, not the last
     assert (config.first_position(True, start_frames=1), config.first_position(True, 3)) == (0, 2)
 
     def chunks_cut(text_open):
@@ -195,9 +197,31 @@ def test_under_light_load_a_whole_text_starts_with_one_frame_then_the_schedule()
     assert first_sizes(open_streams=1, text_open=True) == [4, 4]  # the text's start
     assert first_sizes(open_streams=1, lane=BACKGROUND, policy="voxserve") == [2, 2, 4]
     assert first_sizes(open_streams=1, light=0) == [2, 2, 4]
+    sched, clock = scheduler(policy="concurrent", single_frame_start_streams=2, chunk_schedule="1,2,4")
+    sched.open("s")
+    cut = []
+    for _ in range(7):
+        sched.frames_generated("s", 1)
+        while batch := serve(sched, URGENT):
+            cut += [chunk.frames for chunk in batch]
+    assert cut == [1, 2, 4]  # a schedule that starts with 1 frame: no second 1-frame chunk
     assert SchedulerConfig().single_frame_start_streams == 0
     with pytest.raises(ValueError, match="single_frame_start_streams"):
         SchedulerConfig(single_frame_start_streams=-1)
+
+
+def test_a_first_chunk_is_due_the_ttfa_target_after_the_service_took_its_request():
+    """Not after the request arrived: its reference recording's encoding (or an input stream's
+    wait for its first words) may outlast the target, and a due time in the past would put the
+    chunk ahead of every stream's next chunk."""
+    sched, clock = scheduler(ttfa_target_s=0.2)
+    clock.now = 1.0
+    stream = sched.open("s")
+    stream.opened_at, stream.submitted_at = 0.5, 1.0  # arrived 0.5 s ago, its voice encoded now
+    [first] = sched.frames_generated("s", 2)
+    assert first.due(0.2) == pytest.approx(1.2)
+    stream.submitted_at = None  # a stream opened without it: from its arrival
+    assert first.due(0.2) == pytest.approx(0.7)
 
 
 def test_invalid_configuration_is_refused():

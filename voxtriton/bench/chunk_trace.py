@@ -151,7 +151,8 @@ def lane_backlog(chunks: list[dict], starts: list[float]) -> tuple[list[int], co
 
 
 FIRST_CHUNK_PARTS = {  # the server's part of TTFA, in order
-    "encode": lambda r: _submitted(r) - r["arrived"],  # a reference_audio's wait and encoders (else 0)
+    # a reference_audio's wait and encoders, or an input stream's wait for its first words (else 0)
+    "submit": lambda r: _submitted(r) - r["arrived"],
     "generate": lambda r: r["cut"] - _submitted(r),  # admission, prefill and the first chunk's frames
     "lane_wait": lambda r: (
         r["start"] - r["cut"]

@@ -8,7 +8,9 @@ Definitions (../shared/design.md):
   listener's buffer runs dry at deadline = first_sent + A + stall observed so far.
 - slack = deadline - now - expected background decode time (its queue included). A chunk is
   urgent when it is its stream's first chunk or its slack is below `slack_margin_s`.
-- A first chunk has no playback deadline yet; it is due `ttfa_target_s` after its request arrived.
+- A first chunk has no playback deadline yet; it is due `ttfa_target_s` after the service took its
+  request (at its arrival, or once its reference voice was encoded or an input stream's first
+  words arrived).
   Each lane decodes earliest deadline first, so first chunks and chunks about to stall compete on
   one clock.
 - Chunk sizes are fixed by the schedule (first chunk small, then growing to a maximum), so where
@@ -143,7 +145,7 @@ class SchedulerConfig:
             return 0
         start_frames = self.text_start_frames if start_frames is None else start_frames
         fitting = (at for at, size in enumerate(self.sizes) if size >= start_frames)
-        return next(fitting, len(self.sizes) - 1)
+        return next(fitting, self.sizes.index(max(self.sizes)))
 
     def catch_up_position(self, position: int, pending: int) -> int:
         """The schedule position of a stream's next chunk when `pending` generated frames wait to be
@@ -178,20 +180,28 @@ class Chunk:
 
     def due(self, ttfa_target_s: float) -> float:
         """When the listener needs this chunk: its playback deadline, or for a first chunk the TTFA
-        target after the request arrived.
+        target after the service took the request.
 
         A first chunk's due time must be in the future like every other chunk's. Were it the moment
         it became ready (in the past), a lane that keeps receiving first chunks would serve a
-        stream's next chunk only once its deadline had passed, and so always late.
+        stream's next chunk only once its deadline had passed, and so always late. Hence from when
+        the service took the request, not from its arrival: a reference recording's encoding, or an
+        input stream's wait for its first words, may take longer than the target.
         """
         deadline = self.stream.deadline()
-        return self.stream.opened_at + ttfa_target_s if deadline is None else deadline
+        if deadline is not None:
+            return deadline
+        stream = self.stream
+        return (stream.opened_at if stream.submitted_at is None else stream.submitted_at) + ttfa_target_s
 
 
 @dataclass(eq=False)
 class StreamTimeline:
     stream_id: str
-    opened_at: float  # when the request arrived
+    opened_at: float  # when the request arrived (an input stream's first piece): TTFA counts from here
+    # When the service took it: once its reference voice was encoded, or an input stream's first words
+    # arrived; its arrival if None. A first chunk is due from here (`Chunk.due`).
+    submitted_at: float | None = None
     frames_generated: int = 0
     frames_chunked: int = 0
     chunks: int = 0
@@ -287,7 +297,7 @@ class ChunkScheduler:
             position = self.config.catch_up_position(position, pending)
         wanted = self.config.chunk_frames(position)
         text_wait = False
-        if stream.chunks == 0 and pending == 1 and self._starts_with_one_frame(stream):
+        if stream.chunks == 0 and pending == 1 and wanted > 1 and self._starts_with_one_frame(stream):
             size, decode_frames = 1, 1  # the schedule follows from its first size
         elif pending >= wanted or (stream.generation_done and pending > 0):
             size, decode_frames, position = min(pending, wanted), wanted, position + 1

@@ -36,7 +36,6 @@ class Stream(StreamTimeline):
     priming: str | None = None
     primed_on: str | None = None
     primed_at: float | None = None  # when its priming ahead ended (None: none ran ahead of its chunk)
-    submitted_at: float = 0.0  # when the service took it (after its voice was encoded; else its arrival)
     # Input streaming: text ids that arrived since the engine thread last took them, and whether the
     # text has ended (the engine thread hands both to the engine between steps).
     new_text: list[int] = field(default_factory=list)

@@ -15,7 +15,8 @@ class ChunkTrace:
 
     def _trace(self, chunk: Chunk, batch: int, started: float, decoded: float, sent: float) -> None:
         """One chunk's path, on the service clock (seconds): its request arrived, the service took
-        it (once its reference voice, if it brought one, was encoded), its frames were
+        it (once its reference voice, if it brought one, was encoded, or an input stream's first
+        words were there), its frames were
         cut into a chunk (when they were generated, or when the stream's previous chunk was done,
         whichever was later), its codec call started and ended, and when it was due (playback
         deadline, or for a first chunk the TTFA target)."""
@@ -31,7 +32,7 @@ class ChunkTrace:
                 "frames": chunk.frames,
                 "batch": batch,
                 "arrived": chunk.stream.opened_at,
-                "submitted": chunk.stream.submitted_at,  # its voice encoded (else its arrival)
+                "submitted": chunk.stream.submitted_at,  # its voice encoded, an input stream's first words
                 "primed": chunk.stream.primed_at,  # an in-context voice's priming ahead ended
                 "text_ended": chunk.stream.text_ended_at,  # an input stream's last piece (else None)
                 "cut": chunk.ready_at,
