@@ -246,6 +246,44 @@ def test_the_encoding_queue_keeps_the_latest_references_voices(tiny_base_checkpo
         queue.shutdown()
 
 
+def test_a_kept_voice_does_not_wait_for_the_encoding_of_its_pass(tiny_base_checkpoint):
+    """A recording sent again is answered from the cache before the new recordings taken in the
+    same pass are encoded."""
+
+    class HeldEncoder(CountingEncoder):
+        def __init__(self, family):
+            super().__init__(family)
+            self.hold, self.holding = threading.Event(), threading.Event()
+
+        def encode(self, waveforms, texts, x_vector_codes=True):
+            if self.encoded:  # the first recording encodes at once; then each pass waits
+                self.holding.set()
+                assert self.hold.wait(60)
+            return super().encode(waveforms, texts, x_vector_codes)
+
+    encoder = HeldEncoder(load_family(tiny_base_checkpoint))
+    queue = EncodingQueue(encoder, cache_size=4)
+    kept, new = (audio_file(reference_audio(1.5, seed=seed)) for seed in (5, 6))
+    answered = {name: threading.Event() for name in ("kept", "again", "new")}
+
+    def submit(audio, name):
+        queue.submit(audio, "Words.", lambda voice: answered[name].set(), lambda error: None)
+
+    try:
+        submit(kept, "kept")
+        assert answered["kept"].wait(60)
+        with queue.lock:  # both in one pass: the encoder thread waits for this lock to take them
+            submit(new, "new")
+            submit(kept, "again")
+        assert encoder.holding.wait(60)  # the new recording is being encoded...
+        assert answered["again"].wait(60) and not answered["new"].is_set()  # ...the kept one is answered
+        encoder.hold.set()
+        assert answered["new"].wait(60) and encoder.encoded == 2
+    finally:
+        encoder.hold.set()
+        queue.shutdown()
+
+
 @pytest.fixture(scope="module")
 def csm_family(tmp_path_factory):
     from voxtriton.models.csm.checkpoint import make_csm_checkpoint

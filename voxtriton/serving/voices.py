@@ -179,31 +179,37 @@ class EncodingQueue:
             return not self.jobs and not self.encoding
 
     def _encode(self, jobs: list[_Job]) -> None:
-        """Answer every job exactly once: its voice to `done`, or an error to `fail`."""
-        known, ready, waveforms = [], [], []
+        """Answer every job exactly once: its voice to `done`, or an error to `fail`. Kept voices
+        first: they need no encoding, so they do not wait for the others'."""
+        known, fresh = [], []
         for job in jobs:
             key = (hashlib.blake2b(job.audio, digest_size=16).digest(), job.text) if self.cache_size else None
             if key in self.cache:
                 self.cache.move_to_end(key)
                 known.append((job, self.cache[key]))
-                continue
+            else:
+                fresh.append((job, key))
+        self._answer(known)
+        ready, waveforms = [], []
+        for job, key in fresh:
             try:
                 waveforms.append(read_reference_audio(job.audio))
                 ready.append((job, key))
             except RequestError as error:
                 job.fail(str(error))
-        answers = list(known)
-        if ready:
-            try:
-                texts = [job.text for job, _ in ready]
-                voices = self.encoder.encode(waveforms, texts, x_vector_codes=False)
-            except Exception as error:  # a bug or device fault: fail these requests, keep serving
-                log.exception("voice encoder failed")
-                for job, _ in ready:
-                    job.fail(f"internal error: reference_audio could not be encoded: {error}")
-                voices = []
-            for (job, key), voice in zip(ready, voices):
-                answers.append((job, self._keep(key, voice)))
+        if not ready:
+            return
+        try:
+            voices = self.encoder.encode(waveforms, [job.text for job, _ in ready], x_vector_codes=False)
+        except Exception as error:  # a bug or device fault: fail these requests, keep serving
+            log.exception("voice encoder failed")
+            for job, _ in ready:
+                job.fail(f"internal error: reference_audio could not be encoded: {error}")
+            return
+        self._answer([(job, self._keep(key, voice)) for (job, key), voice in zip(ready, voices)])
+
+    @staticmethod
+    def _answer(answers: list[tuple[_Job, Voice]]) -> None:
         for job, voice in answers:
             try:
                 job.done(voice)
