@@ -222,6 +222,27 @@ def test_bad_references_are_refused_naming_the_field(client, options, message):
     assert clone(client, frames=4, reference_audio=audio_file(reference_audio(1.0))).error is None
 
 
+def test_a_whole_text_requests_own_mistakes_are_refused_before_its_reference_is_encoded(server, client):
+    """An empty text or an input stream's `start_frames` with a reference recording: refused naming
+    the field, and the recording is not encoded for nothing (only the good request after them is)."""
+    name = "voxtriton_reference_encoding_seconds_count"
+    before = server.metrics().get(name, 0)
+    recording = audio_file(reference_audio(1.0, seed=31))
+    reference = typed("reference_audio", np.array([recording], dtype=object), "BYTES")
+    for inputs, message in (
+        (request_inputs(grpcclient, " ", max_frames=4), "text: is empty"),
+        (request_inputs(grpcclient, TEXT, max_frames=4, start_frames=4), "start_frames: only an input"),
+    ):
+        error = raw_request(server.grpc_url, inputs + [reference])
+        assert error is not None and message in error, error
+    assert clone(client, frames=4, reference_audio=recording).error is None
+    deadline = time.monotonic() + 10
+    while (count := server.metrics().get(name, 0)) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)  # metrics are written within 0.1 s: a count for the refused ones would be in
+    assert server.metrics().get(name, 0) == before + 1, count
+
+
 def test_reference_audio_of_the_wrong_type_is_refused(server, client):
     wrong = typed("reference_audio", np.zeros(1, np.float32), "FP32")
     error = raw_request(server.grpc_url, request_inputs(grpcclient, TEXT, max_frames=4) + [wrong])

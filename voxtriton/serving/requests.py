@@ -80,6 +80,7 @@ class RequestParser:
             if "reference_text" in inputs:
                 raise RequestError("reference_text", "given without reference_audio")
             return None
+        self._whole_text(inputs)  # not worth an encoding if `parse` refuses it
         audio = _reference_audio(inputs, self.settings)
         if not self.config.clones_voices:
             raise RequestError(
@@ -100,20 +101,25 @@ class RequestParser:
             raise RequestError("speaker", f"unknown voice {name!r}; registered: {known or 'none'}")
         return voice
 
-    def parse(self, request_id: str, inputs: dict[str, np.ndarray], voice: Voice | None = None) -> Request:
-        """The engine request; `voice`: the one encoded from the request's reference_audio."""
+    def _whole_text(self, inputs: dict[str, np.ndarray]) -> str:
+        """A whole-text request's text, refusing what only an input stream's first piece takes."""
         if "text" not in inputs:
             raise RequestError("text", "is required")
         text = self.piece_text(inputs)
         if not text.strip():
             raise RequestError("text", "is empty")
-        _, head, scalars = self._voice(inputs, voice)
-        if "start_frames" in scalars:
+        if "start_frames" in inputs:
             raise RequestError(
                 "start_frames",
                 "only an input stream takes it (a sequence's first piece): a whole text's audio starts "
                 "with the schedule's first chunk",
             )
+        return text
+
+    def parse(self, request_id: str, inputs: dict[str, np.ndarray], voice: Voice | None = None) -> Request:
+        """The engine request; `voice`: the one encoded from the request's reference_audio."""
+        text = self._whole_text(inputs)
+        _, head, scalars = self._voice(inputs, voice)
         text_ids = self.prompts.tokenizer.encode(text)
         if not text_ids:
             raise RequestError("text", "is empty")
