@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import http.client
 import io
 import json
@@ -400,6 +401,72 @@ LANE_COLORS = {"var(--urgent)", "var(--background)", "var(--inline)"}
 SCREENSHOTS = os.environ.get("VOXTRITON_SCREENSHOTS")  # a folder: the browser tests save their pages there
 
 
+API_KEY = "vx-test-key"
+
+
+@pytest.fixture(scope="module")
+def keyed(stack):
+    """A second gateway in front of the same server, started with --api-key."""
+    _, server = stack
+    gateway, url = start_gateway(server.grpc_url, extra=("--api-key", API_KEY))
+    try:
+        yield url
+    finally:
+        stop_gateway(gateway)
+
+
+def test_a_gateway_with_an_api_key_refuses_v1_requests_without_it(keyed):
+    """/v1/ needs 'Authorization: Bearer KEY' (401 in OpenAI's shape otherwise, voices' routes
+    included); the playground page and /health do not; the OpenAI client sends its api_key so."""
+    from openai import AuthenticationError, OpenAI
+
+    def models(headers: dict) -> tuple[int, dict, dict]:
+        status, response_headers, payload = fetch(
+            urllib.request.Request(keyed + "/v1/models", headers=headers)
+        )
+        return status, response_headers, json.loads(payload)
+
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, response_headers, body = models(headers)
+        assert status == 401 and response_headers["www-authenticate"] == "Bearer", (headers, status)
+        assert body["error"]["code"] == "invalid_api_key" and "Authorization" in body["error"]["message"]
+    assert models({"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    status, _, _ = fetch(urllib.request.Request(keyed + "/v1/audio/voices", data=b"{}", method="POST"))
+    assert status == 401
+    assert fetch(urllib.request.Request(keyed + "/health"))[0] == 200
+    assert fetch(urllib.request.Request(keyed + "/"))[0] == 200
+
+    options = dict(model="tts", voice="ryan", input="Hello.", response_format="pcm")
+    extra = {"max_frames": 8, "ignore_eos": True, "seed": 4}
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=keyed + "/v1", api_key="wrong").audio.speech.create(**options, extra_body=extra)
+    speech = OpenAI(base_url=keyed + "/v1", api_key=API_KEY).audio.speech.create(**options, extra_body=extra)
+    assert len(speech.content) == 8 * 1920 * 2
+
+
+def test_the_text_stream_websocket_takes_the_key_as_a_header_or_in_its_first_message(keyed):
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    def speak(first: dict, headers: dict | None = None) -> tuple[int, dict]:
+        url = keyed.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        with connect(url, open_timeout=10, additional_headers=headers) as socket:
+            socket.send(json.dumps({"input": "Hello", "voice": "ryan", "max_frames": 8, **first}))
+            with contextlib.suppress(ConnectionClosed):  # a refused key: the gateway may have closed
+                socket.send(json.dumps({"input": " there.", "end": True}))
+            audio = 0
+            while isinstance(message := socket.recv(timeout=60), bytes):
+                audio += len(message)
+            return audio, json.loads(message)
+
+    for first in ({}, {"api_key": "wrong"}):
+        audio, end = speak(first)
+        assert audio == 0 and end["type"] == "error" and end["error"]["code"] == "invalid_api_key", end
+    for first, headers in (({"api_key": API_KEY}, None), ({}, {"Authorization": f"Bearer {API_KEY}"})):
+        audio, end = speak({**first, "ignore_eos": True}, headers)
+        assert end["type"] == "speech.audio.done" and audio == 8 * 1920 * 2, end
+
+
 @pytest.fixture(scope="module")
 def browser():
     if CHROMIUM is None:
@@ -475,6 +542,25 @@ def test_playground_plays_streamed_audio_in_a_browser(stack, browser):
     assert 0 < stats["ttfaMs"] < 10_000 and "TTFA" in status_line
     assert len(dots) == stats["chunks"] and set(dots) <= LANE_COLORS
     assert sum(stats["lanes"].values()) == stats["chunks"] and "lanes:" in status_line
+
+
+def test_playground_asks_for_the_api_key_of_a_gateway_that_needs_one(keyed, browser):
+    page = open_playground(browser, keyed, ignore_eos=True, seed=7)
+    page.wait_for_function("!document.getElementById('key-control').hidden")
+    assert (
+        "API key" in page.inner_text("#status")
+        and page.eval_on_selector("#status", "s => s.className") == "error"
+    )
+    page.fill("#api-key", API_KEY)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_function("document.getElementById('voice').options.length > 1")  # the voices, with the key
+    page.fill("#seconds", str(8 * 0.08))
+    page.click("#speak")
+    page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
+    stats = page.evaluate("window.voxtritonStats")
+    screenshot(page, "playground-api-key.png")
+    page.close()
+    assert stats["error"] is None and stats["samples"] == 8 * 1920, stats
 
 
 def test_playground_stop_ends_the_stream_on_the_server(stack, browser):

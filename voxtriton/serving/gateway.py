@@ -20,8 +20,10 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import hmac
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +45,7 @@ log = logging.getLogger("voxtriton.gateway")
 PLAYGROUND = Path(__file__).parent / "playground.html"
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for clients that insist on them
 HEALTH_TIMEOUT_S = 2.0
+API_KEY_ENV = "VOXTRITON_API_KEY"  # --api-key's default
 
 # OpenAI request field -> (tts input, expected JSON type); "input" is the text, checked on its own
 OPTIONAL_FIELDS = {
@@ -70,13 +73,57 @@ async def encoded(encoder, method, *args) -> bytes:
 
 class SpeechError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad_api_key() -> SpeechError:
+    return SpeechError(
+        401,
+        "Authorization: this gateway needs its API key, as the header 'Authorization: Bearer KEY'",
+        code="invalid_api_key",
+    )
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an 'Authorization: Bearer TOKEN' header, or None."""
+    scheme, _, token = (header or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def key_matches(given: str | None, key: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+class RequireApiKey:
+    """ASGI middleware: every HTTP request under /v1/ carries the key as a bearer token, or gets a
+    401. The playground and /health stay open; the text-stream WebSocket checks the key itself (a
+    browser cannot set its headers). Plain ASGI, so streamed responses and disconnects pass as they are."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not key_matches(bearer_token(header), self.key):
+                from fastapi.responses import JSONResponse
+
+                error = bad_api_key()
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def unreachable() -> SpeechError:
@@ -361,12 +408,15 @@ def chunk_description(chunk: Chunk) -> dict:
     return {"index": index, "first_frame": first_frame, "frames": frames, "lane": LANES.get(lane, str(lane))}
 
 
-def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""):
+def create_app(backend_url: str, checkpoint: str | None = None, voices: str = "", api_key: str = ""):
+    """api_key: what clients must present ("" = none)."""
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     check_encoders()
     app = FastAPI(title="voxtriton gateway")
+    if api_key:
+        app.add_middleware(RequireApiKey, key=api_key)
     backend = Backend(backend_url)
 
     @app.exception_handler(SpeechError)
@@ -502,6 +552,8 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         for another `response_format`), then one JSON message: done (with the latencies seen here) or
         an error. docs/gateway.md has the protocol."""
         await websocket.accept()
+        # The key: the Authorization header, or (a browser cannot set it) the first message's api_key.
+        authorized = not api_key or key_matches(bearer_token(websocket.headers.get("authorization")), api_key)
         pieces: asyncio.Queue = asyncio.Queue()  # (text, end)
         problems: list[SpeechError] = []  # a bad later message, or the client gone
         loop = asyncio.get_running_loop()
@@ -511,6 +563,10 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
                 message = json.loads(await websocket.receive_text())
             except (json.JSONDecodeError, KeyError):  # (KeyError: a binary message)
                 raise SpeechError(400, "each message must be a JSON object in a text message") from None
+            if first:
+                given = message.pop("api_key", None) if isinstance(message, dict) else None
+                if not (authorized or key_matches(given if isinstance(given, str) else None, api_key)):
+                    raise bad_api_key()
             piece = parse_text_piece(message, first)
             if piece[1]:
                 times["last_piece"] = loop.time()
@@ -601,6 +657,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "serves, read from this host's disk; give it when the backend runs elsewhere)",
     )
     parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV, ""),
+        metavar="KEY",
+        help=f"require this key from clients: the header 'Authorization: Bearer KEY' on /v1/ requests, "
+        f"or the first message's api_key on the text-stream WebSocket (default: ${API_KEY_ENV}; none: open)",
+    )
+    parser.add_argument(
         "--voices-dir",
         default="",
         help="registered voices of a Base checkpoint, shared with the servers' voices_dir "
@@ -624,10 +687,13 @@ def run_gateway(args: argparse.Namespace) -> int:
             "voxtriton gateway: give one --backend; to use several servers, put a proxy in front of them "
             "(deploy/envoy/, docs/deploy.md) and give its address"
         )
-    app = create_app(args.backend[0] if args.backend else "127.0.0.1:8001", args.checkpoint, args.voices_dir)
+    app = create_app(
+        args.backend[0] if args.backend else "127.0.0.1:8001", args.checkpoint, args.voices_dir, args.api_key
+    )
     base = f"http://{args.host}:{args.port}"
     print(
-        f"voxtriton gateway: {base}/ (playground), POST {base}/v1/audio/speech, GET {base}/v1/models",
+        f"voxtriton gateway: {base}/ (playground), POST {base}/v1/audio/speech, GET {base}/v1/models"
+        + ("; /v1/ needs the API key" if args.api_key else ""),
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
