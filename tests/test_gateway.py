@@ -193,6 +193,20 @@ def test_errors_map_to_status_codes_with_json_bodies(stack, body, status, param)
     assert error["param"] == param and error["message"].startswith(param)
 
 
+UNREADABLE_JSON = (  # Python refuses both with errors that are not JSONDecodeError
+    b'{"model": "tts", "input": "hi", "seed": 1' + b"0" * 5000 + b"}",  # a number of 5001 digits
+    b"[" * 100_000,  # nesting past the recursion limit
+)
+
+
+def test_json_past_pythons_limits_is_a_bad_request(stack):
+    url, _ = stack
+    for body in UNREADABLE_JSON:
+        request = urllib.request.Request(url + "/v1/audio/speech", data=body)
+        status, _, payload = fetch(request)
+        assert status == 400 and json.loads(payload)["error"]["message"] == "request body must be JSON"
+
+
 def test_busy_servers_answer_503(tiny_checkpoint):
     limits = {"max_streams": "1", "max_queued": "0", "max_frames": "100"}
     with start_server(tiny_checkpoint, parameters={"tts": limits}) as server:

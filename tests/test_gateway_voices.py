@@ -13,6 +13,7 @@ from server_helpers import start_server
 from test_clone_parity import reference_audio
 from test_clone_server import REFERENCE_TEXT, audio_file
 from test_gateway import (
+    UNREADABLE_JSON,
     browser,  # noqa: F401 (a fixture)
     fetch,
     get,
@@ -105,18 +106,34 @@ def test_register_speak_list_and_delete(stack):
     [
         (registration("../etc/passwd", b"x"), "name", "is not a voice name"),
         ({"name": "a", "audio": "not base64!"}, "audio", "not valid base64"),
+        ({"name": "a", "audio": "data:audio/wav;base64"}, "audio", "audio: is empty"),
         (registration("text", b"plain words"), "audio", "audio: not an audio file that can be read"),
         (registration("quiet", audio_file(np.zeros(48000, np.float32))), "audio", "audio: is silent"),
         (registration("short", audio_file(reference_audio(0.4))), "audio", "audio: too short"),
         (registration("a", audio_file(reference_audio(1.0)), voice="x"), "voice", "unknown field"),
     ],
-    ids=["path-name", "not-base64", "not-audio", "silent", "too-short", "unknown-field"],
+    ids=[
+        "path-name",
+        "not-base64",
+        "data-url-without-data",
+        "not-audio",
+        "silent",
+        "too-short",
+        "unknown-field",
+    ],
 )
 def test_bad_registrations_are_refused_naming_the_field(stack, body, param, message):
     url, _ = stack
     status, _, payload = post(url, body, "/v1/audio/voices")
     error = json.loads(payload)["error"]
     assert status == 400 and error["param"] == param and message in error["message"], error
+
+
+def test_a_registration_past_pythons_json_limits_is_a_bad_request(stack):
+    url, _ = stack
+    for body in UNREADABLE_JSON:
+        status, _, payload = fetch(urllib.request.Request(url + "/v1/audio/voices", data=body))
+        assert status == 400 and json.loads(payload)["error"]["message"] == "request body must be JSON"
 
 
 def test_a_name_is_registered_once_unless_replaced(stack):

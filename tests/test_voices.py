@@ -376,3 +376,80 @@ def test_a_request_is_refused_naming_the_field_that_is_too_long(tmp_path, tiny_b
         )
     with pytest.raises(RequestError, match="speaker: an in-context voice .* needs the whole text"):
         parser.parse_stream(inputs("Hello", speaker="ic"))
+
+
+def encoded_file(audio: np.ndarray, rate: int, format: str) -> bytes:
+    import io
+
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, rate, format=format, subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def test_a_reference_file_is_checked_by_its_header_before_it_is_decoded():
+    """A 60 s, 8-channel, 192 kHz FLAC of a constant (tens of KB) would decode to 350 MB of floats:
+    its header's length refuses it first. Too many channels, and a rate that shares almost no factor
+    with 24 kHz (a polyphase filter thousands of taps long), are refused likewise; a stereo 44.1 kHz
+    recording is mixed down and resampled."""
+    import tracemalloc
+
+    from voxtriton.serving.reference_audio import read_reference_audio
+
+    bomb = encoded_file(np.full((60 * 192000, 8), 0.25, np.float32), 192000, "FLAC")
+    assert len(bomb) < 1 << 20
+    tracemalloc.start()
+    with pytest.raises(RequestError, match=r"reference_audio: too long: 60.00 s \(at most 30 s\)"):
+        read_reference_audio(bomb)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < len(bomb) + (16 << 20), peak  # nothing of its 350 MB was decoded
+    many = encoded_file(np.full((24000, 9), 0.25, np.float32), 24000, "WAV")
+    with pytest.raises(RequestError, match="reference_audio: 9 channels \\(at most 8"):
+        read_reference_audio(many)
+    odd = encoded_file(np.full(44101 * 2, 0.25, np.float32), 44101, "WAV")
+    with pytest.raises(RequestError, match="sample rate 44101 Hz is not supported: use a common one"):
+        read_reference_audio(odd)
+    stereo = np.stack([reference_audio(2.0), np.zeros(48000, np.float32)], axis=1)
+    stereo_44k = encoded_file(np.repeat(stereo, 2, axis=0)[: int(2.0 * 44100)], 44100, "WAV")
+    assert read_reference_audio(stereo_44k).shape == (48000,)
+
+
+def test_the_encoding_queue_refuses_beyond_its_limit_and_outlives_a_failing_answer(tiny_base_checkpoint):
+    """More waiting recordings than `max_waiting`: server busy at once. A pass in which answering
+    one request raises (its `fail` too) still answers the rest of the pass, with an error, and the
+    thread goes on encoding."""
+    queue = EncodingQueue(VoiceEncoder(load_family(tiny_base_checkpoint)), max_waiting=2)
+    recordings = [audio_file(reference_audio(1.2, seed=seed)) for seed in range(3)]
+    answers: dict[str, list] = {}
+    answered = threading.Semaphore(0)
+
+    def note(name):
+        def record(value):
+            answers.setdefault(name, []).append(value)
+            answered.release()
+
+        return record
+
+    def broken(value):
+        raise RuntimeError("a sender that fails")
+
+    def refused(voice):
+        raise RequestError("text", "is empty")
+
+    try:
+        with queue.lock:  # the encoder thread waits for this lock to take a pass
+            queue.submit(recordings[0], None, refused, broken)
+            queue.submit(recordings[1], None, note("second"), note("second"))
+            with pytest.raises(ServerBusy, match="server busy: 2 requests with reference_audio wait"):
+                queue.submit(recordings[2], None, note("third"), note("third"))
+        assert answered.acquire(timeout=60)
+        assert (
+            answers["second"][0]
+            == "internal error: reference_audio could not be encoded: a sender that fails"
+        )
+        queue.submit(recordings[2], None, note("third"), note("third"))
+        assert answered.acquire(timeout=60) and isinstance(answers["third"][0], Voice)
+    finally:
+        queue.shutdown()

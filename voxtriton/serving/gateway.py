@@ -498,7 +498,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
     async def speech(request: Request):
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON or UTF-8, or numbers or nesting past Python's limits
             raise SpeechError(400, "request body must be JSON") from None
         options = parse_speech_request(body)
         response_format, sse, text = options.pop("format"), options.pop("sse"), options.pop("text")
@@ -561,7 +561,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         async def receive(first: bool) -> tuple[str, bool, dict]:
             try:
                 message = json.loads(await websocket.receive_text())
-            except (json.JSONDecodeError, KeyError):  # (KeyError: a binary message)
+            except (ValueError, RecursionError, KeyError):  # (KeyError: a binary message)
                 raise SpeechError(400, "each message must be a JSON object in a text message") from None
             if first:
                 given = message.pop("api_key", None) if isinstance(message, dict) else None

@@ -63,7 +63,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         directory, store = family.checkpoint, VoiceStore(voices_directory, family)
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON or UTF-8, or numbers or nesting past Python's limits
             raise error_type(400, "request body must be JSON") from None
         if not isinstance(body, dict):
             raise error_type(400, "request body must be a JSON object")
@@ -84,7 +84,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         try:
             check_name(name)
             raw = base64.b64decode(
-                audio.split(",", 1)[1] if audio.startswith("data:") else audio, validate=True
+                audio.partition(",")[2] if audio.startswith("data:") else audio, validate=True
             )
         except binascii.Error:
             raise error_type(400, "audio: not valid base64", "audio") from None

@@ -229,7 +229,11 @@ class TTSTritonModel:
             self.voice_encoder = VoiceEncoder(family, device, graphs=graphs)
             if graphs:
                 log.info("tts: reference encoder CUDA graphs: %d", self.voice_encoder.graph_count())
-            self.encoding = EncodingQueue(self.voice_encoder, cache_size=settings.reference_cache)
+            self.encoding = EncodingQueue(
+                self.voice_encoder,
+                cache_size=settings.reference_cache,
+                max_waiting=settings.max_streams + settings.max_queued,  # as many as the engine takes
+            )
             self.voices = VoiceStore(voices_dir(settings.voices_dir), family, settings.max_voices)
             log.info("tts: voice cloning on, registered voices in %s", self.voices.directory)
         self.parser = request_parser(family, settings, self.voices)

@@ -124,15 +124,25 @@ class _Job:
     text: str | None
     done: Callable[[Voice], None]
     fail: Callable[[str], None]
+    answered: bool = False
+
+    def answer(self, voice: Voice) -> None:
+        self.answered = True
+        self.done(voice)
+
+    def refuse(self, message: str) -> None:
+        self.answered = True
+        self.fail(message)
 
 
 class EncodingQueue:
     """A thread that encodes queued reference recordings, up to `max_batch` per pass, and hands each
     voice to its job's `done`; a bad recording or a failing `done` goes to the job's `fail`. The
-    voices of the last `cache_size` distinct (recording, transcript) pairs are kept."""
+    voices of the last `cache_size` distinct (recording, transcript) pairs are kept. Beyond
+    `max_waiting` jobs waiting, `submit` refuses: server busy, as the engine's queue does."""
 
-    def __init__(self, encoder: VoiceEncoder, max_batch: int = 8, cache_size: int = 0):
-        self.encoder, self.max_batch = encoder, max_batch
+    def __init__(self, encoder: VoiceEncoder, max_batch: int = 8, cache_size: int = 0, max_waiting: int = 64):
+        self.encoder, self.max_batch, self.max_waiting = encoder, max_batch, max_waiting
         self.cache_size = cache_size
         self.cache: collections.OrderedDict[tuple[bytes, str | None], Voice] = collections.OrderedDict()
         self.jobs: list[_Job] = []
@@ -146,6 +156,11 @@ class EncodingQueue:
         self, audio: bytes, text: str | None, done: Callable[[Voice], None], fail: Callable[[str], None]
     ):
         with self.lock:
+            if len(self.jobs) >= self.max_waiting:
+                raise ServerBusy(
+                    f"server busy: {len(self.jobs)} requests with reference_audio wait for the voice "
+                    f"encoder (at most {self.max_waiting}: max_streams + max_queued); retry later"
+                )
             self.jobs.append(_Job(audio, text, done, fail))
             self.lock.notify()
 
@@ -155,7 +170,7 @@ class EncodingQueue:
             jobs, self.jobs = self.jobs, []
             self.lock.notify()
         for job in jobs:
-            job.fail("server shutting down")
+            job.refuse("server shutting down")
         self.thread.join(5)
 
     def _run(self) -> None:
@@ -169,6 +184,12 @@ class EncodingQueue:
                 self.encoding = True
             try:
                 self._encode(jobs)
+            except Exception as error:  # a bug: the pass's unanswered requests fail, the thread goes on
+                log.exception("voice encoder pass failed")
+                for job in jobs:
+                    if not job.answered:
+                        with contextlib.suppress(Exception):
+                            job.refuse(f"internal error: reference_audio could not be encoded: {error}")
             finally:
                 with self.lock:
                     self.encoding = False
@@ -196,7 +217,7 @@ class EncodingQueue:
                 waveforms.append(read_reference_audio(job.audio))
                 ready.append((job, key))
             except RequestError as error:
-                job.fail(str(error))
+                job.refuse(str(error))
         if not ready:
             return
         try:
@@ -204,7 +225,7 @@ class EncodingQueue:
         except Exception as error:  # a bug or device fault: fail these requests, keep serving
             log.exception("voice encoder failed")
             for job, _ in ready:
-                job.fail(f"internal error: reference_audio could not be encoded: {error}")
+                job.refuse(f"internal error: reference_audio could not be encoded: {error}")
             return
         self._answer([(job, self._keep(key, voice)) for (job, key), voice in zip(ready, voices)])
 
@@ -212,12 +233,12 @@ class EncodingQueue:
     def _answer(answers: list[tuple[_Job, Voice]]) -> None:
         for job, voice in answers:
             try:
-                job.done(voice)
+                job.answer(voice)
             except (RequestError, ServerBusy) as error:
-                job.fail(str(error))
+                job.refuse(str(error))
             except Exception as error:  # never leave a request without its answer
                 log.exception("a request with a cloned voice failed before generation")
-                job.fail(f"internal error: {error}")
+                job.refuse(f"internal error: {error}")
 
     def _keep(self, key: tuple[bytes, str | None] | None, voice: Voice) -> Voice:
         """The voice as kept (an in-context one under its codes' key, so its primed state is kept)."""
