@@ -207,6 +207,20 @@ def test_json_past_pythons_limits_is_a_bad_request(stack):
         assert status == 400 and json.loads(payload)["error"]["message"] == "request body must be JSON"
 
 
+def test_a_body_past_the_limit_is_refused_declared_or_chunked(stack):
+    """413 for a speech request of more than 1 MiB, whether its length is declared or it comes in
+    chunks (no Content-Length)."""
+    from voxtriton.serving.gateway import MAX_SPEECH_BODY_BYTES
+
+    url, _ = stack
+    body = json.dumps({"model": "tts", "input": "x" * (MAX_SPEECH_BODY_BYTES + 1000)}).encode()
+    pieces = [body[at : at + 65536] for at in range(0, len(body), 65536)]
+    for data in (body, iter(pieces)):
+        status, _, payload = fetch(urllib.request.Request(url + "/v1/audio/speech", data=data))
+        assert status == 413, status
+        assert json.loads(payload)["error"]["message"] == f"request body too large (at most {1 << 20} bytes)"
+
+
 def test_busy_servers_answer_503(tiny_checkpoint):
     limits = {"max_streams": "1", "max_queued": "0", "max_frames": "100"}
     with start_server(tiny_checkpoint, parameters={"tts": limits}) as server:

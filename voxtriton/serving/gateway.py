@@ -36,7 +36,7 @@ from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 from ..models.config import CheckpointError
 from ..models.families import load_family
 from .audio_formats import MEDIA_TYPES, check_encoders, new_encoder
-from .gateway_voices import add_voice_routes
+from .gateway_voices import add_voice_routes, read_body
 from .settings import TTSSettings, default_checkpoint_dir, voices_dir
 from .voices import VoiceStore
 
@@ -46,6 +46,7 @@ PLAYGROUND = Path(__file__).parent / "playground.html"
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for clients that insist on them
 HEALTH_TIMEOUT_S = 2.0
 API_KEY_ENV = "VOXTRITON_API_KEY"  # --api-key's default
+MAX_SPEECH_BODY_BYTES = 1 << 20  # a speech request: its input (the server takes 8 KiB of text) and options
 
 # OpenAI request field -> (tts input, expected JSON type); "input" is the text, checked on its own
 OPTIONAL_FIELDS = {
@@ -497,7 +498,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
         try:
-            body = await request.json()
+            body = json.loads(await read_body(request, MAX_SPEECH_BODY_BYTES, SpeechError))
         except (ValueError, RecursionError):  # not JSON or UTF-8, or numbers or nesting past Python's limits
             raise SpeechError(400, "request body must be JSON") from None
         options = parse_speech_request(body)

@@ -27,6 +27,22 @@ from ..models.family import ModelFamily
 from .voices import VoiceEncoder, VoiceStore, check_name, register_voice
 
 MAX_BODY_BYTES = 24 << 20  # a 16 MiB recording in base64, and the rest of the JSON
+
+
+async def read_body(request, limit: int, error_type) -> bytes:
+    """The request's body, refused with a 413 past `limit` bytes whether or not it declares its
+    length (a chunked upload does not)."""
+    too_large = error_type(413, f"request body too large (at most {limit} bytes)")
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise too_large
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
 VOICE_FIELDS = ("name", "audio", "text", "replace")
 
 
@@ -55,14 +71,12 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
 
     @app.post("/v1/audio/voices", status_code=201)
     async def add_voice(request: Request):
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise error_type(413, f"request body too large (at most {MAX_BODY_BYTES} bytes)", "audio")
         family = await served_family()  # a model that clones none is refused whatever the body
         if not family.clones_voices:
             raise error_type(400, "audio: " + clones_none(family), "audio")
         directory, store = family.checkpoint, VoiceStore(voices_directory, family)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request, MAX_BODY_BYTES, error_type))
         except (ValueError, RecursionError):  # not JSON or UTF-8, or numbers or nesting past Python's limits
             raise error_type(400, "request body must be JSON") from None
         if not isinstance(body, dict):
