@@ -221,6 +221,29 @@ def test_a_body_past_the_limit_is_refused_declared_or_chunked(stack):
         assert json.loads(payload)["error"]["message"] == f"request body too large (at most {1 << 20} bytes)"
 
 
+def test_empty_text_pieces_do_not_reach_the_server(stack):
+    """A text stream's empty later messages are dropped at the gateway: the server gets as many
+    requests for a stream with 30 of them as for one without."""
+    from websockets.sync.client import connect
+
+    url, server = stack
+    requests = 'nv_inference_request_success{model="tts",version="1"}'
+
+    def requests_for(empty: int) -> float:
+        before = server.metrics()[requests]
+        with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=10) as socket:
+            socket.send(json.dumps({"input": "Hello", "voice": "ryan", "max_frames": 8, "ignore_eos": True}))
+            for _ in range(empty):
+                socket.send(json.dumps({"input": ""}))
+            socket.send(json.dumps({"input": " there.", "end": True}))
+            while isinstance(message := socket.recv(timeout=60), bytes):
+                pass
+        assert json.loads(message)["type"] == "speech.audio.done", message
+        return server.metrics()[requests] - before
+
+    assert requests_for(30) == requests_for(0)
+
+
 def test_busy_servers_answer_503(tiny_checkpoint):
     limits = {"max_streams": "1", "max_queued": "0", "max_frames": "100"}
     with start_server(tiny_checkpoint, parameters={"tts": limits}) as server:

@@ -54,6 +54,20 @@ def test_a_voice_outlives_its_store_and_a_change_is_seen_at_the_next_lookup(tmp_
     np.testing.assert_array_equal(second.embedding, voice(2).embedding)
     assert not second.in_context
     assert reader.delete("anna") and reader.get("anna") is None and not reader.delete("anna")
+    assert "anna" not in reader.cache  # a deleted voice's entry goes at its next lookup
+
+
+def test_the_voice_cache_keeps_at_most_max_voices(tmp_path, family):
+    """Names registered, looked up and deleted (their next lookup never comes) do not pile up in
+    the cache: it keeps the `max_voices` most recently used."""
+    store = VoiceStore(tmp_path, family, max_voices=2)
+    for number in range(5):
+        store.add(f"v{number}", voice(number))
+        store.get(f"v{number}")
+        if number < 4:
+            store.delete(f"v{number}")
+    store.get("v4")
+    assert list(store.cache) == ["v3", "v4"]
 
 
 def test_limits_and_foreign_voices(tmp_path, family):

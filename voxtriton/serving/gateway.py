@@ -592,7 +592,8 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
                     problems.append(SpeechError(499, "the client went away"))
                     stream.cancel()
                     return
-                pieces.put_nowait((piece, end))
+                if piece or end:  # an empty piece would cost the server a request for nothing
+                    pieces.put_nowait((piece, end))
 
         times: dict[str, float] = {}  # event-loop times: first and last piece in, first and last audio out
         try:

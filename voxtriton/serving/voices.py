@@ -278,7 +278,9 @@ class VoiceStore:
 
     def __init__(self, directory: Path, family: ModelFamily, max_voices: int = 1000):
         self.directory, self.family, self.max_voices = Path(directory), family, max_voices
-        self.cache: dict[str, tuple[tuple[int, int], Voice]] = {}
+        # name -> ((mtime, size) of the file read, its voice); least recently used first, at most
+        # max_voices, so names registered, used and deleted do not pile up
+        self.cache: collections.OrderedDict[str, tuple[tuple[int, int], Voice]] = collections.OrderedDict()
         self.lock = threading.Lock()
 
     def _path(self, name: str) -> Path:
@@ -332,15 +334,21 @@ class VoiceStore:
         try:
             stat = path.stat()
         except FileNotFoundError:
+            with self.lock:
+                self.cache.pop(name, None)
             return None
         key = (stat.st_mtime_ns, stat.st_size)
         with self.lock:
             cached = self.cache.get(name)
             if cached is not None and cached[0] == key:
+                self.cache.move_to_end(name)
                 return cached[1]
         voice = self._load(name, path)
         with self.lock:
             self.cache[name] = (key, voice)
+            self.cache.move_to_end(name)
+            if len(self.cache) > self.max_voices:
+                self.cache.popitem(last=False)
         return voice
 
     def _load(self, name: str, path: Path) -> Voice:
