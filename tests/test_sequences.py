@@ -39,7 +39,12 @@ FIRST = {"max_frames": np.array([16]), "ignore_eos": np.array([True]), "seed": n
 
 @contextlib.contextmanager
 def text_sequences(
-    tiny_checkpoint, policy: str, idle_s: float, expire_every_s: float | None = None, **scheduler
+    tiny_checkpoint,
+    policy: str,
+    idle_s: float,
+    expire_every_s: float | None = None,
+    max_open_s: float = 600.0,
+    **scheduler,
 ):
     """TextSequences over a tts service with in-process CPU codec lanes, the tiny checkpoint's engine
     and its interleaved-layout parser; yields (parser, service, sequences, codec)."""
@@ -50,7 +55,7 @@ def text_sequences(
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
-    sequences = TextSequences(parser, service, idle_s, interval_s=expire_every_s)
+    sequences = TextSequences(parser, service, idle_s, interval_s=expire_every_s, max_open_s=max_open_s)
     try:
         yield parser, service, sequences, codec
     finally:
@@ -107,6 +112,24 @@ def test_an_idle_sequence_ends_with_an_error_and_frees_its_row(served):
     assert sink.done.wait(10) and "no text piece for 0.3 s (text_idle_timeout_s)" in sink.errors[0]
     assert sequences.ended["5"] == "timed out"
     wait_for(lambda: not service.streams and not service.engine.running)
+
+
+def test_a_sequence_open_too_long_ends_with_an_error_however_its_text_comes(tiny_checkpoint):
+    """A word's characters, one a piece, well within the idle time each: the sequence still ends
+    once open `max_open_s` (`text_stream_max_s`), with an error, and frees its row."""
+    served = text_sequences(tiny_checkpoint, "concurrent", IDLE_S, expire_every_s=3600, max_open_s=0.6)
+    with served as (_, service, sequences, _):
+        sink = CollectingSink()
+        sequences.piece("6", True, False, {**text("Hello there, and then a"), **FIRST}, "a", lambda: sink)
+        for _ in range(8):  # 1.2 s, a piece every 0.15 s
+            time.sleep(IDLE_S / 2)
+            sequences.expire()
+            if sink.done.is_set():
+                break
+            sequences.piece("6", False, False, text("a"), "k", None)
+        assert sink.done.wait(10) and "open for more than 0.6 s (text_stream_max_s)" in sink.errors[0]
+        assert sequences.ended["6"] == "timed out"
+        wait_for(lambda: not service.streams and not service.engine.running)
 
 
 def test_a_sequence_whose_stream_ended_frees_its_id(served):

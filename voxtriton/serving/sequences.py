@@ -6,7 +6,9 @@ parameters (later pieces' other inputs are ignored), and its response sender car
 later piece is answered at once with an empty final response (or an error), its text passed on. The
 stream is submitted once the tokenizer has settled its first text id (the prompt holds it); the engine
 then waits for `text_lookahead` ids (`Engine`). A sequence that sends no text for `text_idle_timeout_s`
-ends with an error (empty pieces do not count); all its pieces together are held to max_text_bytes.
+ends with an error (empty pieces do not count), and so does one still open `text_stream_max_s` after
+its first piece (text trickling in, a word at a time or a character of a word that never ends, must
+not hold a row for hours); all its pieces together are held to max_text_bytes.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ class TextSequences:
         idle_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         interval_s: float | None = None,
+        max_open_s: float = 600.0,
     ):
         """service: the TTSService (`submit`, `add_text`, `end_stream`; `clock` must be its clock). A
-        thread ends idle sequences,
+        thread ends idle sequences and those open longer than `max_open_s`,
         checking every `interval_s` (a quarter of the timeout, at most a second, by default)."""
         self.parser, self.service, self.idle_timeout_s, self.clock = parser, service, idle_timeout_s, clock
+        self.max_open_s = max_open_s
         self.lock = threading.Lock()
         self.open: dict[str, Sequence] = {}
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> how it ended
@@ -173,21 +177,27 @@ class TextSequences:
         return sequence.submitted and not self.service.is_open(sequence.request_id)
 
     def expire(self) -> None:
-        """End the sequences that have had no piece for `idle_timeout_s`, and forget those whose
-        stream ended without them (a client's cancel, a failure): their ids may start again."""
+        """End the sequences that have had no piece for `idle_timeout_s` or have been open for
+        `max_open_s`, and forget those whose stream ended without them (a client's cancel, a
+        failure): their ids may start again."""
         now = self.clock()
+        expired = []
         with self.lock:
             for sequence in [s for s in self.open.values() if self._stream_ended(s)]:
                 self._close(sequence, "its stream ended")
-            idle = [s for s in self.open.values() if now - s.last_piece_at > self.idle_timeout_s]
-            for sequence in idle:
+            for sequence in list(self.open.values()):
+                if now - sequence.last_piece_at > self.idle_timeout_s:
+                    reason = f"no text piece for {self.idle_timeout_s:g} s (text_idle_timeout_s)"
+                elif now - sequence.started_at > self.max_open_s:
+                    reason = f"open for more than {self.max_open_s:g} s (text_stream_max_s)"
+                else:
+                    continue
                 self._close(sequence, "timed out")
-        for sequence in idle:
-            message = (
-                f"sequence {sequence.sequence_id}: no text piece for {self.idle_timeout_s:g} s "
-                "(text_idle_timeout_s); send sequence_end with the last piece"
+                expired.append((sequence, reason))
+        for sequence, reason in expired:
+            self._fail(
+                sequence, f"sequence {sequence.sequence_id}: {reason}; send sequence_end with the last piece"
             )
-            self._fail(sequence, message)
 
     def _fail(self, sequence: Sequence, message: str) -> None:
         """End a sequence's audio with an error: through its stream once submitted, else at its sink."""

@@ -96,6 +96,8 @@ class TTSSettings:
     text_lookahead: int = 1
     # An input stream that gets no text piece for this long ends with an error and frees its row.
     text_idle_timeout_s: float = 10.0
+    # And one still open this long after its first piece, whatever comes: no stream holds a row for hours.
+    text_stream_max_s: float = 600.0
     default_speaker: str = ""  # CustomVoice speaker when a request names none ("" = first in config)
     # Base checkpoints: registered voices ("" = <cache>/voices), how many, and the largest reference
     # recording a request may bring (bytes of its file).
@@ -208,11 +210,11 @@ class TTSSettings:
             raise ValueError(
                 f"config.pbtxt parameter 'text_lookahead' must be at least 1, got {self.text_lookahead}"
             )
-        if self.text_idle_timeout_s <= 0:
-            raise ValueError(
-                "config.pbtxt parameter 'text_idle_timeout_s' must be positive, "
-                f"got {self.text_idle_timeout_s}"
-            )
+        for name in ("text_idle_timeout_s", "text_stream_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"config.pbtxt parameter {name!r} must be positive, got {getattr(self, name)}"
+                )
         if self.fp8_weights not in FP8_SCOPES:
             raise ValueError(
                 f"config.pbtxt parameter 'fp8_weights' must be off, talker or all, got {self.fp8_weights!r}"

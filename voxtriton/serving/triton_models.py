@@ -297,7 +297,11 @@ class TTSTritonModel:
             ),
         )
         self.sequences = TextSequences(
-            self.parser, self.service, settings.text_idle_timeout_s, clock=self.service.clock
+            self.parser,
+            self.service,
+            settings.text_idle_timeout_s,
+            clock=self.service.clock,
+            max_open_s=settings.text_stream_max_s,
         )
         self.drain = Drain(settings.drain_file, self._idle)
         self.ids = itertools.count()
