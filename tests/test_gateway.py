@@ -244,6 +244,19 @@ def test_empty_text_pieces_do_not_reach_the_server(stack):
     assert requests_for(30) == requests_for(0)
 
 
+def test_a_text_stream_without_a_first_message_is_closed(monkeypatch):
+    """A WebSocket opened and left silent gets an error and is closed after the first-message
+    timeout (30 s; shortened here), in process: no backend is asked before the first message."""
+    from fastapi.testclient import TestClient
+
+    from voxtriton.serving import gateway
+
+    monkeypatch.setattr(gateway, "FIRST_MESSAGE_TIMEOUT_S", 0.2)
+    with TestClient(gateway.create_app("127.0.0.1:1")).websocket_connect("/v1/audio/speech/stream") as socket:
+        message = socket.receive_json()
+    assert message["type"] == "error" and message["error"]["message"] == "no first message within 0.2 s"
+
+
 def test_busy_servers_answer_503(tiny_checkpoint):
     limits = {"max_streams": "1", "max_queued": "0", "max_frames": "100"}
     with start_server(tiny_checkpoint, parameters={"tts": limits}) as server:

@@ -46,6 +46,7 @@ PLAYGROUND = Path(__file__).parent / "playground.html"
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for clients that insist on them
 HEALTH_TIMEOUT_S = 2.0
 API_KEY_ENV = "VOXTRITON_API_KEY"  # --api-key's default
+FIRST_MESSAGE_TIMEOUT_S = 30.0  # a text stream's first message, after its WebSocket opened
 MAX_SPEECH_BODY_BYTES = 1 << 20  # a speech request: its input (the server takes 8 KiB of text) and options
 
 # OpenAI request field -> (tts input, expected JSON type); "input" is the text, checked on its own
@@ -597,7 +598,12 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
 
         times: dict[str, float] = {}  # event-loop times: first and last piece in, first and last audio out
         try:
-            piece, end, options = await receive(first=True)
+            piece, end, options = await asyncio.wait_for(receive(first=True), FIRST_MESSAGE_TIMEOUT_S)
+        except TimeoutError:  # a socket opened and left: it holds a connection, and with a key, unchecked
+            error = SpeechError(408, f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g} s")
+            await websocket.send_json({"type": "error", **error.body()})
+            await websocket.close()
+            return
         except SpeechError as error:
             await websocket.send_json({"type": "error", **error.body()})
             await websocket.close()

@@ -344,13 +344,10 @@ class TTSTritonModel:
                 else:  # the encoder thread submits it once its voice is encoded
                     self._submit_with_voice(request_id, inputs, sink, *reference)
             except (RequestError, ServerBusy) as error:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=FINAL)
+                _refuse(sender, str(error))
             except Exception as error:  # never leave a stream without its final response
                 log.exception("tts: request %s failed before generation", request_id)
-                sender.send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {error}")),
-                    flags=FINAL,
-                )
+                _refuse(sender, f"internal error: {error}")
 
     def _submit_with_voice(self, request_id, inputs, sink, audio: bytes, text: str | None) -> None:
         arrived = self.service.clock()  # its TTFA and first chunk's due time count the encoding too
@@ -465,6 +462,15 @@ class TTSTritonModel:
             self.state_pool.close()
             if self.chunk_trace:
                 self.chunk_trace.close()
+
+
+def _refuse(sender, message: str) -> None:
+    """A request's final response, an error. One whose final response went already (its stream
+    failed meanwhile) makes Triton raise: logged, so the batch's other requests are still answered."""
+    try:
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+    except Exception as error:
+        log.warning("tts: could not send the error %r: %s", message, error)
 
 
 def _continues_a_sequence(request) -> bool:
