@@ -38,7 +38,6 @@ from ..models.families import load_family
 from .audio_formats import MEDIA_TYPES, check_encoders, new_encoder
 from .gateway_voices import add_voice_routes, read_body
 from .settings import TTSSettings, default_checkpoint_dir, voices_dir
-from .voices import VoiceStore
 
 log = logging.getLogger("voxtriton.gateway")
 
@@ -449,7 +448,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         except InferenceServerException:  # it went down since
             raise unreachable() from None
 
-    add_voice_routes(app, served_checkpoint, voices_dir(voices), SpeechError)
+    voice_store = add_voice_routes(app, served_checkpoint, voices_dir(voices), SpeechError)
 
     async def model_card() -> dict:
         directory = await served_checkpoint()
@@ -462,7 +461,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
             family = load_family(directory)
             # A Base checkpoint's voices are the registered ones.
             names = (
-                [v["name"] for v in VoiceStore(voices_dir(voices), family).descriptions()]
+                [v["name"] for v in await asyncio.to_thread(voice_store(family).descriptions)]
                 if family.clones_voices
                 else []
             )

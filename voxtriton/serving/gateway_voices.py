@@ -46,12 +46,21 @@ async def read_body(request, limit: int, error_type) -> bytes:
 VOICE_FIELDS = ("name", "audio", "text", "replace")
 
 
-def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type) -> None:
-    """served_checkpoint: async () -> the checkpoint directory; error_type: the gateway's SpeechError."""
+def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type):
+    """served_checkpoint: async () -> the checkpoint directory; error_type: the gateway's SpeechError.
+    Returns `store_of(family)`: the voice store of a checkpoint, one per checkpoint for the gateway's
+    life, so a listing reads only the voice files that changed since the last (in a worker thread:
+    never on the event loop)."""
     from fastapi import Request
 
     encoders: dict[Path, VoiceEncoder] = {}
+    stores: dict[Path, VoiceStore] = {}
     one_at_a_time = asyncio.Lock()
+
+    def store_of(family: ModelFamily) -> VoiceStore:
+        if family.checkpoint not in stores:
+            stores[family.checkpoint] = VoiceStore(voices_directory, family)
+        return stores[family.checkpoint]
 
     def refused(error: RequestError):
         return error_type(400, str(error), error.field)
@@ -74,7 +83,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         family = await served_family()  # a model that clones none is refused whatever the body
         if not family.clones_voices:
             raise error_type(400, "audio: " + clones_none(family), "audio")
-        directory, store = family.checkpoint, VoiceStore(voices_directory, family)
+        directory, store = family.checkpoint, store_of(family)
         try:
             body = json.loads(await read_body(request, MAX_BODY_BYTES, error_type))
         except (ValueError, RecursionError):  # not JSON or UTF-8, or numbers or nesting past Python's limits
@@ -120,8 +129,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         speakers = [{"name": name, "speaker": True} for name in family.speakers]
         if not family.clones_voices:
             return {"object": "list", "data": speakers}
-        store = VoiceStore(voices_directory, family)
-        return {"object": "list", "data": speakers + store.descriptions()}
+        return {"object": "list", "data": speakers + await asyncio.to_thread(store_of(family).descriptions)}
 
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(name: str):
@@ -133,6 +141,8 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
         if not family.clones_voices:
             message = f"name: no voice {name!r}: {clones_none(family)}"
             raise error_type(404, message, "name", "not_found_error")
-        if not VoiceStore(voices_directory, family).delete(name):
+        if not await asyncio.to_thread(store_of(family).delete, name):
             raise error_type(404, f"name: no voice {name!r}", "name", "not_found_error")
         return {"name": name, "deleted": True}
+
+    return store_of
