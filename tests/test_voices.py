@@ -467,3 +467,21 @@ def test_the_encoding_queue_refuses_beyond_its_limit_and_outlives_a_failing_answ
         assert answered.acquire(timeout=60) and isinstance(answers["third"][0], Voice)
     finally:
         queue.shutdown()
+
+
+def test_a_name_taken_after_the_check_is_not_overwritten(tmp_path, family, monkeypatch):
+    """Two registrations of one name at once (two gateways on one directory): the second to land is
+    refused, not written over the first."""
+    store = VoiceStore(tmp_path, family)
+    real_exists = type(tmp_path).exists
+    # The other registration lands between this one's check and its write.
+    monkeypatch.setattr(
+        type(tmp_path),
+        "exists",
+        lambda path: False if path.name == "anna.npz" else real_exists(path),
+    )
+    VoiceStore(tmp_path, family).add("anna", voice(1))
+    with pytest.raises(RequestError, match="voice 'anna' exists"):
+        store.add("anna", voice(2))
+    np.testing.assert_array_equal(VoiceStore(tmp_path, family).get("anna").codes, voice(1).codes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anna.npz"]  # no temporary file left

@@ -312,14 +312,26 @@ class VoiceStore:
             raise RequestError("name", f"the voices directory is full ({self.max_voices} voices)")
         self.directory.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        with os.fdopen(handle, "wb") as file:
-            np.savez(
-                file,
-                embedding=voice.embedding.astype(np.float32),
-                codes=voice.codes.astype(np.int16),
-                text=np.frombuffer((voice.text or "").encode("utf-8"), dtype=np.uint8),
-            )
-        os.replace(temporary, path)  # atomic: a reader sees the old file or the new one
+        try:
+            with os.fdopen(handle, "wb") as file:
+                np.savez(
+                    file,
+                    embedding=voice.embedding.astype(np.float32),
+                    codes=voice.codes.astype(np.int16),
+                    text=np.frombuffer((voice.text or "").encode("utf-8"), dtype=np.uint8),
+                )
+            if replace:
+                os.replace(temporary, path)  # atomic: a reader sees the old file or the new one
+            else:  # atomic too, and refused if another gateway registered the name meanwhile
+                try:
+                    os.link(temporary, path)
+                except FileExistsError:
+                    raise RequestError("name", f"voice {name!r} exists; delete it first") from None
+                except OSError:  # a file system without hard links: as checked above
+                    os.replace(temporary, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
 
     def delete(self, name: str) -> bool:
         try:
