@@ -102,8 +102,9 @@ def bearer_token(header: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def key_matches(given: str | None, key: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+def key_matches(given, key: str) -> bool:
+    """Whether `given` (a header's token, a message's field: anything) is the key."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), key.encode())
 
 
 class RequireApiKey:
@@ -566,7 +567,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
                 raise SpeechError(400, "each message must be a JSON object in a text message") from None
             if first:
                 given = message.pop("api_key", None) if isinstance(message, dict) else None
-                if not (authorized or key_matches(given if isinstance(given, str) else None, api_key)):
+                if not (authorized or key_matches(given, api_key)):
                     raise bad_api_key()
             piece = parse_text_piece(message, first)
             if piece[1]:
@@ -596,13 +597,15 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
                     pieces.put_nowait((piece, end))
 
         times: dict[str, float] = {}  # event-loop times: first and last piece in, first and last audio out
+
+        async def receive_first() -> tuple[str, bool, dict]:
+            try:
+                return await asyncio.wait_for(receive(first=True), FIRST_MESSAGE_TIMEOUT_S)
+            except TimeoutError:  # a socket opened and left: it holds a connection, with a key unchecked
+                raise SpeechError(408, f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g} s") from None
+
         try:
-            piece, end, options = await asyncio.wait_for(receive(first=True), FIRST_MESSAGE_TIMEOUT_S)
-        except TimeoutError:  # a socket opened and left: it holds a connection, and with a key, unchecked
-            error = SpeechError(408, f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g} s")
-            await websocket.send_json({"type": "error", **error.body()})
-            await websocket.close()
-            return
+            piece, end, options = await receive_first()
         except SpeechError as error:
             await websocket.send_json({"type": "error", **error.body()})
             await websocket.close()
