@@ -531,6 +531,42 @@ def test_the_text_stream_websocket_takes_the_key_as_a_header_or_in_its_first_mes
         assert end["type"] == "speech.audio.done" and audio == 8 * 1920 * 2, end
 
 
+def test_past_its_open_requests_limit_the_gateway_answers_busy_and_keeps_serving(stack):
+    """--max-connections 1: while one text stream is open, a speech request gets a 503 and a second
+    text stream an error before it closes; /health still answers; once the stream ends, both pass."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    _, server = stack
+    gateway, url = start_gateway(server.grpc_url, extra=("--max-connections", "1"))
+    stream_url = url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    speech = dict(model="tts", voice="ryan", input="Hello.", response_format="pcm", max_frames=4)
+    try:
+        with connect(stream_url, open_timeout=10) as held:
+            held.send(json.dumps({"input": "Hello", "voice": "ryan", "max_frames": 8, "ignore_eos": True}))
+            status, headers, payload = post(url, speech)
+            assert (status, headers["retry-after"]) == (503, "1")
+            assert json.loads(payload)["error"]["type"] == "server_busy"
+            with connect(stream_url, open_timeout=10) as refused:
+                error = json.loads(refused.recv(timeout=10))
+                assert error["type"] == "error" and error["error"]["type"] == "server_busy", error
+                with pytest.raises(ConnectionClosed):
+                    refused.recv(timeout=10)
+                assert refused.close_code == 1013
+            assert fetch(urllib.request.Request(url + "/health"))[0] == 200
+            held.send(json.dumps({"input": " there.", "end": True}))
+            audio = 0
+            while isinstance(message := held.recv(timeout=60), bytes):
+                audio += len(message)
+            assert json.loads(message)["type"] == "speech.audio.done" and audio == 8 * 1920 * 2
+        deadline = time.monotonic() + 10  # the held stream's handler returns after its close
+        while (status := post(url, speech)[0]) == 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status == 200
+    finally:
+        stop_gateway(gateway)
+
+
 @pytest.fixture(scope="module")
 def browser():
     if CHROMIUM is None:

@@ -146,6 +146,26 @@ def test_a_name_is_registered_once_unless_replaced(stack):
     assert delete(url, "twice")[0] == 200
 
 
+def test_a_gateway_registers_at_most_max_voices(stack, tiny_base_checkpoint, tmp_path):
+    """--max-voices bounds the voices directory as the servers' max_voices does; a replacement and a
+    registration after a deletion still pass."""
+    _, server = stack
+    gateway, url = start_gateway(
+        server.grpc_url, tiny_base_checkpoint, extra=("--voices-dir", str(tmp_path), "--max-voices", "1")
+    )
+    try:
+        recording = audio_file(reference_audio(1.0, seed=2))
+        assert post(url, registration("first", recording), "/v1/audio/voices")[0] == 201
+        status, _, payload = post(url, registration("second", recording), "/v1/audio/voices")
+        error = json.loads(payload)["error"]
+        assert (status, error["param"]) == (400, "name") and "full (1 voices)" in error["message"]
+        assert post(url, registration("first", recording, replace=True), "/v1/audio/voices")[0] == 201
+        assert delete(url, "first")[0] == 200
+        assert post(url, registration("second", recording), "/v1/audio/voices")[0] == 201
+    finally:
+        stop_gateway(gateway)
+
+
 def wait_for_clone_status(page, start: str) -> str:
     page.wait_for_function(
         f"document.getElementById('clone-status').textContent.startsWith({json.dumps(start)})", timeout=60_000

@@ -46,6 +46,7 @@ MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for 
 HEALTH_TIMEOUT_S = 2.0
 API_KEY_ENV = "VOXTRITON_API_KEY"  # --api-key's default
 FIRST_MESSAGE_TIMEOUT_S = 30.0  # a text stream's first message, after its WebSocket opened
+MAX_CONNECTIONS = 1024  # --max-connections' default: a few servers' max_streams + max_queued
 MAX_SPEECH_BODY_BYTES = 1 << 20  # a speech request: its input (the server takes 8 KiB of text) and options
 
 # OpenAI request field -> (tts input, expected JSON type); "input" is the text, checked on its own
@@ -126,6 +127,41 @@ class RequireApiKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class LimitOpen:
+    """ASGI middleware: at most `limit` /v1/ requests and text streams open at once. Past it an HTTP
+    request gets a 503 and a WebSocket an error message before it closes, so clients that open streams
+    and never read them hold a bounded share of the gateway's sockets and memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.open = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.open >= self.limit:
+            error = SpeechError(
+                503, f"The gateway has {self.limit} requests open; retry shortly.", kind="server_busy"
+            )
+            if scope["type"] == "http":
+                from fastapi.responses import JSONResponse
+
+                await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})(
+                    scope, receive, send
+                )
+            else:  # accepted first: a close before the handshake reaches a browser as a bare 403
+                await receive()  # websocket.connect
+                await send({"type": "websocket.accept"})
+                await send({"type": "websocket.send", "text": json.dumps({"type": "error", **error.body()})})
+                await send({"type": "websocket.close", "code": 1013})  # try again later
+            return
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
 
 
 def unreachable() -> SpeechError:
@@ -410,8 +446,16 @@ def chunk_description(chunk: Chunk) -> dict:
     return {"index": index, "first_frame": first_frame, "frames": frames, "lane": LANES.get(lane, str(lane))}
 
 
-def create_app(backend_url: str, checkpoint: str | None = None, voices: str = "", api_key: str = ""):
-    """api_key: what clients must present ("" = none)."""
+def create_app(
+    backend_url: str,
+    checkpoint: str | None = None,
+    voices: str = "",
+    api_key: str = "",
+    max_voices: int = TTSSettings.max_voices,
+    max_connections: int = MAX_CONNECTIONS,
+):
+    """api_key: what clients must present ("" = none); max_voices: registered voices at most;
+    max_connections: /v1/ requests and text streams open at once."""
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
@@ -419,6 +463,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
     app = FastAPI(title="voxtriton gateway")
     if api_key:
         app.add_middleware(RequireApiKey, key=api_key)
+    app.add_middleware(LimitOpen, limit=max_connections)  # outermost: counted before the key is checked
     backend = Backend(backend_url)
 
     @app.exception_handler(SpeechError)
@@ -449,7 +494,7 @@ def create_app(backend_url: str, checkpoint: str | None = None, voices: str = ""
         except InferenceServerException:  # it went down since
             raise unreachable() from None
 
-    voice_store = add_voice_routes(app, served_checkpoint, voices_dir(voices), SpeechError)
+    voice_store = add_voice_routes(app, served_checkpoint, voices_dir(voices), max_voices, SpeechError)
 
     async def model_card() -> dict:
         directory = await served_checkpoint()
@@ -679,6 +724,22 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="registered voices of a Base checkpoint, shared with the servers' voices_dir "
         "(default: <cache>/voices)",
     )
+    parser.add_argument(
+        "--max-voices",
+        type=int,
+        default=TTSSettings.max_voices,
+        metavar="N",
+        help="refuse a new voice past N in --voices-dir, as the servers' max_voices "
+        f"(default {TTSSettings.max_voices})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help="/v1/ requests and text-stream WebSockets open at once; past N a 503 (server_busy), so that "
+        f"clients that never read cannot exhaust the gateway's memory (default {MAX_CONNECTIONS})",
+    )
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -697,8 +758,16 @@ def run_gateway(args: argparse.Namespace) -> int:
             "voxtriton gateway: give one --backend; to use several servers, put a proxy in front of them "
             "(deploy/envoy/, docs/deploy.md) and give its address"
         )
+    for flag, value in (("--max-voices", args.max_voices), ("--max-connections", args.max_connections)):
+        if value < 1:
+            raise SystemExit(f"voxtriton gateway: {flag}: must be at least 1, got {value}")
     app = create_app(
-        args.backend[0] if args.backend else "127.0.0.1:8001", args.checkpoint, args.voices_dir, args.api_key
+        args.backend[0] if args.backend else "127.0.0.1:8001",
+        args.checkpoint,
+        args.voices_dir,
+        args.api_key,
+        args.max_voices,
+        args.max_connections,
     )
     base = f"http://{args.host}:{args.port}"
     print(

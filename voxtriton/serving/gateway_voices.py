@@ -46,8 +46,9 @@ async def read_body(request, limit: int, error_type) -> bytes:
 VOICE_FIELDS = ("name", "audio", "text", "replace")
 
 
-def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type):
-    """served_checkpoint: async () -> the checkpoint directory; error_type: the gateway's SpeechError.
+def add_voice_routes(app, served_checkpoint, voices_directory: Path, max_voices: int, error_type):
+    """served_checkpoint: async () -> the checkpoint directory; max_voices: as the servers'
+    `max_voices`; error_type: the gateway's SpeechError.
     Returns `store_of(family)`: the voice store of a checkpoint, one per checkpoint for the gateway's
     life, so a listing reads only the voice files that changed since the last (in a worker thread:
     never on the event loop)."""
@@ -59,7 +60,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, error_type)
 
     def store_of(family: ModelFamily) -> VoiceStore:
         if family.checkpoint not in stores:
-            stores[family.checkpoint] = VoiceStore(voices_directory, family)
+            stores[family.checkpoint] = VoiceStore(voices_directory, family, max_voices)
         return stores[family.checkpoint]
 
     def refused(error: RequestError):

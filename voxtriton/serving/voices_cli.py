@@ -64,10 +64,10 @@ def voices_command(args: argparse.Namespace) -> int:
             encoder = VoiceEncoder(family, args.device)
             print(json.dumps(register_voice(store, encoder, args.name, audio, args.text, args.replace)))
         elif args.action == "list":
-            names = store.names()
-            for name in names:
-                print(json.dumps(store.describe(name)))
-            if not names:  # stdout stays JSON lines (none here); the note goes to stderr
+            described = store.descriptions()  # this checkpoint's: a shared directory holds others'
+            for description in described:
+                print(json.dumps(description))
+            if not described:  # stdout stays JSON lines (none here); the note goes to stderr
                 print(f"voxtriton voices: no registered voices in {store.directory}", file=sys.stderr)
         elif not store.delete(args.name):
             raise RequestError("name", f"no voice {args.name!r} in {store.directory}")
