@@ -532,8 +532,9 @@ def test_the_text_stream_websocket_takes_the_key_as_a_header_or_in_its_first_mes
 
 
 def test_past_its_open_requests_limit_the_gateway_answers_busy_and_keeps_serving(stack):
-    """--max-connections 1: while one text stream is open, a speech request gets a 503 and a second
-    text stream an error before it closes; /health still answers; once the stream ends, both pass."""
+    """--max-connections 1: a socket that has sent nothing holds no slot; while one text stream is
+    open, a speech request gets the gateway's 503 and a second text stream an error and close code
+    1013; /health still answers; once the stream ends, requests pass again."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -541,15 +542,22 @@ def test_past_its_open_requests_limit_the_gateway_answers_busy_and_keeps_serving
     gateway, url = start_gateway(server.grpc_url, extra=("--max-connections", "1"))
     stream_url = url.replace("http://", "ws://") + "/v1/audio/speech/stream"
     speech = dict(model="tts", voice="ryan", input="Hello.", response_format="pcm", max_frames=4)
+    first = {"input": "Hello", "voice": "ryan", "max_frames": 8, "ignore_eos": True}
     try:
-        with connect(stream_url, open_timeout=10) as held:
-            held.send(json.dumps({"input": "Hello", "voice": "ryan", "max_frames": 8, "ignore_eos": True}))
-            status, headers, payload = post(url, speech)
+        with connect(stream_url, open_timeout=10), connect(stream_url, open_timeout=10) as held:
+            assert post(url, speech)[0] == 200  # beside a silent socket
+            held.send(json.dumps(first))
+            deadline = time.monotonic() + 10  # the held stream takes its slot once its message is read
+            while (reply := post(url, speech))[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status, headers, payload = reply
             assert (status, headers["retry-after"]) == (503, "1")
-            assert json.loads(payload)["error"]["type"] == "server_busy"
+            error = json.loads(payload)["error"]
+            assert error["type"] == "server_busy" and "1 requests open" in error["message"], error
             with connect(stream_url, open_timeout=10) as refused:
+                refused.send(json.dumps(first))
                 error = json.loads(refused.recv(timeout=10))
-                assert error["type"] == "error" and error["error"]["type"] == "server_busy", error
+                assert error["type"] == "error" and "1 requests open" in error["error"]["message"], error
                 with pytest.raises(ConnectionClosed):
                     refused.recv(timeout=10)
                 assert refused.close_code == 1013

@@ -198,11 +198,19 @@ def test_the_voices_command_says_what_is_wrong_in_one_line(
             "voxtriton voices: checkpoint: is custom_voice; "
             "voices need a Qwen3-TTS Base or a CSM checkpoint\n"
         )
-    theirs = voice(2)  # another checkpoint's voice in the shared directory is not this one's
-    np.savez(tmp_path / "theirs.npz", embedding=np.zeros(32, np.float32), codes=theirs.codes.astype(np.int16))
+    theirs = voice(2)  # a readable voice of another checkpoint (another x-vector width) beside
+    np.savez(
+        tmp_path / "theirs.npz",
+        embedding=np.zeros(32, np.float32),
+        codes=theirs.codes.astype(np.int16),
+        text=np.frombuffer(theirs.text.encode(), np.uint8),
+    )
     assert main(["voices", "list", "--checkpoint", str(tiny_base_checkpoint), *common]) == 0
     listed = capsys.readouterr()
-    assert (listed.out, listed.err) == ("", f"voxtriton voices: no registered voices in {tmp_path}\n")
+    assert listed.out == "" and listed.err == (
+        "voxtriton voices: left out theirs: voice 'theirs' was not made for this checkpoint "
+        f"(x-vector or codes differ)\nvoxtriton voices: no registered voices in {tmp_path}\n"
+    )
     missing = str(tmp_path / "missing.wav")
     assert (
         main(["voices", "add", "x", "--checkpoint", str(tiny_base_checkpoint), "--audio", missing, *common])

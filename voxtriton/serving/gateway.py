@@ -129,39 +129,51 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
-class LimitOpen:
-    """ASGI middleware: at most `limit` /v1/ requests and text streams open at once. Past it an HTTP
-    request gets a 503 and a WebSocket an error message before it closes, so clients that open streams
-    and never read them hold a bounded share of the gateway's sockets and memory."""
+class OpenLimit:
+    """At most `limit` /v1/ requests and text streams open at once, so clients that open streams and
+    never read them hold a bounded share of the gateway's sockets and memory. An HTTP request takes
+    its slot as it arrives (`LimitOpen`); a text stream once its first message is in and its key
+    checked, so a silent or keyless socket takes none from the clients that have the key."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit, self.open = app, limit, 0
+    def __init__(self, limit: int):
+        self.limit, self.open = limit, 0
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        if self.open >= self.limit:
-            error = SpeechError(
-                503, f"The gateway has {self.limit} requests open; retry shortly.", kind="server_busy"
-            )
-            if scope["type"] == "http":
-                from fastapi.responses import JSONResponse
+    def busy(self) -> SpeechError | None:
+        """The refusal while every slot is taken, else None."""
+        if self.open < self.limit:
+            return None
+        return SpeechError(
+            503, f"The gateway has {self.limit} requests open; retry shortly.", kind="server_busy"
+        )
 
-                await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})(
-                    scope, receive, send
-                )
-            else:  # accepted first: a close before the handshake reaches a browser as a bare 403
-                await receive()  # websocket.connect
-                await send({"type": "websocket.accept"})
-                await send({"type": "websocket.send", "text": json.dumps({"type": "error", **error.body()})})
-                await send({"type": "websocket.close", "code": 1013})  # try again later
-            return
+    @contextlib.contextmanager
+    def slot(self):
         self.open += 1
         try:
-            await self.app(scope, receive, send)
+            yield
         finally:
             self.open -= 1
+
+
+class LimitOpen:
+    """ASGI middleware: every HTTP request under /v1/ holds a slot of `limits` until its response
+    ends or its client leaves; past the limit, a 503. The playground and /health are not counted."""
+
+    def __init__(self, app, limits: OpenLimit):
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if error := self.limits.busy():
+            from fastapi.responses import JSONResponse
+
+            response = JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})
+            await response(scope, receive, send)
+            return
+        with self.limits.slot():
+            await self.app(scope, receive, send)
 
 
 def unreachable() -> SpeechError:
@@ -461,9 +473,10 @@ def create_app(
 
     check_encoders()
     app = FastAPI(title="voxtriton gateway")
-    if api_key:
+    open_limit = OpenLimit(max_connections)
+    app.add_middleware(LimitOpen, limits=open_limit)
+    if api_key:  # added last, so outermost: a request without the key is refused before it is counted
         app.add_middleware(RequireApiKey, key=api_key)
-    app.add_middleware(LimitOpen, limit=max_connections)  # outermost: counted before the key is checked
     backend = Backend(backend_url)
 
     @app.exception_handler(SpeechError)
@@ -649,46 +662,52 @@ def create_app(
             except TimeoutError:  # a socket opened and left: it holds a connection, with a key unchecked
                 raise SpeechError(408, f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g} s") from None
 
+        async def speak(piece: str, end: bool, options: dict):
+            times["first_piece"] = loop.time()
+            pieces.put_nowait((piece, end))
+            encoder = new_encoder(options.pop("format"))
+            stream = SpeechStream(
+                lambda on_chunk: backend.synthesize_text_stream(text(), on_chunk=on_chunk, **options)
+            )
+            reader = asyncio.create_task(read_rest(end, stream))
+            try:
+                async for chunk in stream.chunks():
+                    if data := await encoded(encoder, encoder.encode, chunk.audio):
+                        await websocket.send_bytes(data)
+                        times.setdefault("first_audio", loop.time())
+                        times["last_audio"] = loop.time()
+                failure = problems[0] if problems else stream.failure
+                if failure is not None:
+                    await websocket.send_json({"type": "error", **failure.body()})
+                else:
+                    if tail := await encoded(encoder, encoder.finish):
+                        await websocket.send_bytes(tail)
+                    await websocket.send_json({"type": "speech.audio.done", **stream_latencies(times)})
+                await websocket.close()
+            except WebSocketDisconnect:  # the client went away: stop generating for it
+                pass
+            except Exception as error:  # the socket still ends with its last message, an error
+                log.exception("gateway: a WebSocket stream failed")
+                failure = SpeechError(500, f"internal error: {error}", kind="server_error")
+                with contextlib.suppress(Exception):  # the client may be gone too
+                    await websocket.send_json({"type": "error", **failure.body()})
+                    await websocket.close()
+            finally:
+                stream.cancel()
+                reader.cancel()
+
         try:
             piece, end, options = await receive_first()
+            if busy := open_limit.busy():
+                raise busy
         except SpeechError as error:
             await websocket.send_json({"type": "error", **error.body()})
-            await websocket.close()
+            await websocket.close(code=1013 if error.kind == "server_busy" else 1000)  # 1013: try again later
             return
         except WebSocketDisconnect:
             return
-        times["first_piece"] = loop.time()
-        pieces.put_nowait((piece, end))
-        encoder = new_encoder(options.pop("format"))
-        stream = SpeechStream(
-            lambda on_chunk: backend.synthesize_text_stream(text(), on_chunk=on_chunk, **options)
-        )
-        reader = asyncio.create_task(read_rest(end, stream))
-        try:
-            async for chunk in stream.chunks():
-                if data := await encoded(encoder, encoder.encode, chunk.audio):
-                    await websocket.send_bytes(data)
-                    times.setdefault("first_audio", loop.time())
-                    times["last_audio"] = loop.time()
-            failure = problems[0] if problems else stream.failure
-            if failure is not None:
-                await websocket.send_json({"type": "error", **failure.body()})
-            else:
-                if tail := await encoded(encoder, encoder.finish):
-                    await websocket.send_bytes(tail)
-                await websocket.send_json({"type": "speech.audio.done", **stream_latencies(times)})
-            await websocket.close()
-        except WebSocketDisconnect:  # the client went away: stop generating for it
-            pass
-        except Exception as error:  # the socket still ends with its last message, an error
-            log.exception("gateway: a WebSocket stream failed")
-            failure = SpeechError(500, f"internal error: {error}", kind="server_error")
-            with contextlib.suppress(Exception):  # the client may be gone too
-                await websocket.send_json({"type": "error", **failure.body()})
-                await websocket.close()
-        finally:
-            stream.cancel()
-            reader.cancel()
+        with open_limit.slot():
+            await speak(piece, end, options)
 
     return app
 
