@@ -198,7 +198,7 @@ def test_the_voices_command_says_what_is_wrong_in_one_line(
             "voxtriton voices: checkpoint: is custom_voice; "
             "voices need a Qwen3-TTS Base or a CSM checkpoint\n"
         )
-    theirs = voice(2)  # a readable voice of another checkpoint (another x-vector width) beside
+    theirs = voice(2)  # beside none of this checkpoint's: a readable one of another x-vector width
     np.savez(
         tmp_path / "theirs.npz",
         embedding=np.zeros(32, np.float32),

@@ -108,6 +108,15 @@ def key_matches(given, key: str) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), key.encode())
 
 
+def error_response(error: SpeechError, headers: dict | None = None):
+    """The JSON response of `error`, for the exception handler and the middlewares before it; a 503
+    tells the client to retry in a second."""
+    from fastapi.responses import JSONResponse
+
+    retry = {"Retry-After": "1"} if error.status == 503 else {}
+    return JSONResponse(error.body(), status_code=error.status, headers={**retry, **(headers or {})})
+
+
 class RequireApiKey:
     """ASGI middleware: every HTTP request under /v1/ carries the key as a bearer token, or gets a
     401. The playground and /health stay open; the text-stream WebSocket checks the key itself (a
@@ -120,11 +129,7 @@ class RequireApiKey:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not key_matches(bearer_token(header), self.key):
-                from fastapi.responses import JSONResponse
-
-                error = bad_api_key()
-                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+                await error_response(bad_api_key(), {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -167,10 +172,7 @@ class LimitOpen:
             await self.app(scope, receive, send)
             return
         if error := self.limits.busy():
-            from fastapi.responses import JSONResponse
-
-            response = JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})
-            await response(scope, receive, send)
+            await error_response(error)(scope, receive, send)
             return
         with self.limits.slot():
             await self.app(scope, receive, send)
@@ -481,8 +483,7 @@ def create_app(
 
     @app.exception_handler(SpeechError)
     async def speech_error(request: Request, error: SpeechError):
-        headers = {"Retry-After": "1"} if error.status == 503 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        return error_response(error)
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():

@@ -392,14 +392,20 @@ class VoiceStore:
                 field, f"voice {name!r} was not made for this checkpoint (x-vector or codes differ)"
             )
 
-    def descriptions(self) -> list[dict]:
+    def descriptions(self, left_out: Callable[[str, RequestError], None] | None = None) -> list[dict]:
         """The voices made for this checkpoint: a directory shared by several checkpoints (the default
-        one) also holds other checkpoints' voices, which are left out here."""
+        one) also holds other checkpoints' voices, which are left out here (each told to `left_out`
+        with the reason, if given)."""
         found = []
         for name in self.names():
-            with contextlib.suppress(RequestError):
-                if (description := self.describe(name)) is not None:
-                    found.append(description)
+            try:
+                description = self.describe(name)
+            except RequestError as error:
+                if left_out is not None:
+                    left_out(name, error)
+                continue
+            if description is not None:  # None: deleted meanwhile
+                found.append(description)
         return found
 
     def describe(self, name: str) -> dict | None:

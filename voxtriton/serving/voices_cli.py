@@ -64,17 +64,14 @@ def voices_command(args: argparse.Namespace) -> int:
             encoder = VoiceEncoder(family, args.device)
             print(json.dumps(register_voice(store, encoder, args.name, audio, args.text, args.replace)))
         elif args.action == "list":
-            listed = 0
-            for name in store.names():
-                try:
-                    description = store.describe(name)
-                except RequestError as error:  # a shared directory holds other checkpoints' voices
-                    print(f"voxtriton voices: left out {name}: {error.problem}", file=sys.stderr)
-                    continue
-                if description is not None:  # None: deleted meanwhile
-                    print(json.dumps(description))
-                    listed += 1
-            if not listed:  # stdout stays JSON lines (none here); the notes go to stderr
+            described = store.descriptions(
+                lambda name, error: print(
+                    f"voxtriton voices: left out {name}: {error.problem}", file=sys.stderr
+                )
+            )
+            for description in described:
+                print(json.dumps(description))
+            if not described:  # stdout stays JSON lines (none here); the notes go to stderr
                 print(f"voxtriton voices: no registered voices in {store.directory}", file=sys.stderr)
         elif not store.delete(args.name):
             raise RequestError("name", f"no voice {args.name!r} in {store.directory}")
