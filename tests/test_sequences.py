@@ -109,9 +109,49 @@ def test_an_idle_sequence_ends_with_an_error_and_frees_its_row(served):
         time.sleep(IDLE_S / 2)
         sequences.piece("5", False, False, text(""), "k", None)
     sequences.expire()
-    assert sink.done.wait(10) and "no text piece for 0.3 s (text_idle_timeout_s)" in sink.errors[0]
+    assert sink.done.wait(10) and sink.errors[0].startswith(
+        "text: sequence 5 had no text piece for 0.3 s (text_idle_timeout_s); mark its last piece as its end"
+    )
     assert sequences.ended["5"] == "timed out"
     wait_for(lambda: not service.streams and not service.engine.running)
+
+
+def test_a_bad_later_piece_ends_its_sequence_with_its_error(served):
+    """Not only the piece is refused: its text would be missing from the audio, and an end it
+    carried lost, the stream left to wait for the idle timeout."""
+    _, service, sequences = served
+    sink = CollectingSink()
+    sequences.piece("4", True, False, {**text("Hello there, and then "), **FIRST}, "a", lambda: sink)
+    bad_last = {"text": np.array([b"the end\xff."], dtype=object)}
+    with pytest.raises(RequestError, match="text: not valid UTF-8"):
+        sequences.piece("4", False, True, bad_last, "b", None)
+    assert sink.done.wait(10) and sink.errors[0].startswith("text: not valid UTF-8")
+    assert sequences.ended["4"].startswith("failed: text: not valid UTF-8")
+    wait_for(lambda: not service.streams and not service.engine.running)
+
+
+class GoneSink(CollectingSink):
+    """A client gone before its error: sending it raises, as Triton's response sender does."""
+
+    def fail(self, message):
+        super().fail(message)
+        raise RuntimeError("the response sender is closed")
+
+
+def test_an_error_that_cannot_be_sent_does_not_stop_the_timeouts(tiny_checkpoint):
+    """Sequence 1 timed out before its first word settled (its sink is the first piece's, and its
+    client is gone); sequence 2, submitted and paused for text, still times out and frees its row."""
+    served = text_sequences(tiny_checkpoint, "concurrent", IDLE_S, expire_every_s=0.05)
+    with served as (_, service, sequences, _):
+        gone, paused = GoneSink(), CollectingSink()
+        sequences.piece("1", True, False, {**text("Hello"), **FIRST}, "a", lambda: gone)
+        assert not sequences.open["1"].submitted
+        time.sleep(IDLE_S / 2)
+        sequences.piece("2", True, False, {**text("Hello there, and then "), **FIRST}, "b", lambda: paused)
+        assert gone.done.wait(10) and "sequence 1 had no text piece" in gone.errors[0]
+        assert paused.done.wait(10) and "sequence 2 had no text piece" in paused.errors[0]
+        assert sequences.thread.is_alive()
+        wait_for(lambda: not service.streams and not service.engine.running)
 
 
 def test_a_sequence_open_too_long_ends_with_an_error_however_its_text_comes(tiny_checkpoint):
@@ -127,7 +167,7 @@ def test_a_sequence_open_too_long_ends_with_an_error_however_its_text_comes(tiny
             if sink.done.is_set():
                 break
             sequences.piece("6", False, False, text("a"), "k", None)
-        assert sink.done.wait(10) and "open for more than 0.6 s (text_stream_max_s)" in sink.errors[0]
+        assert sink.done.wait(10) and "was open for more than 0.6 s (text_stream_max_s)" in sink.errors[0]
         assert sequences.ended["6"] == "timed out"
         wait_for(lambda: not service.streams and not service.engine.running)
 

@@ -17,8 +17,11 @@ from ..errors import RequestError
 SAMPLE_RATE = 24000
 MIN_SECONDS, MAX_SECONDS = 1.0, 30.0
 SILENCE_PEAK = 1e-3  # -60 dBFS: below this a recording holds no voice to clone
+# +6 dBFS: float samples belong within -1..1; far beyond it the encoders' spectra overflow to NaN
+MAX_PEAK = 2.0
 MAX_CHANNELS = 8
 MAX_RESAMPLING_RATIO = 1000  # 44.1 kHz is 80/147 of 24 kHz, 11.025 kHz 320/147
+UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's length of a file whose header gives none (a FLAC written to a pipe)
 
 
 def read_reference_audio(raw: bytes, field: str = "reference_audio") -> np.ndarray:
@@ -51,8 +54,13 @@ def read_reference_audio(raw: bytes, field: str = "reference_audio") -> np.ndarr
         raise RequestError(field, f"too long: over {MAX_SECONDS:g} s")
     if not np.isfinite(audio).all():
         raise RequestError(field, "holds samples that are not finite numbers")
-    if np.abs(audio).max() < SILENCE_PEAK:
+    peak = np.abs(audio).max()
+    if peak < SILENCE_PEAK:
         raise RequestError(field, "is silent (peak below -60 dBFS)")
+    if peak > MAX_PEAK:
+        raise RequestError(
+            field, f"peak {peak:.3g} is far beyond full scale (float samples belong within -1..1)"
+        )
     if rate != SAMPLE_RATE:
         from scipy.signal import resample_poly
 
@@ -73,5 +81,9 @@ def _check_header(field: str, rate: int, channels: int, frames: int) -> None:
         )
     if channels > MAX_CHANNELS:
         raise RequestError(field, f"{channels} channels (at most {MAX_CHANNELS}; they are mixed down)")
+    if frames == UNKNOWN_FRAMES:  # libsndfile cannot read on through such a file (its seeks fail)
+        raise RequestError(
+            field, "its header gives no length (written as a stream?); send WAV, or a FLAC file"
+        )
     if frames / rate > MAX_SECONDS:
         raise RequestError(field, f"too long: {frames / rate:.2f} s (at most {MAX_SECONDS:g} s)")

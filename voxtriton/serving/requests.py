@@ -16,7 +16,7 @@ from ..models.family import ModelFamily, SamplingDefaults
 from ..models.text import PromptBuilder, PromptHead
 from ..models.voice import Voice
 from .settings import TTSSettings
-from .voices import MAX_TRANSCRIPT_BYTES, NAME, VoiceStore
+from .voices import MAX_TRANSCRIPT_BYTES, VoiceStore
 
 STRING_INPUTS = ("text", "speaker", "language", "instruct", "reference_text")
 BYTES_INPUTS = ("reference_audio",)  # a recording's file bytes, decoded by the voice encoder
@@ -95,7 +95,7 @@ class RequestParser:
         return audio, text or None
 
     def registered_voice(self, name: str) -> Voice:
-        voice = self.voices.get(name.lower()) if self.voices is not None else None
+        voice = self.voices.find(name.lower()) if self.voices is not None else None
         if voice is None:
             known = ", ".join(self.voices.names()) if self.voices is not None else ""
             raise RequestError("speaker", f"unknown voice {name!r}; registered: {known or 'none'}")
@@ -228,7 +228,7 @@ class CsmRequestParser:
         return Request(request_id, prompt, params)
 
     def _registered_voice(self, name: str) -> Voice:
-        voice = self.voices.get(name) if NAME.fullmatch(name) else None
+        voice = self.voices.find(name)
         if voice is None:
             registered = ", ".join(self.voices.names()) or "none"
             raise RequestError(

@@ -14,6 +14,7 @@ not hold a row for hours); all its pieces together are held to max_text_bytes.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from ..errors import RequestError
 from ..models.text import PromptHead, TextStream
 from .requests import RequestParser
 from .service.protocols import ResponseSink
+
+log = logging.getLogger(__name__)
 
 ENDED_REMEMBERED = 4096  # ended sequence ids kept, to tell a piece after the end from an unknown id
 
@@ -108,22 +111,22 @@ class TextSequences:
                 )
                 self.open[sequence_id] = sequence
                 self.ended.pop(sequence_id, None)
-            else:
-                if sequence is None:
-                    how = self.ended.get(sequence_id)
-                    raise RequestError(
-                        "sequence_id",
-                        f"sequence {sequence_id} has ended ({how}): a piece after its end"
-                        if how
-                        else f"unknown sequence {sequence_id}: its first piece must carry sequence_start",
-                    )
-                text = self.parser.piece_text(inputs)
-                if text:  # empty pieces do not keep an idle sequence open
-                    sequence.last_piece_at = self.clock()
-            sequence.has_words |= bool(text.strip())
-            sequence.text_bytes += len(text.encode("utf-8"))
+            elif sequence is None:
+                how = self.ended.get(sequence_id)
+                raise RequestError(
+                    "sequence_id",
+                    f"sequence {sequence_id} has ended ({how}): a piece after its end"
+                    if how
+                    else f"unknown sequence {sequence_id}: its first piece must carry sequence_start",
+                )
             limit = self.parser.settings.max_text_bytes
-            try:
+            try:  # a bad piece ends its sequence: text left out, or an end lost, would pass unseen
+                if not start:
+                    text = self.parser.piece_text(inputs)
+                    if text:  # empty pieces do not keep an idle sequence open
+                        sequence.last_piece_at = self.clock()
+                sequence.has_words |= bool(text.strip())
+                sequence.text_bytes += len(text.encode("utf-8"))
                 if sequence.text_bytes > limit:
                     raise RequestError("text", f"sequence {sequence_id}: too long: over {limit} bytes in all")
                 ids = sequence.text.feed(text) + (sequence.text.finish() if end else [])
@@ -187,28 +190,34 @@ class TextSequences:
                 self._close(sequence, "its stream ended")
             for sequence in list(self.open.values()):
                 if now - sequence.last_piece_at > self.idle_timeout_s:
-                    reason = f"no text piece for {self.idle_timeout_s:g} s (text_idle_timeout_s)"
+                    reason = f"had no text piece for {self.idle_timeout_s:g} s (text_idle_timeout_s)"
                 elif now - sequence.started_at > self.max_open_s:
-                    reason = f"open for more than {self.max_open_s:g} s (text_stream_max_s)"
+                    reason = f"was open for more than {self.max_open_s:g} s (text_stream_max_s)"
                 else:
                     continue
                 self._close(sequence, "timed out")
                 expired.append((sequence, reason))
-        for sequence, reason in expired:
+        for sequence, reason in expired:  # the client's doing: an error of its text, not the server's
             self._fail(
-                sequence, f"sequence {sequence.sequence_id}: {reason}; send sequence_end with the last piece"
+                sequence, f"text: sequence {sequence.sequence_id} {reason}; mark its last piece as its end"
             )
 
     def _fail(self, sequence: Sequence, message: str) -> None:
         """End a sequence's audio with an error: through its stream once submitted, else at its sink."""
         if sequence.submitted:
             self.service.end_stream(sequence.request_id, message)
-        else:
+            return
+        try:
             sequence.sink.fail(message)
+        except Exception:  # the client may be gone; the other sequences go on
+            log.exception("sequence %s: its error could not be sent", sequence.sequence_id)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(self.interval_s):
-            self.expire()
+            try:
+                self.expire()
+            except Exception:  # a bug: the next sweep may still end what this one could not
+                log.exception("expiring text sequences failed")
 
     def shutdown(self) -> None:
         """Stop, and end every open sequence with an error."""

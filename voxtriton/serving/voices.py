@@ -132,7 +132,10 @@ class _Job:
 
     def refuse(self, message: str) -> None:
         self.answered = True
-        self.fail(message)
+        try:
+            self.fail(message)
+        except Exception:  # its sender failed: nothing more reaches that client, the others go on
+            log.exception("a request's error could not be sent")
 
 
 class EncodingQueue:
@@ -188,8 +191,7 @@ class EncodingQueue:
                 log.exception("voice encoder pass failed")
                 for job in jobs:
                     if not job.answered:
-                        with contextlib.suppress(Exception):
-                            job.refuse(f"internal error: reference_audio could not be encoded: {error}")
+                        job.refuse(f"internal error: reference_audio could not be encoded: {error}")
             finally:
                 with self.lock:
                     self.encoding = False
@@ -278,9 +280,12 @@ class VoiceStore:
 
     def __init__(self, directory: Path, family: ModelFamily, max_voices: int = 1000):
         self.directory, self.family, self.max_voices = Path(directory), family, max_voices
-        # name -> ((mtime, size) of the file read, its voice); least recently used first, at most
-        # max_voices, so names registered, used and deleted do not pile up
-        self.cache: collections.OrderedDict[str, tuple[tuple[int, int], Voice]] = collections.OrderedDict()
+        # name -> ((inode, mtime, size) of the file read, its voice); least recently used first, at
+        # most max_voices, so names registered, used and deleted do not pile up. A replaced voice is
+        # a new inode (written aside, then linked in), however soon after the old one.
+        self.cache: collections.OrderedDict[str, tuple[tuple[int, int, int], Voice]] = (
+            collections.OrderedDict()
+        )
         self.lock = threading.Lock()
 
     def _path(self, name: str) -> Path:
@@ -340,22 +345,26 @@ class VoiceStore:
         except FileNotFoundError:
             return False
 
+    def find(self, name: str) -> Voice | None:
+        """The voice a request names, or None: no voice is registered as `name`, or none could be."""
+        return self.get(name) if NAME.fullmatch(name) else None
+
     def get(self, name: str) -> Voice | None:
         """The voice registered as `name`, or None; RequestError for a name that cannot be one."""
         path = self._path(name)
         try:
             stat = path.stat()
         except FileNotFoundError:
-            with self.lock:
-                self.cache.pop(name, None)
-            return None
-        key = (stat.st_mtime_ns, stat.st_size)
+            return self._forget(name)
+        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         with self.lock:
             cached = self.cache.get(name)
             if cached is not None and cached[0] == key:
                 self.cache.move_to_end(name)
                 return cached[1]
         voice = self._load(name, path)
+        if voice is None:
+            return self._forget(name)
         with self.lock:
             self.cache[name] = (key, voice)
             self.cache.move_to_end(name)
@@ -363,12 +372,19 @@ class VoiceStore:
                 self.cache.popitem(last=False)
         return voice
 
-    def _load(self, name: str, path: Path) -> Voice:
+    def _forget(self, name: str) -> None:
+        with self.lock:
+            self.cache.pop(name, None)
+
+    def _load(self, name: str, path: Path) -> Voice | None:
+        """The voice in `path`; None: deleted since it was found."""
         try:
             with np.load(path, allow_pickle=False) as data:
                 text = bytes(data["text"]).decode("utf-8") or None
                 codes = data["codes"].astype(np.int64)
                 voice = Voice(data["embedding"].astype(np.float32), codes, text, codes_key(codes))
+        except FileNotFoundError:
+            return None
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as error:
             raise RequestError("speaker", f"registered voice {name!r} cannot be read ({error})") from None
         self._check(name, voice, "speaker")
@@ -379,6 +395,8 @@ class VoiceStore:
         transcript)."""
         family, codes = self.family, voice.codes
         width = family.voice_embedding_width
+        if not np.isfinite(voice.embedding).all():
+            raise RequestError(field, f"voice {name!r} has an x-vector that is not finite numbers")
         if (
             voice.embedding.shape != (width,)
             or (width == 0 and not voice.text)
