@@ -644,12 +644,13 @@ def create_app(
             while not end:
                 try:
                     piece, end, _ = await receive(first=False)
-                except SpeechError as error:
+                except Exception as error:  # the stream ends with it (else it waits for text)
+                    if isinstance(error, WebSocketDisconnect):
+                        error = SpeechError(499, "the client went away")
+                    elif not isinstance(error, SpeechError):
+                        log.exception("gateway: reading a text stream failed")
+                        error = SpeechError(500, f"internal error: {error}", kind="server_error")
                     problems.append(error)
-                    stream.cancel()
-                    return
-                except WebSocketDisconnect:
-                    problems.append(SpeechError(499, "the client went away"))
                     stream.cancel()
                     return
                 if piece or end:  # an empty piece would cost the server a request for nothing
