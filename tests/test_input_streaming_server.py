@@ -3,11 +3,13 @@ Triton sequence on one gRPC stream, audio back on the first piece's request."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import queue
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import wave
@@ -18,7 +20,7 @@ import pytest
 import soundfile
 import tritonclient.grpc as grpcclient
 from server_helpers import start_server, wait_for_metric
-from voxtriton_client import TTSClient
+from voxtriton_client import AsyncTTSClient, TTSClient
 from voxtriton_client.api import request_inputs
 
 from voxtriton.bench.workload import TEXTS
@@ -395,3 +397,80 @@ def test_the_client_command_speaks_stdin_as_it_comes(server, tmp_path):
         timeout=120,
     )
     assert refused.returncode != 0 and "start_frames: must be at least 1" in refused.stderr, refused
+
+
+def test_the_clients_count_from_the_first_piece_and_return_at_the_final_response(client):
+    """A text source that waits 1 s before its first piece: the first audio's time counts from that
+    piece, not from the call. One that blocks once it has given its words: the synthesis, done at
+    max_frames, returns without waiting for it."""
+    release = threading.Event()
+
+    def late_then_stuck():
+        time.sleep(1.0)
+        yield from words()
+        release.wait(60)
+
+    called = time.perf_counter()
+    first_seen = []
+    synthesis = client.synthesize_text_stream(
+        late_then_stuck(),
+        on_chunk=lambda chunk: first_seen.append(time.perf_counter() - called),
+        max_frames=3,
+        ignore_eos=True,
+    ).raise_for_error()
+    returned = time.perf_counter() - called
+    release.set()
+    assert synthesis.completed and len(synthesis.audio) == 3 * 1920
+    assert synthesis.first_audio_after_first_piece_s <= first_seen[0] - 1.0
+    assert returned < 30, returned
+
+    async def stuck_async():
+        yield TEXT
+        await asyncio.sleep(60)
+
+    async def returns_at_the_final_response():
+        async with AsyncTTSClient(client.url) as async_client:
+            return await async_client.synthesize_text_stream(stuck_async(), max_frames=3, ignore_eos=True)
+
+    called = time.perf_counter()
+    assert asyncio.run(returns_at_the_final_response()).raise_for_error().completed
+    assert time.perf_counter() - called < 30
+
+
+def test_the_async_client_ends_with_its_timeout_and_the_text_sources_error(client):
+    """No final response within `timeout`: an error, not a wait for ever. A text source that raises:
+    its error, not a bare cancel. A blocking text source (a plain iterator) does not stall the event
+    loop. The server keeps serving."""
+
+    def llm_that_fails():
+        yield "Hello there,"
+        raise ValueError("the LLM failed")
+
+    def blocking_words():  # a blocking source, as stdin: it would hold the event loop 0.4 s a piece
+        for piece in ("Hello there,", " and then", " goodbye."):
+            time.sleep(0.4)
+            yield piece
+
+    async def scenario():
+        gaps = [0.0]
+
+        async def tick():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        async with AsyncTTSClient(client.url) as async_client:
+            slow = await async_client.synthesize(TEXT, max_frames=600, ignore_eos=True, timeout=0.5)
+            failed = await async_client.synthesize_text_stream(llm_that_fails(), **OPTIONS)
+            ticker = asyncio.create_task(tick())
+            blocked = await async_client.synthesize_text_stream(blocking_words(), **OPTIONS)
+            ticker.cancel()
+            return slow, failed, blocked, max(gaps)
+
+    slow, failed, blocked, longest_gap = asyncio.run(scenario())
+    assert slow.error == "no final response within 0.5 s" and not slow.completed
+    assert failed.error == "text pieces failed: ValueError('the LLM failed')"
+    assert blocked.raise_for_error().completed and longest_gap < 0.3, longest_gap
+    assert client.synthesize(TEXT, **OPTIONS).raise_for_error().completed

@@ -6,6 +6,7 @@ their arrival times, the audio, and what a listener would have experienced.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -13,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
@@ -140,11 +142,29 @@ def piece_request(
     }
 
 
-def _chunk_from(result, sent_at: float) -> Chunk:
+class _Clock:
+    """Seconds since its zero: a request's sending, or an input stream's first piece."""
+
+    def __init__(self):
+        self.zero = time.perf_counter()
+
+    def restart(self) -> None:
+        self.zero = time.perf_counter()
+
+    def since(self, moment: float | None = None) -> float:
+        return (time.perf_counter() if moment is None else moment) - self.zero
+
+
+def pieces_failed(error: Exception) -> str:
+    """A synthesis's error when the iterator of its text pieces raised."""
+    return f"text pieces failed: {error!r}"
+
+
+def _chunk_from(result, arrived_s: float) -> Chunk:
     names = {output.name for output in result.get_response().outputs}
     return Chunk(
         result.as_numpy("audio").astype(np.float32, copy=False),
-        time.perf_counter() - sent_at,
+        arrived_s,
         result.as_numpy("codes") if "codes" in names else None,
         result.as_numpy("chunk_info") if "chunk_info" in names else None,
     )
@@ -155,14 +175,15 @@ def _is_final(result) -> bool:
     return parameter is not None and parameter.bool_param
 
 
-def _consume(synthesis: Synthesis, result, error, sent_at: float) -> tuple[Chunk | None, bool]:
-    """Apply one stream event to `synthesis`: (the chunk it carried, if any; whether the stream is over)."""
+def _consume(synthesis: Synthesis, result, error, arrived_s: float) -> tuple[Chunk | None, bool]:
+    """Apply one stream event, which arrived `arrived_s` after the clock's zero, to `synthesis`: (the
+    chunk it carried, if any; whether the stream is over)."""
     if error is not None:
         synthesis.error = error.message() if isinstance(error, InferenceServerException) else str(error)
         return None, True
     chunk = None
     if result.get_response().outputs:
-        chunk = _chunk_from(result, sent_at)
+        chunk = _chunk_from(result, arrived_s)
         synthesis.chunks.append(chunk)
     synthesis.completed = _is_final(result)
     return chunk, synthesis.completed
@@ -178,15 +199,16 @@ class TTSClient:
         self, text: str, *, codes: bool = False, info: bool = False, timeout: float = 300.0, **options
     ) -> Iterator[tuple[Chunk | None, Synthesis]]:
         """Yield (chunk, synthesis so far) as chunks arrive; the last item has chunk None."""
+        request = {
+            "model_name": self.model,
+            "inputs": request_inputs(grpcclient, text, **options),
+            "request_id": uuid.uuid4().hex,
+            "outputs": requested_outputs(grpcclient, codes, info),
+            "enable_empty_final_response": True,
+        }
 
-        def send(client, synthesis, sent_at):
-            client.async_stream_infer(
-                self.model,
-                request_inputs(grpcclient, text, **options),
-                request_id=uuid.uuid4().hex,
-                outputs=requested_outputs(grpcclient, codes, info),
-                enable_empty_final_response=True,
-            )
+        def send(post, synthesis, clock):
+            post(**request)
 
         yield from self._stream(send, timeout)
 
@@ -202,75 +224,89 @@ class TTSClient:
         """Input streaming: send text pieces as they come (from an LLM, say) and yield (chunk, synthesis
         so far) as audio arrives, while later pieces are still being sent; the last item has chunk
         None. The pieces go out as one Triton sequence on one gRPC stream, the options with the first,
-        and an empty piece with sequence_end after the last. `timeout` counts from the first piece."""
+        and an empty piece with sequence_end after the last. Times count from the first piece, and
+        `timeout` from the first piece too once one came (else from the call)."""
+        request_inputs(grpcclient, "", **options)  # a bad option raises here, not as the pieces' failure
         sequence_id = uuid.uuid4().hex
 
-        def send(client, synthesis, sent_at):
-            def piece(text, index, end=False):
-                client.async_stream_infer(
-                    **piece_request(
-                        grpcclient, self.model, sequence_id, index, text, end, codes, info, options
-                    )
-                )
-
+        def send(post, synthesis, clock):
             sent = 0
             for text in pieces:
-                if synthesis.error is not None or synthesis.completed:
-                    return
-                piece(text, sent)
+                if sent == 0:
+                    clock.restart()
+                if not post(
+                    **piece_request(
+                        grpcclient, self.model, sequence_id, sent, text, False, codes, info, options
+                    )
+                ):
+                    return  # the synthesis is over
                 sent += 1
-                synthesis.last_piece_s = time.perf_counter() - sent_at
-            piece("", sent, end=True)
+                synthesis.last_piece_s = clock.since()
+            if sent == 0:
+                clock.restart()
+            post(**piece_request(grpcclient, self.model, sequence_id, sent, "", True, codes, info, options))
 
         yield from self._stream(send, timeout, in_background=True)
 
     def _stream(
         self, send, timeout: float, in_background: bool = False
     ) -> Iterator[tuple[Chunk | None, Synthesis]]:
-        """Open a gRPC stream, `send(client, synthesis, sent_at)` on it (on a thread of its own if
-        `in_background`), and yield the chunks that come back."""
+        """Open a gRPC stream and run `send(post, synthesis, clock)` on it (on a thread of its own if
+        `in_background`): `post(**request)` sends a request, False once the synthesis is over;
+        `clock` is the zero of the chunks' times. Yield the chunks that come back."""
         client = grpcclient.InferenceServerClient(self.url)
         responses: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        synthesis = Synthesis()
-        sender = None
+        stream_failed = threading.Event()
+
+        def on_response(result, error):
+            # Stamped here: a slow consumer of this generator must not make its chunks look late.
+            responses.put((result, error, time.perf_counter()))
+            if error is not None:
+                stream_failed.set()
+
+        client.start_stream(callback=on_response)
+        synthesis, clock = Synthesis(), _Clock()
+        posting, over = threading.Lock(), threading.Event()
+
+        def post(**request) -> bool:
+            with posting:  # never on a stream being stopped
+                if over.is_set():
+                    return False
+                client.async_stream_infer(**request)
+                return True
+
+        def send_or_fail():
+            try:
+                send(post, synthesis, clock)
+            except InferenceServerException as refused:
+                # The stream failed before the request went out (say, a proxy with no server behind
+                # it): the cause comes through the callback, if it comes at all.
+                if not stream_failed.wait(1.0):
+                    responses.put((None, refused, time.perf_counter()))
+            except Exception as error:  # the pieces' iterator failed: end the synthesis with it
+                responses.put((None, pieces_failed(error), time.perf_counter()))
+
         try:
-            sent_at = time.perf_counter()
-
-            def send_or_fail():
-                try:
-                    send(client, synthesis, sent_at)
-                except InferenceServerException as refused:
-                    # The stream failed before the request went out (say, a proxy with no server behind
-                    # it): the cause comes through the callback.
-                    try:
-                        _, cause = responses.get(timeout=1.0)
-                    except queue.Empty:
-                        cause = None
-                    responses.put((None, cause or refused))
-                except Exception as error:  # the pieces' iterator failed: end the synthesis with it
-                    responses.put((None, f"text pieces failed: {error!r}"))
-
             if in_background:
-                sender = threading.Thread(target=send_or_fail, daemon=True)
-                sender.start()
+                threading.Thread(target=send_or_fail, daemon=True).start()
             else:
                 send_or_fail()
-            deadline = sent_at + timeout
             while synthesis.error is None:
                 try:
-                    result, error = responses.get(timeout=max(0.0, deadline - time.perf_counter()))
+                    result, error, arrived = responses.get(
+                        timeout=max(0.0, clock.zero + timeout - time.perf_counter())
+                    )
                 except queue.Empty:
                     synthesis.error = f"no final response within {timeout} s"
                     break
-                chunk, over = _consume(synthesis, result, error, sent_at)
+                chunk, ended = _consume(synthesis, result, error, clock.since(arrived))
                 if chunk is not None:
                     yield chunk, synthesis
-                if over:
+                if ended:
                     break
         finally:  # a stream left early (an exception, or the caller stopped iterating) is cancelled
-            if sender is not None and synthesis.completed:
-                sender.join(timeout)  # the empty last piece may still be on its way
+            with posting:  # a sender still reading its pieces sends no more
+                over.set()
             client.stop_stream(cancel_requests=not synthesis.completed)
             client.close()
         yield None, synthesis
@@ -316,23 +352,23 @@ class AsyncTTSClient:
         codes: bool = False,
         info: bool = False,
         on_chunk: Callable[[Chunk], None] | None = None,
+        timeout: float = 300.0,
         **options,
     ) -> Synthesis:
-        synthesis = Synthesis()
-        inputs = request_inputs(aioclient, text, **options)
-        outputs = requested_outputs(aioclient, codes, info)
+        """The whole synthesis: its chunks reach `on_chunk` as they arrive; after `timeout` s without
+        the final response it ends with an error."""
+        request = {
+            "model_name": self.model,
+            "inputs": request_inputs(aioclient, text, **options),
+            "outputs": requested_outputs(aioclient, codes, info),
+            "request_id": uuid.uuid4().hex,
+            "enable_empty_final_response": True,
+        }
 
         async def requests() -> AsyncIterator[dict]:
-            yield {
-                "model_name": self.model,
-                "inputs": inputs,
-                "outputs": outputs,
-                "request_id": uuid.uuid4().hex,
-                "enable_empty_final_response": True,
-            }
+            yield request
 
-        sent_at = time.perf_counter()
-        return await self._read(requests(), synthesis, sent_at, on_chunk)
+        return await self._read(requests(), Synthesis(), _Clock(), on_chunk, timeout)
 
     async def synthesize_text_stream(
         self,
@@ -341,41 +377,59 @@ class AsyncTTSClient:
         codes: bool = False,
         info: bool = False,
         on_chunk: Callable[[Chunk], None] | None = None,
+        timeout: float = 300.0,
         **options,
     ) -> Synthesis:
         """Input streaming (`TTSClient.stream_text`): the pieces, as they come, go out as one Triton
-        sequence; chunks reach `on_chunk` as they arrive. Times count from the first piece."""
-        synthesis = Synthesis()
+        sequence; chunks reach `on_chunk` as they arrive. Times count from the first piece; `timeout`
+        from the call. A plain iterable is read on a worker thread: it may block (stdin, say)."""
+        request_inputs(aioclient, "", **options)  # a bad option raises here, not as the pieces' failure
+        synthesis, clock = Synthesis(), _Clock()
         sequence_id = uuid.uuid4().hex
-        sent_at = time.perf_counter()
 
         async def requests() -> AsyncIterator[dict]:
-            nonlocal sent_at
             index = 0
-            async for text in _async_iter(pieces):
-                if index == 0:
-                    sent_at = time.perf_counter()
-                yield piece_request(
-                    aioclient, self.model, sequence_id, index, text, False, codes, info, options
-                )
-                synthesis.last_piece_s = time.perf_counter() - sent_at
-                index += 1
+            try:
+                async for text in _async_iter(pieces):
+                    if index == 0:
+                        clock.restart()
+                    yield piece_request(
+                        aioclient, self.model, sequence_id, index, text, False, codes, info, options
+                    )
+                    synthesis.last_piece_s = clock.since()
+                    index += 1
+            except Exception as error:  # gRPC cancels the call for it, and keeps no cause
+                synthesis.error = pieces_failed(error)
+                raise
             if index == 0:
-                sent_at = time.perf_counter()
+                clock.restart()
             yield piece_request(aioclient, self.model, sequence_id, index, "", True, codes, info, options)
 
-        return await self._read(requests(), synthesis, lambda: sent_at, on_chunk)
+        return await self._read(requests(), synthesis, clock, on_chunk, timeout)
 
-    async def _read(self, requests, synthesis: Synthesis, sent_at, on_chunk) -> Synthesis:
-        """Send `requests` on one stream and apply its responses; `sent_at`: the clock's zero (or a
-        function giving it, when the first request goes out later)."""
-        async for result, error in self.client.stream_infer(requests):
-            zero = sent_at() if callable(sent_at) else sent_at
-            chunk, over = _consume(synthesis, result, error, zero)
-            if chunk is not None and on_chunk is not None:
-                on_chunk(chunk)
-            if over:
-                break
+    async def _read(
+        self, requests, synthesis: Synthesis, clock: _Clock, on_chunk, timeout: float
+    ) -> Synthesis:
+        """Send `requests` on one stream and apply its responses until the final one, an error, or
+        `timeout` s after the call; then cancel the call, whose request side may still be pulling
+        pieces. A failure to reach the server raises grpc.aio.AioRpcError."""
+        responses = self.client.stream_infer(requests, stream_timeout=timeout)
+        try:
+            async for result, error in responses:
+                chunk, over = _consume(synthesis, result, error, clock.since())
+                if chunk is not None and on_chunk is not None:
+                    on_chunk(chunk)
+                if over:
+                    break
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            synthesis.error = f"no final response within {timeout} s"
+        except asyncio.CancelledError:
+            if synthesis.error is None or asyncio.current_task().cancelling():
+                raise  # this task's cancel, not the call's for the pieces' failure
+        finally:
+            responses.cancel()
         return synthesis
 
 
@@ -383,6 +437,7 @@ async def _async_iter(pieces):
     if hasattr(pieces, "__aiter__"):
         async for piece in pieces:
             yield piece
-    else:
-        for piece in pieces:
-            yield piece
+        return
+    iterator, done = iter(pieces), object()
+    while (piece := await asyncio.to_thread(next, iterator, done)) is not done:
+        yield piece

@@ -45,6 +45,10 @@ PLAYGROUND = Path(__file__).parent / "playground.html"
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's names, for clients that insist on them
 HEALTH_TIMEOUT_S = 2.0
 API_KEY_ENV = "VOXTRITON_API_KEY"  # --api-key's default
+# A stream's whole call to the server: the server bounds what a stream can take (max_frames of audio;
+# a text stream open at most text_stream_max_s, 600 s by default), so this only ends the streams of
+# a server that stopped answering.
+STREAM_TIMEOUT_S = 1800.0
 FIRST_MESSAGE_TIMEOUT_S = 30.0  # a text stream's first message, after its WebSocket opened
 MAX_CONNECTIONS = 1024  # --max-connections' default: a few servers' max_streams + max_queued
 MAX_SPEECH_BODY_BYTES = 1 << 20  # a speech request: its input (the server takes 8 KiB of text) and options
@@ -320,13 +324,18 @@ class Backend:
         """`AsyncTTSClient.synthesize` on this backend; BackendUnreachable when it refuses the connection
         before any audio came back."""
         return await self._call(
-            lambda client, deliver: client.synthesize(text, on_chunk=deliver, **options), on_chunk
+            lambda client, deliver: client.synthesize(
+                text, on_chunk=deliver, timeout=STREAM_TIMEOUT_S, **options
+            ),
+            on_chunk,
         )
 
     async def synthesize_text_stream(self, pieces, on_chunk=None, **options) -> Synthesis:
         """`synthesize` for text that arrives in pieces (an async iterator)."""
         return await self._call(
-            lambda client, deliver: client.synthesize_text_stream(pieces, on_chunk=deliver, **options),
+            lambda client, deliver: client.synthesize_text_stream(
+                pieces, on_chunk=deliver, timeout=STREAM_TIMEOUT_S, **options
+            ),
             on_chunk,
         )
 
