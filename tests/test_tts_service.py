@@ -1007,3 +1007,92 @@ def test_a_stream_ended_before_the_engine_took_it_is_never_scheduled(tiny_checkp
         service.shutdown()
     with pytest.raises(ServerBusy, match="server shutting down"):  # a voice encoded too late, say
         service.submit(parser.parse("late", inputs), CollectingSink())
+
+
+class SinkThatCannotSend(CollectingSink):
+    """Its first send fails on the server's side (say, shared memory full), its client still there."""
+
+    def send(self, audio, codes, info, final):
+        raise RuntimeError("Failed to increase the shared memory pool size")
+
+
+class MetricsThatFailOnce(DroppedMetrics):
+    """A bug after a codec call (here: in recording the first chunk sent)."""
+
+    def __init__(self):
+        self.failed = False
+
+    def chunk_sent(self, *args, **kwargs):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug in the metrics")
+
+
+def test_a_failed_send_or_a_bug_after_the_codec_call_ends_the_stream_with_an_error(tiny_checkpoint):
+    """Not silently: a send that fails reaches the client as an error, if it is still there; a bug
+    past the codec call ends its batch's streams with it, gives their rows back, and the lane
+    worker goes on to serve the next request."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(
+        engine, scheduler_config, {URGENT: lane}, max_queued=1, metrics=MetricsThatFailOnce()
+    )
+    inputs = {
+        "text": np.array([b"Ends."], dtype=object),
+        "max_frames": np.array([6]),
+        "ignore_eos": np.array([True]),
+    }
+    try:
+        slots = len(service.free_slots)
+        cannot_send = SinkThatCannotSend()
+        service.submit(parser.parse("r1", inputs), cannot_send)
+        assert cannot_send.done.wait(60)
+        assert cannot_send.errors == [
+            "sending its audio failed: Failed to increase the shared memory pool size"
+        ]
+        hit_by_the_bug, after = CollectingSink(), CollectingSink()
+        service.submit(parser.parse("r2", inputs), hit_by_the_bug)
+        assert hit_by_the_bug.done.wait(60)
+        assert hit_by_the_bug.errors == ["codec lane 'urgent' failed: a bug in the metrics"]
+        service.submit(parser.parse("r3", inputs), after)
+        assert after.done.wait(60) and after.errors == [] and len(after.info) == 3
+        wait_for(lambda: len(service.free_slots) == slots and not service.streams)
+    finally:
+        service.shutdown()
+
+
+class LaneThatCannotPrime(RecordingLane):
+    """Its priming calls (the reference codes, longer than any chunk) fail."""
+
+    def decode(self, codes, start, slots):
+        if codes.shape[1] > 8:
+            raise RuntimeError("out of memory")
+        return super().decode(codes, start, slots)
+
+
+def test_a_stream_whose_priming_fails_ends_alone(tiny_base_checkpoint, base_encoder):
+    """serial primes an in-context stream at its first chunk, in the batch of the first chunks: the
+    one whose priming fails ends with the error, the x-vector stream beside it streams its audio."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_base_checkpoint, "serial", chunk_schedule="2")
+    codec, pool = cpu_codec(tiny_base_checkpoint, engine, scheduler_config)
+    lane = LaneThatCannotPrime(InProcessLane(codec, pool.tensor))
+    recording = (0.3 * np.sin(np.arange(30000) * 0.05)).astype(np.float32)
+    in_context, x_vector = base_encoder.encode([recording] * 2, ["Words.", None])
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    inputs = {
+        "text": np.array([b"Side by side."], dtype=object),
+        "max_frames": np.array([6]),
+        "ignore_eos": np.array([True]),
+    }
+    try:
+        primed, plain = CollectingSink(), CollectingSink()
+        with service.lock:  # both in the engine's first step, so their first chunks share a batch
+            service.submit(parser.parse("r1", inputs, in_context), primed)
+            service.submit(parser.parse("r2", inputs, x_vector), plain)
+        assert primed.done.wait(120) and plain.done.wait(120)
+        assert primed.errors == ["codec lane 'inline' failed: out of memory"] and primed.audio == []
+        assert plain.errors == [] and len(plain.info) == 3
+        assert (0, 2) in [(start, frames) for start, frames in lane.calls]
+    finally:
+        service.shutdown()

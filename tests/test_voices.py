@@ -505,6 +505,8 @@ def test_the_encoding_queue_refuses_beyond_its_limit_and_outlives_a_failing_answ
         assert answered.acquire(timeout=60) and isinstance(answers["third"][0], Voice)
     finally:
         queue.shutdown()
+    with pytest.raises(ServerBusy, match="server shutting down"):
+        queue.submit(recordings[0], None, note("late"), note("late"))
 
 
 def test_a_name_taken_after_the_check_is_not_overwritten(tmp_path, family, monkeypatch):

@@ -105,9 +105,8 @@ class TritonSink:
         with self.lock:
             if self.closed:  # a chunk decoded for a stream that was failed or cancelled meanwhile
                 return
-            if final:
-                self.closed = True
             self.sender.send(response, flags=FINAL if final else 0)
+            self.closed = final  # not before: a final response that failed to go leaves room for the error
 
     def cancelled(self):
         with self.lock:

@@ -159,6 +159,8 @@ class EncodingQueue:
         self, audio: bytes, text: str | None, done: Callable[[Voice], None], fail: Callable[[str], None]
     ):
         with self.lock:
+            if not self.running:  # its thread is gone: the job would never be answered
+                raise ServerBusy("server shutting down")
             if len(self.jobs) >= self.max_waiting:
                 raise ServerBusy(
                     f"server busy: {len(self.jobs)} requests with reference_audio wait for the voice "

@@ -48,7 +48,14 @@ class LaneWorkers:
             if priming is not None:
                 self._prime_ahead(priming)
             elif batch:
-                self._decode_batch(lane, batch)
+                self._run_batch(lane, batch)
+
+    def _run_batch(self, lane: str, batch: list[Chunk]) -> None:
+        try:
+            self._decode_batch(lane, batch)
+        except Exception as error:  # a bug: the batch's streams end with it, the lane goes on
+            log.exception("codec lane %s: a batch failed", lane)
+            self._fail_streams(lane, [chunk.stream for chunk in batch], error)
 
     def _next_work(self, lane: str):
         """(None, a batch), or when the lane has no chunk to decode, (a stream to prime, None):
@@ -103,7 +110,7 @@ class LaneWorkers:
                 batch = self.scheduler.next_batch(INLINE)
             if not batch:
                 return
-            self._decode_batch(INLINE, batch)
+            self._run_batch(INLINE, batch)
 
     def _call_span(self, lane: str, issued: float) -> tuple[float, float]:
         """(start, end) of a codec call just returned. With several workers on a lane, a call issued
@@ -139,6 +146,42 @@ class LaneWorkers:
             self.metrics.codec_primed(lane, reused)
         return reused
 
+    @staticmethod
+    def _primed_frames(stream) -> int:
+        """Frames the stream's codec state holds before its first generated frame (its in-context
+        voice's reference codes)."""
+        prime = stream.request.prompt.reference_codes
+        return 0 if prime is None else len(prime)
+
+    def _prime_first_chunks(self, lane: str, codec_lane: str, live: list, codes: np.ndarray):
+        """Prime the first chunks' streams not primed on `codec_lane` yet; one whose priming fails
+        ends with the error, alone, and leaves the batch. Returns the batch's (live, codes) left."""
+        failed = []
+        for row, (chunk, stream) in enumerate(live):
+            if chunk.first_frame == 0 and self._primed_frames(stream) and stream.primed_on != codec_lane:
+                try:
+                    self._prime(codec_lane, stream)
+                except Exception as error:
+                    log.error(
+                        "stream %s: priming on lane %s failed: %s", stream.request.request_id, lane, error
+                    )
+                    self._fail_streams(lane, [stream], error)
+                    failed.append(row)
+        if not failed:
+            return live, codes
+        kept = [row for row in range(len(live)) if row not in failed]
+        return [live[row] for row in kept], codes[kept]
+
+    def _fail_streams(self, lane: str, streams: list, error: Exception) -> None:
+        """End streams whose chunk a codec call failed, and give their rows back (also those of
+        streams that had ended meanwhile, cancelled)."""
+        with self.lock:
+            for stream in streams:
+                stream.decoding = False
+                self._end(stream, f"codec lane '{lane}' failed: {error}")
+                self._free_slot(stream)
+            self.lock.notify_all()
+
     def _decode_batch(self, lane: str, batch: list[Chunk]) -> None:
         with self.lock:
             self._await_primings(batch)
@@ -155,33 +198,24 @@ class LaneWorkers:
                 stream.decoding = True
         issued = self.clock()
         codec_lane = URGENT if lane == INLINE else lane
-        codec = self.lanes[codec_lane]
+        live, codes = self._prime_first_chunks(lane, codec_lane, live, codes)
+        if not live:
+            return
         try:
-            offsets = []  # primed frames before each stream's first frame
-            for chunk, stream in live:
-                prime = stream.request.prompt.reference_codes
-                offsets.append(0 if prime is None else len(prime))
-                if prime is not None and chunk.first_frame == 0 and stream.primed_on != codec_lane:
-                    self._prime(codec_lane, stream)
-            audio = codec.decode(
+            audio = self.lanes[codec_lane].decode(
                 torch.from_numpy(codes.astype(np.int32)),
-                torch.tensor([c.first_frame + o for (c, _), o in zip(live, offsets)], dtype=torch.int64),
+                torch.tensor([c.first_frame + self._primed_frames(s) for c, s in live], dtype=torch.int64),
                 torch.tensor([s.codec_slot for _, s in live], dtype=torch.int64),
             )
+            samples_per_frame = audio.shape[1] // codes.shape[1]
         except Exception as error:
             log.error("codec lane %s failed: %s", lane, error)
-            with self.lock:
-                for _, stream in live:
-                    stream.decoding = False
-                    self._end(stream, f"codec lane '{lane}' failed: {error}")
-                    self._free_slot(stream)  # also when it had already ended (cancelled) meanwhile
-                self.lock.notify_all()
+            self._fail_streams(lane, [stream for _, stream in live], error)
             return
         started, ended = self._call_span(lane, issued)
         elapsed = ended - started
         if self.metrics:
             self.metrics.codec_call(lane, codes.shape[0] * codes.shape[1], elapsed)
-        samples_per_frame = audio.shape[1] // codes.shape[1]
         with self.lock:
             deliveries = []
             for row, (chunk, stream) in enumerate(live):
@@ -192,7 +226,7 @@ class LaneWorkers:
                     deliveries.append((row, chunk, stream))
         # Sends (IPC round trips) go out without the service lock. A stream has one chunk in flight, so
         # nothing else sends for it; one ended meanwhile has a closed sink, which drops the chunk.
-        sent = []  # (chunk, stream, when it was sent, or None if the client is gone)
+        sent = []  # (chunk, stream, when it was sent, why it was not)
         for row, chunk, stream in deliveries:
             info = np.array([chunk.index, chunk.first_frame, chunk.frames, LANE_CODES[chunk.lane]], np.int64)
             try:
@@ -202,14 +236,15 @@ class LaneWorkers:
                     info,
                     chunk.last,
                 )
-                sent.append((chunk, stream, self.clock()))
-            except Exception as error:  # client gone: stop generating for it
-                log.info("stream %s: send failed (%s); cancelling", stream.request.request_id, error)
-                sent.append((chunk, stream, None))
+                sent.append((chunk, stream, self.clock(), None))
+            except Exception as error:  # the client gone, or a send the server could not make
+                log.info("stream %s: send failed (%s); ending it", stream.request.request_id, error)
+                sent.append((chunk, stream, None, f"sending its audio failed: {error}"))
         with self.lock:
-            for chunk, stream, sent_at in sent:
-                if sent_at is None or stream.closed:
-                    self._end(stream, None)  # a no-op for a stream ended while its chunk was sent
+            for chunk, stream, sent_at, failure in sent:
+                if failure is not None or stream.closed:
+                    # The error reaches a client still there; a no-op for a stream ended meanwhile.
+                    self._end(stream, failure)
                     continue
                 if self.metrics:
                     self.metrics.chunk_sent(
