@@ -61,6 +61,9 @@ def test_compose_serves_with_a_gpu_a_checkpoint_mount_and_a_ready_healthcheck():
     assert check["test"][:2] == ["CMD", "curl"] and "-f" in check["test"][2]
     assert check["test"][-1] == f"http://127.0.0.1:{http_port}/v2/models/tts/ready"
     assert {"interval", "timeout", "retries", "start_period"} <= check.keys()
+    # docker's default 10 s would kill the server mid-drain (`voxtriton serve --drain-timeout`)
+    drain_s = build_parser().parse_args(["serve"]).drain_timeout
+    assert int(triton["stop_grace_period"].removesuffix("s")) >= drain_s + 20
 
 
 def test_compose_starts_the_gateway_once_triton_is_healthy():

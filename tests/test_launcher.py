@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -93,8 +94,10 @@ def test_background_partition_is_one_setting():
             assert 'key: "sm_count" value: { string_value: "48" }' in lane
         finally:
             server.cleanup()
+    workdirs = set(Path(tempfile.gettempdir()).glob("voxtriton-*"))
     with pytest.raises(SystemExit, match="codec_background:sm_count=32 and tts:background_sms=48 must agree"):
         TritonServer(parameters={"tts": {"background_sms": "48"}, "codec_background": {"sm_count": "32"}})
+    assert set(Path(tempfile.gettempdir()).glob("voxtriton-*")) <= workdirs  # the refused one's is gone
     # disaggregated: the codec lanes take a second GPU whole; the backbone partition setting stays its own
     server = TritonServer(policy="disaggregated", parameters={"tts": {"background_sms": "48"}}, use_mps=False)
     try:
@@ -160,6 +163,48 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
         time.sleep(1)
         assert processes_mentioning(workdir) == [], "SIGTERM must stop tritonserver and its stubs"
         assert not Path(workdir).exists()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.server
+def test_a_signal_while_the_server_starts_stops_it_at_once(tiny_checkpoint, tmp_path):
+    """Ctrl-C during a start (minutes on a GPU: kernels, graphs, warm-ups) ends it then, not once the
+    server is ready, and leaves no tritonserver behind."""
+    env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
+    ports = [str(free_port()) for _ in range(3)]
+    command = [sys.executable, "-m", "voxtriton.cli", "serve", "--checkpoint", str(tiny_checkpoint)]
+    command += ["--grpc-port", ports[0], "--http-port", ports[1], "--metrics-port", ports[2]]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (started := children(launcher.pid)):  # tritonserver launched, not ready yet
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(60) != 0
+        output = launcher.stdout.read()
+        assert "voxtriton: stopped before it was ready" in output and "voxtriton: ready" not in output, output
+        deadline = time.monotonic() + 15
+        while left := [pid for pid in started if Path(f"/proc/{pid}").exists()]:
+            states = [Path(f"/proc/{pid}/stat").read_text(errors="replace")[:80] for pid in left]
+            assert time.monotonic() < deadline, f"left running: {states}"
+            time.sleep(0.1)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

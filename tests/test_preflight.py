@@ -85,6 +85,14 @@ def test_a_sharded_checkpoint_passes_the_file_checks(tmp_path):
     assert_refused(result, seconds, "--grpc-port 70000", "not a port number")
 
 
+def test_weights_left_as_git_lfs_pointers_are_named(checkpoint):
+    """A clone without `git lfs pull` has a small text file in place of each weights file."""
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 3400000000\n"
+    (checkpoint / "speech_tokenizer" / "model.safetensors").write_text(pointer)
+    result, seconds = serve("--checkpoint", str(checkpoint))
+    assert_refused(result, seconds, "speech_tokenizer/model.safetensors: a Git LFS pointer", "git lfs pull")
+
+
 def test_a_checkpoint_with_a_bad_config_is_named(checkpoint):
     (checkpoint / "config.json").write_text('{"model_type": "llama"}')
     result, seconds = serve("--checkpoint", str(checkpoint))
@@ -126,6 +134,7 @@ def test_a_missing_tritonserver_is_named(checkpoint, tmp_path):
         ("tts:backbone_partition=half", "'backbone_partition' must be exclusive or shared"),
         ("tts:scheduler_chunk_schedule=0,4", "chunk_schedule must be comma-separated frame counts"),
         ("codec_urgent:sm_count=-3", "model codec_urgent: config.pbtxt parameter 'sm_count'"),
+        ('tts:voices_dir=/data/"best"', "voices_dir: '/data/\"best\"' holds a quote or a backslash"),
     ],
 )
 def test_a_bad_param_is_named(checkpoint, param, named):

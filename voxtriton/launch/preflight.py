@@ -19,6 +19,9 @@ PARSERS = {"tts": TTSSettings.from_model_config} | dict.fromkeys(
 )
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a clone without `git lfs pull` holds
+
+
 def fail(problem: str) -> NoReturn:
     raise SystemExit(f"voxtriton: {problem}")
 
@@ -39,6 +42,16 @@ def check_checkpoint(directory: str) -> None:
                     f"--checkpoint {directory}: {' or '.join(names)} is missing "
                     f"(not a {family} checkpoint in the official layout)"
                 )
+        pointers = [
+            str(weights.relative_to(path))
+            for weights in sorted(path.rglob("*.safetensors"))
+            if weights.stat().st_size < 1024 and weights.read_bytes().startswith(LFS_POINTER)
+        ]
+        if pointers:
+            fail(
+                f"--checkpoint {directory}: {', '.join(pointers)}: a Git LFS pointer, not the weights "
+                f"(run `git lfs pull` in {directory})"
+            )
         load_family(path)
     except CheckpointError as error:
         fail(f"--checkpoint: {error}")

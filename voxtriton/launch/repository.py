@@ -24,6 +24,8 @@ def _parameter_pattern(key: str) -> re.Pattern:
 
 def set_parameter(config_text: str, key: str, value: str) -> str:
     """Replace (or append) `parameters { key: KEY value: { string_value: ... } }` in a config.pbtxt."""
+    if '"' in value or "\\" in value:  # config.pbtxt would read them as the string's end or an escape
+        raise ValueError(f"{key}: {value!r} holds a quote or a backslash, which a model's parameters cannot")
     pattern = _parameter_pattern(re.escape(key))
     line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
     if pattern.search(config_text):

@@ -83,18 +83,21 @@ def prepare(args: argparse.Namespace) -> TritonServer:
         "--metrics-port": args.metrics_port,
     }
     preflight.check_ports(args.host, ports)
-    server = TritonServer(
-        checkpoint=args.checkpoint,
-        policy=args.policy,
-        host=args.host,
-        grpc_port=args.grpc_port,
-        http_port=args.http_port,
-        metrics_port=args.metrics_port,
-        repository=args.model_repository,
-        tritonserver=args.tritonserver,
-        parameters=parameters,
-        gpu=args.gpu,
-    )
+    try:
+        server = TritonServer(
+            checkpoint=args.checkpoint,
+            policy=args.policy,
+            host=args.host,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            metrics_port=args.metrics_port,
+            repository=args.model_repository,
+            tritonserver=args.tritonserver,
+            parameters=parameters,
+            gpu=args.gpu,
+        )
+    except ValueError as error:  # a value the model repository cannot hold
+        preflight.fail(str(error))
     try:
         preflight.check_settings(server.repository)
     except SystemExit:
@@ -131,6 +134,10 @@ def first_request_hint(checkpoint: str | None, grpc_url: str, parameters: dict[s
     return f"  try: {register}\n  then: {speak} --speaker anna"
 
 
+class StoppedBeforeReady(Exception):
+    """A signal came while the server was starting."""
+
+
 def serve(args: argparse.Namespace) -> int:
     server = prepare(args)
     if not args.checkpoint:
@@ -138,20 +145,27 @@ def serve(args: argparse.Namespace) -> int:
             "voxtriton: no --checkpoint given: serving the embedded tiny RANDOM-WEIGHT checkpoint. "
             "It produces noise, not speech. Serve real weights with --checkpoint DIR."
         )
-    signals = 0
+    signals, starting = 0, True
 
     def on_signal(signum, frame):
-        nonlocal signals
+        nonlocal signals, starting
         signals += 1
+        if starting:  # a start takes minutes (warm-ups): a signal ends it, even mid-call; once, so
+            starting = False  # the stop that follows is not cut short
+            raise StoppedBeforeReady
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
+        signal.signal(number, on_signal)
     try:
         try:
             server.start(timeout=600)
+            starting = False
         except StartFailed as error:
             print(f"voxtriton: {error.reason}; its log says:", file=sys.stderr)
             print("\n".join(f"  {line}" for line in server.log_errors()), file=sys.stderr)
+            return 1
+        except StoppedBeforeReady:
+            print("voxtriton: stopped before it was ready", file=sys.stderr)
             return 1
         print(
             f"voxtriton: ready. gRPC {server.grpc_url}, HTTP {args.host}:{server.http_port}, "
@@ -174,6 +188,9 @@ def serve(args: argparse.Namespace) -> int:
         )
         if server.drain(args.drain_timeout, give_up=lambda: signals > 1):
             print("voxtriton: every stream has ended", flush=True)
+        elif server.process.poll() is not None:
+            print(f"voxtriton: tritonserver exited with code {server.process.returncode} while draining")
+            return 1
         else:
             print("voxtriton: stopping with streams still in flight: they end with an error", flush=True)
         return 0

@@ -24,6 +24,8 @@ from .repository import CODEC_MODELS, REPOSITORY, model_overrides, render_reposi
 from .tritonserver import find_tritonserver
 
 # A glog error line: "E1204 15:50:13.689261 16080 model_lifecycle.cc:642] message".
+# The server's own endpoints are local: never through an http_proxy the environment sets.
+LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 LOG_ERROR = re.compile(r"^E\d{4} [\d:.]+ +\d+ [^\]]+\] +(.*)$")
 
 
@@ -83,12 +85,16 @@ class TritonServer:
         # `drain`: a file of the server's own, unless the deployment named one.
         tts = {"drain_file": str(self.workdir / "drain"), **parameters.get("tts", {})}
         self.drain_file = Path(tts["drain_file"]) if tts["drain_file"] else None
-        overrides = model_overrides(checkpoint, policy, gpus, {**parameters, "tts": tts})
         self.host = host
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
         self.metrics_port = metrics_port or free_port()
-        self.repository = render_repository(repository, self.workdir / "models", overrides)
+        try:
+            overrides = model_overrides(checkpoint, policy, gpus, {**parameters, "tts": tts})
+            self.repository = render_repository(repository, self.workdir / "models", overrides)
+        except BaseException:
+            self.cleanup()
+            raise
         self.log_file = log_file or self.workdir / "tritonserver.log"
         self.mps = (
             MPSDaemon(self.workdir, self.pinned) if (gpus > 0 if use_mps is None else use_mps) else None
@@ -97,8 +103,13 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
 
     @property
+    def local_host(self) -> str:
+        """Where this machine reaches the server: its --host, or loopback when it listens on all."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
     def grpc_url(self) -> str:
-        return f"{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.grpc_port}"
+        return f"{self.local_host}:{self.grpc_port}"
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -171,14 +182,14 @@ class TritonServer:
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.http_port}/v2/health/ready"
+        url = f"http://{self.local_host}:{self.http_port}/v2/health/ready"
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
                 self.stop()
                 raise StartFailed(f"tritonserver exited with code {code}", self.log_tail())
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
+                with LOCAL.open(url, timeout=2) as response:
                     if response.status == 200:
                         return self._load_scheduler(deadline)
             except OSError:
@@ -190,10 +201,10 @@ class TritonServer:
     def _load_scheduler(self, deadline: float) -> None:
         """Load the tts model once the server is up: its warm-up calls the codec models through BLS,
         which Triton refuses while the server starts; the server is ready again once it is warm."""
-        url = f"http://127.0.0.1:{self.http_port}/v2/repository/models/tts/load"
+        url = f"http://{self.local_host}:{self.http_port}/v2/repository/models/tts/load"
         request = urllib.request.Request(url, data=b"", method="POST")
         try:
-            urllib.request.urlopen(request, timeout=max(1.0, deadline - time.monotonic())).close()
+            LOCAL.open(request, timeout=max(1.0, deadline - time.monotonic())).close()
         except OSError:  # the log holds why (a model's error is many lines of JSON in the reply)
             tail = self.log_tail()
             self.stop()
@@ -202,8 +213,8 @@ class TritonServer:
     def metrics(self) -> dict[str, float]:
         """voxtriton's samples from the Prometheus endpoint, and Triton's own per-model inference
         counters (`nv_inference_*`): {'name{labels}': value}."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
+        url = f"http://{self.local_host}:{self.metrics_port}/metrics"
+        with LOCAL.open(url, timeout=10) as response:
             text = response.read().decode()
         samples = {}
         for line in text.splitlines():
@@ -269,7 +280,12 @@ class TritonServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # __exit__ will not run: nothing of a failed start is left
+            self.stop()
+            self.cleanup()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
