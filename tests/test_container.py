@@ -41,6 +41,15 @@ def test_empty_mount_serves_the_random_checkpoint_and_says_so(tmp_path):
     assert chosen.notice.startswith(f"voxtriton: no checkpoint in {mount}; {NOISE}")
 
 
+def test_a_mount_with_only_an_unfinished_download_is_not_taken_for_empty(tmp_path):
+    """`hf download --local-dir` writes its state in .cache/huggingface first: not an empty mount
+    to serve noise from, but a download to finish."""
+    mount = tmp_path / "checkpoint"
+    (mount / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    with pytest.raises(EntrypointError, match="holds only an unfinished Hugging Face download"):
+        plan([], {}, mount=mount)
+
+
 def test_missing_mount_serves_the_random_checkpoint_and_says_so(tmp_path):
     mount = tmp_path / "absent"
     chosen = plan(["serve"], {}, mount=mount)

@@ -62,6 +62,11 @@ def mounted_checkpoint(env: Mapping[str, str], mount: Path) -> tuple[Path | None
     if not path.is_dir():
         raise EntrypointError(f"{path}: is a file, not a checkpoint directory")
     if not any(not entry.name.startswith(".") for entry in path.iterdir()):
+        if (path / ".cache" / "huggingface").is_dir():  # `hf download --local-dir` keeps its state there
+            raise EntrypointError(
+                f"{path} holds only an unfinished Hugging Face download (.cache/huggingface): "
+                "run the download again to finish it"
+            )
         return None, noise_notice(path)
     try:
         load_family(path)
