@@ -4,13 +4,16 @@ definitions (no server)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
 
 from voxtriton.bench.goodput import goodput, search_goodput
-from voxtriton.bench.summary import RequestResult, attains_target, summarize, timeline, verdicts
+from voxtriton.bench.summary import RequestResult, attains_target, percentile, summarize, timeline, verdicts
+from voxtriton.bench.workload import open_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,3 +161,40 @@ def test_one_search_per_definition_reuses_the_probes(monkeypatch, tmp_path):
     strict, attainment = found["strict"]["goodput"], found["attainment"]["goodput"]
     row = f"| peer | {strict:.2f} | 2 of 2 | {attainment:.2f} | 2 of 2 | 5 |  |"
     assert row in (tmp_path / "results.md").read_text()
+
+
+def test_percentiles_are_nearest_rank():
+    """Of 88 requests one over the target: p99 is that one (a rounded index gave the one below)."""
+    ttfas = [0.1] * 86 + [0.19, 0.25]
+    assert percentile(ttfas, 99) == 0.25 and percentile(ttfas, 90) == 0.1
+    assert percentile(list(range(1, 11)), 90) == 9 and percentile([3.0], 50) == 3.0
+    assert percentile([], 90) is None
+
+
+class LateClient:
+    """A target whose first request holds the event loop (a client falling behind its arrivals):
+    each request notes when it was due (`sent`) and when it actually began."""
+
+    def __init__(self):
+        self.times = []
+
+    async def request(self, utterance, speaker, sent):
+        began = time.perf_counter()
+        if not self.times:
+            time.sleep(0.3)  # blocks the loop: the next arrivals come late
+        self.times.append((sent, began))
+        return RequestResult(sent, 0.01, 0.0, utterance.seconds, 0.5, None, asked_s=utterance.seconds)
+
+    async def close(self):
+        pass
+
+
+def test_an_open_loop_times_each_request_from_its_arrival_not_from_when_the_client_got_to_it():
+    """A client behind its arrival schedule adds its delay to the requests' times (they count from
+    `sent`), instead of hiding it: the coordinated omission of a closed loop."""
+    client = LateClient()
+    results, _ = asyncio.run(open_loop(lambda: client, 50.0, 1.0, 1.0, (1, 2), 7, None))
+    assert len(results) == len(client.times) > 20
+    late = [began - sent for sent, began in client.times[1:]]
+    assert max(late) > 0.2, late  # due while the loop was held, begun after
+    assert all(second >= first for (first, _), (second, _) in zip(client.times, client.times[1:]))

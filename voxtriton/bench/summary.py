@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -39,11 +40,12 @@ class RequestResult:
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """Nearest rank: the smallest value at least q% of the values are at or below (of 88 values, p99
+    is the largest: a rounded index would give the second largest and hide the one slow request)."""
     if not values:
         return None
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def peak_listeners(results: list[RequestResult]) -> int:

@@ -92,15 +92,19 @@ class TritonTarget:
             utterance = replace(utterance, frames=self.text_frames(utterance.text))
         options = dict(speaker=speaker, seed=utterance.seed, max_frames=utterance.frames, ignore_eos=True)
         backend = self.least_loaded()
+        arrivals = []  # on the harness's clock, from `sent`, as the openai target counts them
+
+        def arrived(chunk) -> None:
+            arrivals.append((time.perf_counter() - sent, chunk.seconds))
+
         if self.text_rate:
             pieces = words_at(utterance.text, self.text_rate)
-            synthesis = await backend.synthesize_text_stream(pieces, info=True, **options)
+            synthesis = await backend.synthesize_text_stream(pieces, info=True, on_chunk=arrived, **options)
         else:
-            synthesis = await backend.synthesize(utterance.text, info=True, **options)
+            synthesis = await backend.synthesize(utterance.text, info=True, on_chunk=arrived, **options)
         error = synthesis.error or (
             None if synthesis.completed else "stream ended without its final response"
         )
-        arrivals = [(c.arrived_s, c.seconds) for c in synthesis.chunks]
         lanes = [LANES[int(c.info[3])] for c in synthesis.chunks]
         return played(
             sent, arrivals, error, lanes, utterance.seconds, synthesis.last_audio_after_last_piece_s

@@ -99,11 +99,14 @@ async def one_request(
     seconds_range,
     speaker: str | VoiceMix | None,
     timeout: float = REQUEST_TIMEOUT_S,
+    sent: float | None = None,
 ) -> RequestResult:
+    """`sent`: when the request was due (an open loop's arrival time; now by default). Its times count
+    from then, so a client that falls behind its arrivals adds its delay, not hides it."""
     utterance = draw_utterance(rng, seconds_range)
     if isinstance(speaker, VoiceMix):  # drawn after the utterance, which stays what it is without a mix
         speaker = speaker.pick(rng)
-    sent = time.perf_counter()
+    sent = time.perf_counter() if sent is None else sent
     try:
         return await asyncio.wait_for(target.request(utterance, speaker, sent), timeout)
     except asyncio.TimeoutError:
@@ -145,8 +148,11 @@ async def open_loop(
             delay = start + next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            arrival = random.Random(rng.random())
             tasks.append(
-                asyncio.create_task(one_request(client, random.Random(rng.random()), seconds_range, speaker))
+                asyncio.create_task(
+                    one_request(client, arrival, seconds_range, speaker, sent=start + next_at)
+                )
             )
             if progress:
                 progress.update(next_at, f"{len(tasks)} sent")
