@@ -8,10 +8,8 @@ recordings are zero-padded to a length bucket and a batch bucket, each row with 
 `models.speaker_encoder`), so on a GPU each (batch, length) bucket is one CUDA graph, captured at
 start: one launch per batch of recordings. A graph keeps the memory of its largest activations
 (the speech encoder's about 0.7 GB per 30 s row on the CPU, in the pool its graphs share), so graphs go up to
-`GRAPH_BATCHES[-1]` rows. More recordings run eagerly, `EAGER_ROWS` at a time: from 3 rows on, one
-launch-bound eager pass beats replaying the graphs in pieces (on an H100, 4 x 10 s: 13.5 against
-16.3 ms; 4 x 30 s: 31.5 against 38.5 ms), and the cap bounds its activations. The eager path (a
-CPU, no graphs, or those larger batches) pads the same way: one code path, the one the graphs run.
+`GRAPH_BATCHES[-1]` rows and a larger batch replays them in pieces. The eager path (a CPU, or no
+graphs) pads the same way: one code path, the one the graphs run.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from .codec_runner import capture_stream
 
 LENGTH_BUCKETS_S = (2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30)  # recordings from 1 to 30 s
 GRAPH_BATCHES = (1, 2)
-EAGER_ROWS = 4  # recordings per eager pass, beyond GRAPH_BATCHES[-1]
 
 
 class EncoderRunner:
@@ -69,16 +66,14 @@ class EncoderRunner:
         """Each recording's result on the device, queued on the current stream."""
         results = []
         with self.lock:
-            while len(results) < len(waveforms):
-                left = len(waveforms) - len(results)
-                rows = left if left <= GRAPH_BATCHES[-1] else min(left, EAGER_ROWS)
-                results += self._run_batch(waveforms[len(results) : len(results) + rows])
+            for start in range(0, len(waveforms), GRAPH_BATCHES[-1]):
+                results += self._run_batch(waveforms[start : start + GRAPH_BATCHES[-1]])
         return results
 
     def _run_batch(self, waveforms: list[np.ndarray]) -> list[torch.Tensor]:
         longest = max(len(waveform) for waveform in waveforms) + self.margin
         length = next((n for n in self.lengths if n >= longest), longest)
-        batch = next((b for b in GRAPH_BATCHES if b >= len(waveforms)), len(waveforms))
+        batch = next(b for b in GRAPH_BATCHES if b >= len(waveforms))
         audio = torch.zeros(batch, length)
         lengths = torch.full((batch,), length - self.margin)  # padding rows: silence
         for row, waveform in enumerate(waveforms):
