@@ -123,6 +123,18 @@ def requested_outputs(client_module, codes: bool, info: bool) -> list:
     return [client_module.InferRequestedOutput(name) for name in names]
 
 
+def text_request(client_module, model: str, text: str, codes, info, options) -> dict:
+    """A whole text's request, as keyword arguments of `async_stream_infer` (and the dict
+    `stream_infer` takes); its responses end with an empty final one."""
+    return {
+        "model_name": model,
+        "inputs": request_inputs(client_module, text, **options),
+        "request_id": uuid.uuid4().hex,
+        "outputs": requested_outputs(client_module, codes, info),
+        "enable_empty_final_response": True,
+    }
+
+
 def piece_request(
     client_module, model: str, sequence_id: str, index: int, text: str, end: bool, codes, info, options
 ) -> dict:
@@ -199,13 +211,7 @@ class TTSClient:
         self, text: str, *, codes: bool = False, info: bool = False, timeout: float = 300.0, **options
     ) -> Iterator[tuple[Chunk | None, Synthesis]]:
         """Yield (chunk, synthesis so far) as chunks arrive; the last item has chunk None."""
-        request = {
-            "model_name": self.model,
-            "inputs": request_inputs(grpcclient, text, **options),
-            "request_id": uuid.uuid4().hex,
-            "outputs": requested_outputs(grpcclient, codes, info),
-            "enable_empty_final_response": True,
-        }
+        request = text_request(grpcclient, self.model, text, codes, info, options)
 
         def send(post, synthesis, clock):
             post(**request)
@@ -357,13 +363,7 @@ class AsyncTTSClient:
     ) -> Synthesis:
         """The whole synthesis: its chunks reach `on_chunk` as they arrive; after `timeout` s without
         the final response it ends with an error."""
-        request = {
-            "model_name": self.model,
-            "inputs": request_inputs(aioclient, text, **options),
-            "outputs": requested_outputs(aioclient, codes, info),
-            "request_id": uuid.uuid4().hex,
-            "enable_empty_final_response": True,
-        }
+        request = text_request(aioclient, self.model, text, codes, info, options)
 
         async def requests() -> AsyncIterator[dict]:
             yield request

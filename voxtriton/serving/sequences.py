@@ -198,9 +198,8 @@ class TextSequences:
                 self._close(sequence, "timed out")
                 expired.append((sequence, reason))
         for sequence, reason in expired:  # the client's doing: an error of its text, not the server's
-            self._fail(
-                sequence, f"text: sequence {sequence.sequence_id} {reason}; mark its last piece as its end"
-            )
+            problem = f"sequence {sequence.sequence_id} {reason}; mark its last piece as its end"
+            self._fail(sequence, str(RequestError("text", problem)))
 
     def _fail(self, sequence: Sequence, message: str) -> None:
         """End a sequence's audio with an error: through its stream once submitted, else at its sink."""
