@@ -21,6 +21,10 @@
    --warm-up requests per case go first and are not counted (their TTFA is reported apart). The
    voices are registered before the server starts, so it primes the in-context one's codec state
    before it is ready and every stream of that voice reuses it.
+   With --trace the servers write chunk traces (OUT/trace-*.jsonl) and each case's TTFA is split
+   at the median into the request's way in (from the client's sending to the tts model taking it:
+   building, gRPC, Triton, the Python backend), the server's parts of the first chunk (its voice's
+   encoding, prefill and first frames, lane wait, codec, send) and the way back to the client.
 
 The TTFA cases run first and the encoders are timed after them, so this process holds no GPU
 context while the servers (MPS clients) run; the voices are registered with the encoders on the CPU,
@@ -39,6 +43,8 @@ are real, audio is noise.
 from __future__ import annotations
 
 import argparse
+import bisect
+import collections
 import contextlib
 import io
 import itertools
@@ -55,6 +61,7 @@ import torch
 from first_requests import git_commit
 from voxtriton_client import TTSClient
 
+from voxtriton.bench.chunk_trace import FIRST_CHUNK_PARTS, read_trace
 from voxtriton.bench.fleet import hardware
 from voxtriton.bench.server_metrics import codec_primings
 from voxtriton.bench.summary import percentile
@@ -135,13 +142,18 @@ def register(voices_dir: Path, encoder: VoiceEncoder, family, recording: bytes) 
 
 
 @contextlib.contextmanager
-def served(url: str | None, checkpoint: str | None, args, parameters: dict):
-    """(grpc url, metrics reader or None): a running server's, or one started here for the block."""
+def served(url: str | None, checkpoint: str | None, args, parameters: dict, trace: Path | None = None):
+    """(grpc url, metrics reader or None): a running server's, or one started here for the block,
+    writing its chunk trace to `trace` if given (read it once the block has ended: the server keeps
+    it buffered until it stops)."""
     if url:
         yield url, None
         return
     for model, values in parse_params(args.param).items():
         parameters.setdefault(model, {}).update(values)
+    if trace is not None:
+        trace.unlink(missing_ok=True)
+        parameters.setdefault("tts", {})["chunk_trace_path"] = str(trace)
     server = TritonServer(
         checkpoint=checkpoint, policy=args.policy, tritonserver=args.tritonserver, parameters=parameters
     )
@@ -149,29 +161,56 @@ def served(url: str | None, checkpoint: str | None, args, parameters: dict):
         yield server.grpc_url, server.metrics
 
 
-def ttfa_ms(url: str, args, options: dict | Callable[[], dict]) -> float:
-    """One request's TTFA; `options` (or what calling it gives, per request) go with it."""
+def ttfa_ms(url: str, args, options: dict | Callable[[], dict]) -> tuple[float, float]:
+    """One request's TTFA and when it was sent (on time.perf_counter's clock, which on Linux is the
+    server trace's time.monotonic); `options` (or what calling it gives, per request) go with it."""
     options = options() if callable(options) else options
     synthesis = (
         TTSClient(url)
         .synthesize(TEXT, seed=args.seed, max_frames=args.frames, ignore_eos=True, **options)
         .raise_for_error()
     )
-    return synthesis.chunks[0].arrived_s * 1e3
+    return synthesis.chunks[0].arrived_s * 1e3, synthesis.sent_at
 
 
 def measure_cases(url: str, cases: dict[str, dict], args) -> dict[str, dict]:
-    """Each case's warm-up requests, then --requests rounds of one request per case."""
-    found = {name: {"first_ms": None, "ttfa_ms": []} for name in cases}
+    """Each case's warm-up requests, then --requests rounds of one request per case; per case the
+    measured TTFAs and when each request was sent."""
+    found = {name: {"first_ms": None, "ttfa_ms": [], "sent": []} for name in cases}
     for name, options in cases.items():
         for index in range(args.warm_up):
-            ms = ttfa_ms(url, args, options)
+            ms, _ = ttfa_ms(url, args, options)
             if index == 0:
                 found[name]["first_ms"] = round(ms, 3)
     for _ in range(args.requests):
         for name, options in cases.items():
-            found[name]["ttfa_ms"].append(ttfa_ms(url, args, options))
+            ms, sent = ttfa_ms(url, args, options)
+            found[name]["ttfa_ms"].append(ms)
+            found[name]["sent"].append(sent)
     return found
+
+
+def ttfa_parts(found: dict[str, dict], trace: Path) -> dict[str, dict]:
+    """Per case, the median of each part of TTFA (ms): `way_in` from the client's sending to the tts
+    model taking the request, the server's first-chunk parts (chunk_trace's FIRST_CHUNK_PARTS), and
+    `way_back` from the server's send to the client's first audio. The requests ran one at a time,
+    so a request's first chunk is the first one to arrive after it was sent."""
+    firsts = sorted(
+        (r for r in read_trace(trace) if r.get("kind") == "chunk" and r["index"] == 0),
+        key=lambda r: r["arrived"],
+    )
+    arrivals = [r["arrived"] for r in firsts]
+    parts = {}
+    for name, case in found.items():
+        rows = collections.defaultdict(list)
+        for ms, sent in zip(case["ttfa_ms"], case["sent"]):
+            record = firsts[bisect.bisect_left(arrivals, sent)]
+            rows["way_in"].append(record["arrived"] - sent)
+            for part, measure in FIRST_CHUNK_PARTS.items():
+                rows[part].append(measure(record))
+            rows["way_back"].append(ms / 1e3 - (record["sent"] - sent))
+        parts[name] = {part: round(statistics.median(values) * 1e3, 2) for part, values in rows.items()}
+    return parts
 
 
 def settled_primings(metrics, timeout: float = 10.0) -> dict[str, float]:
@@ -202,16 +241,23 @@ def ttfa_cases(args, recording: bytes, family) -> tuple[list, dict | None]:
         "registered x-vector": {"speaker": XVECTOR},
         "registered in-context": {"speaker": IN_CONTEXT},
     }
-    found = {}
-    with served(args.url, args.checkpoint, args, {"tts": {"voices_dir": str(voices_dir)}}) as (url, metrics):
+    found, parts = {}, {}
+    trace = Path(args.out).resolve() / "trace-base.jsonl" if args.trace else None
+    parameters = {"tts": {"voices_dir": str(voices_dir)}}
+    with served(args.url, args.checkpoint, args, parameters, trace) as (url, metrics):
         before = codec_primings(metrics()) if metrics else None
         found |= measure_cases(url, clones, args)
         after = settled_primings(metrics) if metrics else None
+    if trace is not None:
+        parts |= ttfa_parts(found, trace)
     counted = None if before is None else {state: after[state] - before[state] for state in before}
     if args.preset_checkpoint or args.preset_url:
-        preset = {"speaker": args.preset_speaker} if args.preset_speaker else {}
-        with served(args.preset_url, args.preset_checkpoint, args, {}) as (url, _):
-            found |= measure_cases(url, {"preset": preset}, args)
+        preset = {"preset": {"speaker": args.preset_speaker} if args.preset_speaker else {}}
+        trace = Path(args.out).resolve() / "trace-preset.jsonl" if args.trace else None
+        with served(args.preset_url, args.preset_checkpoint, args, {}, trace) as (url, _):
+            found |= measure_cases(url, preset, args)
+        if trace is not None:
+            parts |= ttfa_parts({"preset": found["preset"]}, trace)
     rows = []
     baseline = statistics.median(found["preset"]["ttfa_ms"]) if "preset" in found else None
     for name in CASES:
@@ -227,6 +273,7 @@ def ttfa_cases(args, recording: bytes, family) -> tuple[list, dict | None]:
                 "ttfa_p90_ms": round(percentile(values, 90), 3),
                 "first_warm_up_ms": found[name]["first_ms"],
                 "p50_over_preset_ms": None if baseline is None else round(p50 - baseline, 3),
+                "parts_ms": parts.get(name),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
@@ -274,6 +321,22 @@ def markdown(report: dict) -> str:
                 f"| {row['case']} | {row['requests']} | {row['ttfa_p50_ms']} | {row['ttfa_p90_ms']} | "
                 f"{row['first_warm_up_ms']} | {over} |"
             )
+        traced = [row for row in report["ttfa"] if row.get("parts_ms")]
+        if traced:
+            names = list(traced[0]["parts_ms"])
+            lines += [
+                "",
+                "Where each case's TTFA goes (medians, ms; `way_in`: from the client's sending to the tts "
+                "model taking the request; `submit`: its reference's decoding and encoding; "
+                "`generate`: prefill and the first chunk's frames; `way_back`: the server's send to "
+                "the client's first audio):",
+                "",
+                "| case | " + " | ".join(names) + " |",
+                "|---|" + "---|" * len(names),
+            ]
+            for row in traced:
+                cells = " | ".join(str(row["parts_ms"][name]) for name in names)
+                lines.append(f"| {row['case']} | {cells} |")
         if report["codec_primings"] is not None:
             lines += [
                 "",
@@ -309,6 +372,9 @@ def main() -> None:
     )
     parser.add_argument("--tritonserver", help="tritonserver binary (default: as `voxtriton serve` finds it)")
     parser.add_argument("--no-ttfa", action="store_true", help="only the encoding costs (no server)")
+    parser.add_argument(
+        "--trace", action="store_true", help="split each case's TTFA with the servers' chunk traces"
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny random checkpoints, a few requests")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -327,6 +393,8 @@ def main() -> None:
     family = load_family(Path(args.checkpoint))
     if not config.clones_voices:
         parser.error(f"--checkpoint: {args.checkpoint} is {config.model_type}, not a Base checkpoint")
+    if args.trace and (args.url or args.preset_url):
+        parser.error("--trace needs servers started here (no --url / --preset-url): they write the traces")
     if args.url and not args.voices_dir:
         parser.error("--url: give --voices-dir, the voices directory that server reads")
     out = Path(args.out)

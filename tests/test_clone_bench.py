@@ -44,6 +44,7 @@ def test_clone_bench_smoke_then_a_voice_mix_over_its_voices(tmp_path, tiny_base_
         str(tiny_base_checkpoint),
         "--preset-checkpoint",
         str(tiny_checkpoint),
+        "--trace",
         "--out",
         str(out),
     )
@@ -72,6 +73,26 @@ def test_clone_bench_smoke_then_a_voice_mix_over_its_voices(tmp_path, tiny_base_
     # ever primes.
     assert report["codec_primings"] == {"decoded": 3, "reused": 6}
     assert "| registered in-context | 2 |" in (out / "clone_bench.md").read_text()
+    # --trace: each case's TTFA split by the servers' traces; a new inline reference waits for its
+    # encoding, which no other case does, and no part takes longer than the whole. The
+    # way back may be a little below 0: the client can have the chunk before the server's send returns.
+    for row in report["ttfa"]:
+        parts = row["parts_ms"]
+        assert set(parts) == {
+            "way_in",
+            "submit",
+            "generate",
+            "lane_wait",
+            "codec",
+            "send",
+            "total",
+            "way_back",
+        }
+        assert all(0 <= parts[name] <= row["ttfa_p90_ms"] for name in parts if name != "way_back"), row
+    submit = {row["case"]: row["parts_ms"]["submit"] for row in report["ttfa"]}
+    unencoded = max(submit[case] for case in ("preset", "registered x-vector", "registered in-context"))
+    assert min(submit["inline x-vector"], submit["inline in-context"]) > unencoded, submit
+    assert "| case | way_in | submit |" in (out / "clone_bench.md").read_text()
 
     mixed = tmp_path / "mix"
     run(

@@ -70,6 +70,9 @@ class Synthesis:
     # Input streaming (`TTSClient.stream_text`): when the last text piece went out, in seconds after
     # the first (the clock `Chunk.arrived_s` counts on).
     last_piece_s: float | None = None
+    # The zero of those times, on time.perf_counter()'s clock: to line a synthesis up with other
+    # records of the same host (a server's chunk trace, say).
+    sent_at: float = 0.0
 
     @property
     def first_audio_after_first_piece_s(self) -> float | None:
@@ -155,13 +158,15 @@ def piece_request(
 
 
 class _Clock:
-    """Seconds since its zero: a request's sending, or an input stream's first piece."""
+    """Seconds since its zero: a request's sending, or an input stream's first piece; the zero is
+    also the synthesis's `sent_at`."""
 
-    def __init__(self):
-        self.zero = time.perf_counter()
+    def __init__(self, synthesis: Synthesis):
+        self.synthesis = synthesis
+        self.restart()
 
     def restart(self) -> None:
-        self.zero = time.perf_counter()
+        self.zero = self.synthesis.sent_at = time.perf_counter()
 
     def since(self, moment: float | None = None) -> float:
         return (time.perf_counter() if moment is None else moment) - self.zero
@@ -271,7 +276,8 @@ class TTSClient:
                 stream_failed.set()
 
         client.start_stream(callback=on_response)
-        synthesis, clock = Synthesis(), _Clock()
+        synthesis = Synthesis()
+        clock = _Clock(synthesis)
         posting, over = threading.Lock(), threading.Event()
 
         def post(**request) -> bool:
@@ -368,7 +374,8 @@ class AsyncTTSClient:
         async def requests() -> AsyncIterator[dict]:
             yield request
 
-        return await self._read(requests(), Synthesis(), _Clock(), on_chunk, timeout)
+        synthesis = Synthesis()
+        return await self._read(requests(), synthesis, _Clock(synthesis), on_chunk, timeout)
 
     async def synthesize_text_stream(
         self,
@@ -384,7 +391,8 @@ class AsyncTTSClient:
         sequence; chunks reach `on_chunk` as they arrive. Times count from the first piece; `timeout`
         from the call. A plain iterable is read on a worker thread: it may block (stdin, say)."""
         request_inputs(aioclient, "", **options)  # a bad option raises here, not as the pieces' failure
-        synthesis, clock = Synthesis(), _Clock()
+        synthesis = Synthesis()
+        clock = _Clock(synthesis)
         sequence_id = uuid.uuid4().hex
 
         async def requests() -> AsyncIterator[dict]:
