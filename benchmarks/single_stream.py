@@ -59,9 +59,9 @@ class TracedLane:
     def __init__(self, lane, trace: list):
         self.lane, self.trace = lane, trace
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         started = time.perf_counter()
-        result = self.lane.decode(codes, start, slots)
+        result = self.lane.decode(codes, start, slots, prime)
         self.trace.append(("codec", started, time.perf_counter(), codes.shape[0], codes.shape[1]))
         return result
 

@@ -87,6 +87,32 @@ def test_rows_are_independent(codec, codes):
     assert (both[1] - alone[0]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("frames, start", [(FRAMES, 0), (6, 0), (40, 17)])
+def test_priming_leaves_the_state_a_decode_does(codec, codes, frames, start, monkeypatch):
+    """An in-context voice's reference codes: the transformer over every frame, the convolutions over
+    the last `back_frames` only (from a fresh state); a reference no longer than that, and one after
+    earlier frames (start > 0), decode whole. Fewer look-back frames than `back_frames` would change
+    the state: the priming's shortcut rests on that bound."""
+    state = codec.new_state(2)
+    if start:
+        _, state = codec.decode(codes[:, :start], torch.zeros(2, dtype=torch.long), state)
+    begin, reference = torch.full((2,), start), codes[:, start : start + frames]
+    _, decoded = codec.decode(reference, begin, state)
+    assert (codec.prime(reference, begin, state) - decoded).abs().max().item() <= 1e-5
+    back, widths = codec.decoder.back, []
+
+    def recorded_back(hidden, state):
+        widths.append(hidden.shape[-1])
+        return back(hidden, state)
+
+    monkeypatch.setattr(codec.decoder, "back", recorded_back)
+    codec.prime(reference, begin, state)
+    assert widths == [min(frames, codec.decoder.back_frames)]
+    if frames > codec.decoder.back_frames:
+        monkeypatch.setattr(codec.decoder, "back_frames", codec.decoder.back_frames // 2)
+        assert (codec.prime(reference, begin, state) - decoded).abs().max().item() > 1e-3
+
+
 def test_state_layout(codec):
     assert codec.new_state(3).shape == (3, codec.state_size)
     names = [slot.name for slot in codec.slots]

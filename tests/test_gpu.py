@@ -161,13 +161,12 @@ def test_codec_graphs_match_eager(tiny_checkpoint, monkeypatch):
 
 
 def test_an_uncaptured_length_runs_as_captured_pieces_and_gives_the_eager_audio(tiny_checkpoint, monkeypatch):
-    """An in-context voice's reference codes (any length) prime its state through the graphs: the
-    priming sizes (batch 1 only) first."""
+    """A chunk of a length that was not captured runs through the graphs of captured lengths."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     codec = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
-    runner = CodecRunner(codec, batch_buckets=[1, 2], frame_sizes=[4, 25], single_frame_sizes=[50])
-    assert sorted(runner.graphs) == [(1, 4), (1, 25), (1, 50), (2, 4), (2, 25)]
-    assert runner._captured_pieces(1, 83) == (50, 25, 4, 4)
+    runner = CodecRunner(codec, batch_buckets=[1, 2], frame_sizes=[4, 25])
+    assert sorted(runner.graphs) == [(1, 4), (1, 25), (2, 4), (2, 25)]
+    assert runner._captured_pieces(1, 83) == (25, 25, 25, 4, 4)
     assert runner._captured_pieces(2, 58) == (25, 25, 4, 4)
     eager = codec.decode
     calls = []  # eager calls, after capture
@@ -184,6 +183,26 @@ def test_an_uncaptured_length_runs_as_captured_pieces_and_gives_the_eager_audio(
     odd = codes[:1, :3]  # 3 frames: no captured lengths add up to it, so it runs eagerly
     audio_a, _ = runner.decode(odd, start, codec.new_state(1))
     assert calls == [3] and (audio_a - eager(odd, start, codec.new_state(1))[0]).abs().max().item() <= 1e-5
+
+
+def test_a_gpu_priming_leaves_the_state_a_decode_does_and_autotunes_nothing(tiny_checkpoint, monkeypatch):
+    """An in-context voice's reference codes (a recording's length, 125 frames for 10 s) prime its
+    state eagerly, with cuDNN's autotuning off for the call and back on after it."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    codec = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
+    runner = CodecRunner(codec, batch_buckets=[1], frame_sizes=[4, 25])
+    autotuned = []
+    prime = codec.prime
+    monkeypatch.setattr(
+        codec, "prime", lambda *args: autotuned.append(torch.backends.cudnn.benchmark) or prime(*args)
+    )
+    codes = torch.randint(0, 2048, (1, 125, 16), device=DEVICE)
+    start = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    state = runner.prime(codes, start, codec.new_state(1))
+    _, decoded = codec.decode(codes, start, codec.new_state(1))
+    assert (state.float() - decoded.float()).abs().max().item() <= 1e-4
+    assert autotuned == [False] and torch.backends.cudnn.benchmark
 
 
 @pytest.mark.parametrize("value", ["false", "true"])

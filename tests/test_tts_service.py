@@ -35,7 +35,7 @@ class LaneThatFailsAfterCancellation:
     def __init__(self):
         self.called, self.release = threading.Event(), threading.Event()
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         self.called.set()
         self.release.wait(60)
         raise RuntimeError("codec process died")
@@ -333,7 +333,7 @@ class LaneThatHoldsItsFirstCallUntilASecondStarts:
         self.first_started, self.second_started = threading.Event(), threading.Event()
         self.released = False  # the first call was released by a second, not timed out
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         with self.lock:
             self.calls += 1
             call = self.calls
@@ -343,7 +343,7 @@ class LaneThatHoldsItsFirstCallUntilASecondStarts:
         elif call == 2:
             self.second_started.set()
         with self.decoding:
-            return self.lane.decode(codes, start, slots)
+            return self.lane.decode(codes, start, slots, prime)
 
 
 def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tiny_checkpoint):
@@ -626,11 +626,11 @@ class LaneHeldUntilReleased:
         )
         self.slots_in_call: list[int] = []  # the codec state rows of the latest call
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         self.slots_in_call = slots.tolist()
         self.called.set()
         self.release.wait(60)
-        return self.lane.decode(codes, start, slots)
+        return self.lane.decode(codes, start, slots, prime)
 
 
 @pytest.mark.parametrize("catch_up, sizes", [(True, [2, 8, 3]), (False, [2, 2, 4, 4, 1])])
@@ -777,9 +777,9 @@ class CountingLane:
     def __init__(self, lane):
         self.lane, self.calls = lane, 0
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         self.calls += 1
-        return self.lane.decode(codes, start, slots)
+        return self.lane.decode(codes, start, slots, prime)
 
 
 class EveryUpdateRecorder(DroppedMetrics):
@@ -848,11 +848,11 @@ class RecordingLane:
         self.lane, self.calls, self.lock = lane, [], threading.Lock()
         self.primed = threading.Event()
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         with self.lock:
-            self.calls.append((int(start[0]), codes.shape[1]))
-            audio = self.lane.decode(codes, start, slots)
-        if codes.shape[1] > 8:  # longer than any chunk: the reference codes
+            self.calls.append((int(start[0]), codes.shape[1], prime))
+            audio = self.lane.decode(codes, start, slots, prime)
+        if prime:
             self.primed.set()
         return audio
 
@@ -893,7 +893,7 @@ def test_an_in_context_stream_is_primed_while_it_prefills(tiny_base_checkpoint, 
     finally:
         service.shutdown()
     frames = len(voice.codes)
-    assert [call for call in lane.calls if call[1] == frames] == [(0, frames)]
+    assert [call for call in lane.calls if call[2]] == [(0, frames, True)]
     assert primed_before_the_first_step == ([True] if policy == "voxserve" else [])
     codes = np.concatenate([voice.codes, np.concatenate(sink.codes)])
     whole, _ = codec.model.decode(
@@ -909,11 +909,11 @@ class LaneThatHoldsThePriming(RecordingLane):
         super().__init__(lane)
         self.priming, self.release = threading.Event(), threading.Event()
 
-    def decode(self, codes, start, slots):
-        if codes.shape[1] > 8:
+    def decode(self, codes, start, slots, prime=False):
+        if prime:
             self.priming.set()
             self.release.wait(60)
-        return super().decode(codes, start, slots)
+        return super().decode(codes, start, slots, prime)
 
 
 def test_a_stream_ended_while_it_is_primed_keeps_its_row_until_the_priming_returns(
@@ -945,12 +945,12 @@ class LaneThatHoldsItsFirstCall(RecordingLane):
         super().__init__(lane)
         self.holding, self.release, self.first = threading.Event(), threading.Event(), True
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         if self.first:
             self.first = False
             self.holding.set()
             self.release.wait(60)
-        return super().decode(codes, start, slots)
+        return super().decode(codes, start, slots, prime)
 
 
 def test_a_stream_ended_before_its_priming_started_gives_its_row_back_at_once(
@@ -979,7 +979,7 @@ def test_a_stream_ended_before_its_priming_started_gives_its_row_back_at_once(
         lane.release.set()
         assert first.done.wait(120) and first.errors == []
         wait_for(lambda: len(service.free_slots) == slots)
-        assert all(frames <= 8 for _, frames in lane.calls)  # no priming call
+        assert not any(prime for _, _, prime in lane.calls)
     finally:
         lane.release.set()
         service.shutdown()
@@ -1063,12 +1063,12 @@ def test_a_failed_send_or_a_bug_after_the_codec_call_ends_the_stream_with_an_err
 
 
 class LaneThatCannotPrime(RecordingLane):
-    """Its priming calls (the reference codes, longer than any chunk) fail."""
+    """Its priming calls fail."""
 
-    def decode(self, codes, start, slots):
-        if codes.shape[1] > 8:
+    def decode(self, codes, start, slots, prime=False):
+        if prime:
             raise RuntimeError("out of memory")
-        return super().decode(codes, start, slots)
+        return super().decode(codes, start, slots, prime)
 
 
 def test_a_stream_whose_priming_fails_ends_alone(tiny_base_checkpoint, base_encoder):
@@ -1093,6 +1093,6 @@ def test_a_stream_whose_priming_fails_ends_alone(tiny_base_checkpoint, base_enco
         assert primed.done.wait(120) and plain.done.wait(120)
         assert primed.errors == ["codec lane 'inline' failed: out of memory"] and primed.audio == []
         assert plain.errors == [] and len(plain.info) == 3
-        assert (0, 2) in [(start, frames) for start, frames in lane.calls]
+        assert (0, 2, False) in lane.calls
     finally:
         service.shutdown()

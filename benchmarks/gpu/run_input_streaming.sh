@@ -21,13 +21,15 @@ source "$(dirname "$0")/common.sh"
 PRESET=${PRESET:-1.7b}
 checkpoint $PRESET
 WORDS=${WORDS:-20,10}
+# One KV-cache size for every run (the default 2048 positions x 256 rows does not fit an 80 GB card
+# beside the codec state pool).
 COMMON="--checkpoint $CKPTS/ck-$PRESET ${TRITONSERVER:+--tritonserver $TRITONSERVER} --policies voxserve
-  --text-tail-frames ${TAIL:-12} --warm-up-load 0 --duration ${D:-20} ${P:-}"
+  --text-tail-frames ${TAIL:-12} --warm-up-load 0 --duration ${D:-20}
+  --param tts:max_positions=512 --max-streams 512 --max-queued 256 --max-draining 768
+  --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 ${P:-}"
 for words in ${WORDS//,/ }; do
   run timeout ${T:-270} $PY benchmarks/serving_bench.py $COMMON --text-rate $words --concurrency 1 \
     --out $OUT/input_single_$words
 done
 run timeout ${T:-270} $PY benchmarks/serving_bench.py $COMMON --text-rate ${WORDS%%,*} \
-  --param tts:max_positions=512 --max-streams 512 --max-queued 256 --max-draining 768 \
-  --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 \
   --rates ${RATES:-30,60} --out $OUT/input_load

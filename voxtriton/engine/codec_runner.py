@@ -3,9 +3,10 @@
 A codec call decodes B chunks of T frames each (the scheduler batches equal sizes). On a GPU each
 (batch bucket, T) shape is captured once as a CUDA graph over static input/output buffers, and a call
 pads its batch up to the bucket; rows beyond the real batch decode silence from a fresh state and are
-dropped. A length that was not captured (an in-context voice's reference codes, decoded to prime its
-state) runs as captured lengths in sequence, carrying the state, as a stream's chunks do: no eager
-launches, and no cuDNN autotuning of a new shape while serving. Other shapes run eagerly.
+dropped. A length that was not captured (a chunk that caught up with its stream's frames) runs as
+captured lengths in sequence, carrying the state, as a stream's chunks do: no eager launches, and no
+cuDNN autotuning of a new shape while serving. Other shapes run eagerly, and so do
+primings (`prime`): the state alone, with no audio.
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ class CodecRunner:
         model: nn.Module,
         batch_buckets: list[int] | None = None,
         frame_sizes: list[int] | None = None,
-        single_frame_sizes: tuple[int, ...] | list[int] = (),
     ):
-        """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`).
-        Captured: every (batch bucket, frame size), and `single_frame_sizes` at batch 1 only (long
-        calls of one stream: an in-context voice's priming, in fewer pieces)."""
+        """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`; and
+        `prime` for a family whose voices prime codec states). Captured: every (batch bucket, frame
+        size)."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -57,8 +57,6 @@ class CodecRunner:
         self.pool = None
         if self.device.type == "cuda" and self.batch_buckets and frame_sizes:
             shapes = {(batch, frames) for batch in self.batch_buckets for frames in frame_sizes}
-            if self.batch_buckets[0] == 1:
-                shapes |= {(1, frames) for frames in single_frame_sizes}
             for batch, frames in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
                 self._capture(batch, frames)  # largest first: the shared pool is sized once
 
@@ -109,6 +107,19 @@ class CodecRunner:
         graph.replay()
         # Copies: the static outputs are overwritten by the next replay, before callers are done.
         return audio[:batch].clone(), next_state[:batch].clone()
+
+    @torch.inference_mode()
+    def prime(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, Q], start [B], state [B, S] -> the next state `decode` would give, without its
+        audio (see the codec's `prime`). Eager: the length is a recording's, and the work is the
+        transformer's launches over every frame at once and the convolutions' over a few frames.
+        cuDNN does not autotune these shapes (a new length would wait for it); the codec's process
+        makes one call at a time."""
+        autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
+        try:
+            return self.model.prime(codes.to(self.device), start.to(self.device), state.to(self.device))
+        finally:
+            torch.backends.cudnn.benchmark = autotune
 
     def _captured_pieces(self, bucket: int, frames: int) -> tuple[int, ...] | None:
         sizes = tuple(sorted(f for b, f in self.graphs if b == bucket))

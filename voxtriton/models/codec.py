@@ -7,6 +7,11 @@ as decoding whole, provided each layer gets the tail of its input from the previ
 `CodecState` holds those tails (and the transformer's key/value window) as plain tensors, so a
 chunk of any request can be decoded by any process: the state travels with the call.
 
+The layers after the transformer see only a few frames back (`CodecDecoder.back_frames`). Priming a
+stream with an in-context voice's reference codes, whose audio is dropped, therefore runs the
+transformer over every reference frame but the convolutions only over the last few: the same state
+for a fraction of the work.
+
 Module names mirror the official `speech_tokenizer/model.safetensors` (`decoder.*`).
 """
 
@@ -353,18 +358,30 @@ class CodecDecoder(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, StreamingModule):
                 module.state_name = name
+        back = [
+            m for m in (*self.upsample.modules(), *self.decoder.modules()) if isinstance(m, StreamingModule)
+        ]
+        self.back_state_names = {slot.name for module in back for slot in module.state_slots()}
+        self.back_frames = _look_back_frames(back)
 
     def state_slots(self) -> list[StateSlot]:
         return [slot for m in self.modules() if isinstance(m, StreamingModule) for slot in m.state_slots()]
 
     def forward(self, codes: torch.Tensor, start: torch.Tensor, state: StreamState) -> torch.Tensor:
         """codes [B, T, num_quantizers] (T frames of every request) -> waveform [B, T * samples_per_frame]."""
+        return self.back(self.front(codes, start, state), state)
+
+    def front(self, codes: torch.Tensor, start: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """The quantizer, the input convolution and the transformer: codes [B, T, Q] -> [B, latent, T]."""
         if codes.shape[-1] != self.config.num_quantizers:
             raise ValueError(
                 f"expected {self.config.num_quantizers} codebooks per frame, got {codes.shape[-1]}"
             )
         hidden = self.pre_conv(self.quantizer.decode(codes.transpose(1, 2)), state)
-        hidden = self.pre_transformer.stream(hidden.transpose(1, 2), start, state).transpose(1, 2)
+        return self.pre_transformer.stream(hidden.transpose(1, 2), start, state).transpose(1, 2)
+
+    def back(self, hidden: torch.Tensor, state: StreamState) -> torch.Tensor:
+        """The upsampling and the convolutional decoder: [B, latent, T] -> [B, T * samples_per_frame]."""
         for transposed, convnext in self.upsample:
             hidden = convnext(transposed(hidden, state), state)
         wav = self.decoder[0](hidden, state)
@@ -372,6 +389,37 @@ class CodecDecoder(nn.Module):
             wav = block(wav, state)
         wav = self.decoder[-1](wav, state, activation=self.decoder[-2])
         return wav.squeeze(1).clamp(-1.0, 1.0)
+
+    def prime(self, codes: torch.Tensor, start: torch.Tensor, state: StreamState) -> None:
+        """Advance `state` over `codes` as `forward` does, without the audio: the layers after the
+        transformer run over its last `back_frames` frames only, from a fresh state, which leaves
+        them the state the whole decode would (nothing earlier reaches it)."""
+        hidden = self.front(codes, start, state)
+        if hidden.shape[-1] <= self.back_frames:
+            self.back(hidden, state)
+            return
+        fresh = StreamState(
+            {
+                name: torch.zeros_like(tensor) if name in self.back_state_names else tensor
+                for name, tensor in state.tensors.items()
+            }
+        )
+        self.back(hidden[..., -self.back_frames :], fresh)
+        state.updated.update(fresh.updated)
+
+
+def _look_back_frames(layers: list[StreamingModule]) -> int:
+    """How many frames back the last output of `layers` (the layers after the transformer, in
+    order) can depend on, rounded up: each convolution looks back its context at its own rate, each
+    overlapping transposed convolution one input step; one frame more for the frame itself."""
+    frames, samples_per_frame = 0.0, 1
+    for layer in layers:
+        if isinstance(layer, CausalTransConv):
+            frames += (1 if layer.overlaps else 0) / samples_per_frame
+            samples_per_frame *= layer.stride
+        elif isinstance(layer, CausalConv):
+            frames += layer.context / samples_per_frame
+    return math.ceil(frames) + 1
 
 
 class PackedState:
@@ -424,3 +472,12 @@ class CodecModel(PackedState, nn.Module):
         state = self.unpack(packed_state.to(param.dtype))
         wav = self.decoder(codes.long(), start.long(), state)
         return wav, self.pack(state)
+
+    @torch.inference_mode()
+    def prime(self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor) -> torch.Tensor:
+        """The next packed state `decode` returns for these codes, without decoding their audio (an
+        in-context voice's reference codes, whose audio is dropped)."""
+        param = self.decoder.pre_conv.conv.weight
+        state = self.unpack(packed_state.to(param.dtype))
+        self.decoder.prime(codes.long(), start.long(), state)
+        return self.pack(state)

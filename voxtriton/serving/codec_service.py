@@ -9,9 +9,8 @@ import torch
 
 from ..engine.codec_runner import CodecRunner
 from ..models.families import load_family
-from ..scheduler.policy import URGENT
 from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
-from .settings import CodecSettings, cache_dir, int_list, lane_sms
+from .settings import CodecSettings, cache_dir, lane_sms
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,7 @@ class CodecService:
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             batch_sizes, frame_sizes = settings.graph_shapes() if graphs else (None, None)
-            # Primings run on the urgent lane (but a stream pinned to the background lane's).
-            primes = settings.lane == URGENT and self.family.clones_voices
-            priming_sizes = int_list(settings.graph_priming_sizes) if primes else []
-            self.runner = CodecRunner(self.model, batch_sizes, frame_sizes, priming_sizes)
+            self.runner = CodecRunner(self.model, batch_sizes, frame_sizes)
         self.state_size = self.model.state_size
         self.calls = 0
 
@@ -49,12 +45,14 @@ class CodecService:
         slots: torch.Tensor,
         pool: torch.Tensor,
         warmup: bool = False,
+        prime: bool = False,
     ) -> torch.Tensor:
         """codes [B, T, Q] int, start [B] int64, slots [B] int64 -> audio [B, T*spf] fp32.
 
         Each stream's codec state is row `slots[i]` of `pool` (see state_pool): read, advanced and
         written back in place; a stream at frame 0 starts from a fresh state, whatever its row holds.
-        `warmup`: a call of the tts model's warm-up, which test faults leave alone.
+        `warmup`: a call of the tts model's warm-up, which test faults leave alone. `prime`: only
+        the state is advanced (an in-context voice's reference codes): audio [B, 0].
         """
         if not warmup:
             self._maybe_fail()
@@ -84,7 +82,11 @@ class CodecService:
         with self.partition:
             start = start.to(self.device)
             state = pool[slots].to(self.device).masked_fill_((start == 0)[:, None], 0.0)
-            audio, new_state = self.runner.decode(codes.to(self.device), start, state)
+            if prime:
+                new_state = self.runner.prime(codes.to(self.device), start, state)
+                audio = torch.zeros(batch, 0, device=self.device)
+            else:
+                audio, new_state = self.runner.decode(codes.to(self.device), start, state)
             pool[slots] = new_state.float().to(pool.device)
             audio = audio.float().cpu()  # waits for the decode and (same device) the state write-back
         if pool.device != self.device and pool.device.type == "cuda":  # disaggregated: the pool is elsewhere
@@ -120,5 +122,7 @@ class InProcessLane:
     def __init__(self, service: CodecService, pool: torch.Tensor):
         self.service, self.pool = service, pool
 
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.service.decode(codes, start, slots, self.pool)
+    def decode(
+        self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, prime: bool = False
+    ) -> torch.Tensor:
+        return self.service.decode(codes, start, slots, self.pool, prime=prime)

@@ -257,14 +257,11 @@ class CodecSettings:
     # chunk schedule and this lane's batch limit make (`codec_graph_shapes`).
     graph_batch_sizes: str = ""
     graph_frame_sizes: str = ""
-    # Frames per call captured at batch 1 on the urgent lane of a checkpoint that clones voices: an
-    # in-context voice's priming decodes its reference codes (125 frames for 10 s) in fewer calls.
-    graph_priming_sizes: str = "50,100"
     test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (not counting the warm-up's calls)
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)
-        for name in ("graph_batch_sizes", "graph_frame_sizes", "graph_priming_sizes"):
+        for name in ("graph_batch_sizes", "graph_frame_sizes"):
             check_sizes(name, getattr(self, name))
         if self.lane not in (URGENT, BACKGROUND):
             raise ValueError(

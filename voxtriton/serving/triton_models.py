@@ -126,18 +126,21 @@ class BLSCodecLane:
         self.restarts = 0
         self.warming = False  # calls are the warm-up's
 
-    def decode(self, codes, start, slots):
+    def decode(self, codes, start, slots, prime=False):
         restarts_before = self.restarts
+        inputs = [
+            to_triton("codes", codes),
+            to_triton("start", start),
+            to_triton("slots", slots),
+            to_triton("state_pool", self.pool_handle),
+        ]
+        if prime:
+            inputs.append(pb_utils.Tensor("prime", np.array([True])))
         request = pb_utils.InferenceRequest(
             request_id=WARMUP_REQUEST_ID if self.warming else "",
             model_name=self.model_name,
             requested_output_names=["audio"],
-            inputs=[
-                to_triton("codes", codes),
-                to_triton("start", start),
-                to_triton("slots", slots),
-                to_triton("state_pool", self.pool_handle),
-            ],
+            inputs=inputs,
             preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
         )
         response = request.exec()
@@ -507,7 +510,11 @@ class CodecTritonModel:
 
                 pool = attach(get("state_pool").cpu().numpy().tobytes(), server_pid=os.getppid())
                 warmup = request.request_id() == WARMUP_REQUEST_ID
-                audio = self.service.decode(get("codes"), get("start"), get("slots"), pool, warmup=warmup)
+                prime = pb_utils.get_input_tensor_by_name(request, "prime")
+                prime = prime is not None and bool(prime.as_numpy()[0])
+                audio = self.service.decode(
+                    get("codes"), get("start"), get("slots"), pool, warmup=warmup, prime=prime
+                )
                 responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton("audio", audio)]))
             except Exception as error:
                 log.error("%s: decode failed: %s", self.name, error)

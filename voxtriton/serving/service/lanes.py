@@ -139,6 +139,7 @@ class LaneWorkers:
                 torch.from_numpy(prompt.reference_codes[None].astype(np.int32)),
                 torch.zeros(1, dtype=torch.int64),  # start 0: from a fresh state
                 torch.tensor([slot], dtype=torch.int64),
+                prime=True,
             )
             if kept is not None:
                 kept.keep(key, slot)

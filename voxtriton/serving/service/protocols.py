@@ -11,9 +11,12 @@ from ...engine.engine import StepTiming
 
 
 class CodecLane(Protocol):
-    def decode(self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, codes: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, prime: bool = False
+    ) -> torch.Tensor:
         """codes [B, T, Q] int32, start [B] int64, slots [B] int64 (rows of the codec state pool)
-        -> audio [B, N] fp32 on the CPU."""
+        -> audio [B, N] fp32 on the CPU. `prime`: the rows' states advance over the codes and no
+        audio is made (N = 0)."""
 
 
 class ResponseSink(Protocol):
