@@ -185,24 +185,27 @@ def test_an_uncaptured_length_runs_as_captured_pieces_and_gives_the_eager_audio(
     assert calls == [3] and (audio_a - eager(odd, start, codec.new_state(1))[0]).abs().max().item() <= 1e-5
 
 
-def test_a_gpu_priming_leaves_the_state_a_decode_does_and_autotunes_nothing(tiny_checkpoint, monkeypatch):
+def test_a_gpu_priming_runs_as_graphs_and_leaves_the_state_a_decode_does(tiny_checkpoint, monkeypatch):
     """An in-context voice's reference codes (a recording's length, 125 frames for 10 s) prime its
-    state eagerly, with cuDNN's autotuning off for the call and back on after it."""
+    state through the priming graphs: the first half as captured lengths, the second half once. A
+    batch runs eagerly, with cuDNN's autotuning off for the call and back on after it."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     codec = load_codec(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
-    runner = CodecRunner(codec, batch_buckets=[1], frame_sizes=[4, 25])
-    autotuned = []
+    runner = CodecRunner(codec, batch_buckets=[1], frame_sizes=[4, 25], priming_sizes=[1, 4, 25, 100])
+    assert sorted(runner.front_graphs) == [1, 4, 25, 100] and runner.back_graph is not None
+    eager = []
     prime = codec.prime
     monkeypatch.setattr(
-        codec, "prime", lambda *args: autotuned.append(torch.backends.cudnn.benchmark) or prime(*args)
+        codec, "prime", lambda *args: eager.append(torch.backends.cudnn.benchmark) or prime(*args)
     )
-    codes = torch.randint(0, 2048, (1, 125, 16), device=DEVICE)
-    start = torch.zeros(1, dtype=torch.long, device=DEVICE)
-    state = runner.prime(codes, start, codec.new_state(1))
-    _, decoded = codec.decode(codes, start, codec.new_state(1))
-    assert (state.float() - decoded.float()).abs().max().item() <= 1e-4
-    assert autotuned == [False] and torch.backends.cudnn.benchmark
+    for batch, frames in ((1, 125), (1, 38), (2, 30)):
+        codes = torch.randint(0, 2048, (batch, frames, 16), device=DEVICE)
+        start = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+        state = runner.prime(codes, start, codec.new_state(batch))
+        _, decoded = codec.decode(codes, start, codec.new_state(batch))
+        assert (state.float() - decoded.float()).abs().max().item() <= 1e-4, (batch, frames)
+    assert eager == [False] and torch.backends.cudnn.benchmark  # the batch of 2 only
 
 
 @pytest.mark.parametrize("value", ["false", "true"])

@@ -93,7 +93,7 @@ def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
     assert given == ([4, 24], [3])
     with pytest.raises(ValueError, match="parameter 'lane' must be 'urgent' or 'background', got 'inline'"):
         CodecSettings.from_model_config(config(lane="inline"))
-    bad_sizes = {"graph_frame_sizes": "2,x", "graph_batch_sizes": "0"}
+    bad_sizes = {"graph_frame_sizes": "2,x", "graph_batch_sizes": "0", "graph_priming_sizes": "-50"}
     for name, bad in bad_sizes.items():
         with pytest.raises(ValueError, match=f"'{name}' must be comma-separated whole numbers >= 1"):
             CodecSettings.from_model_config(config(**{name: bad}))

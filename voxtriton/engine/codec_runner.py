@@ -5,8 +5,11 @@ A codec call decodes B chunks of T frames each (the scheduler batches equal size
 pads its batch up to the bucket; rows beyond the real batch decode silence from a fresh state and are
 dropped. A length that was not captured (a chunk that caught up with its stream's frames) runs as
 captured lengths in sequence, carrying the state, as a stream's chunks do: no eager launches, and no
-cuDNN autotuning of a new shape while serving. Other shapes run eagerly, and so do
-primings (`prime`): the state alone, with no audio.
+cuDNN autotuning of a new shape while serving. Other shapes run eagerly.
+
+A priming (`prime`: an in-context voice's reference codes, the state alone) runs the codec's first
+half over the reference as captured lengths in sequence (`priming_sizes`, batch 1) and its second
+half over the last frames once, as one more graph.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ class CodecRunner:
         model: nn.Module,
         batch_buckets: list[int] | None = None,
         frame_sizes: list[int] | None = None,
+        priming_sizes: list[int] | None = None,
     ):
         """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`; and
-        `prime` for a family whose voices prime codec states). Captured: every (batch bucket, frame
-        size)."""
+        `front`, `back`, `back_frames` and `prime` for a family whose voices prime codec states).
+        Captured: every (batch bucket, frame size); with `priming_sizes`, the first half at batch 1
+        for each of them and the second half over `back_frames`."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -57,8 +62,23 @@ class CodecRunner:
         self.pool = None
         if self.device.type == "cuda" and self.batch_buckets and frame_sizes:
             shapes = {(batch, frames) for batch in self.batch_buckets for frames in frame_sizes}
+            # largest first: the shared pool is sized once
             for batch, frames in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
-                self._capture(batch, frames)  # largest first: the shared pool is sized once
+                self.graphs[(batch, frames)] = self._capture(model.decode, self._static_inputs(batch, frames))
+        self.front_graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, tuple]] = {}
+        self.back_graph = None
+        if self.device.type == "cuda" and priming_sizes:
+            self._capture_priming(priming_sizes)
+
+    def _capture_priming(self, sizes: list[int]) -> None:
+        model = self.model
+        for frames in sorted(set(sizes), reverse=True):
+            self.front_graphs[frames] = self._capture(model.front, self._static_inputs(1, frames))
+        hidden = torch.zeros(
+            1, model.config.latent_dim, model.back_frames, device=self.device, dtype=self.dtype
+        )
+        inputs = {"hidden": hidden, "state": model.new_state(1)}
+        self.back_graph = self._capture(lambda hidden, state: model.back(hidden, state, fresh=True), inputs)
 
     def _static_inputs(self, batch: int, frames: int) -> dict:
         return {
@@ -68,15 +88,15 @@ class CodecRunner:
         }
 
     @torch.inference_mode()
-    def _capture(self, batch: int, frames: int) -> None:
-        inputs = self._static_inputs(batch, frames)
+    def _capture(self, run, inputs: dict) -> tuple[torch.cuda.CUDAGraph, dict, tuple]:
+        """`run` over the static `inputs` (its arguments, in order) as a graph: (graph, inputs, outputs)."""
         for _ in range(2):
-            self.model.decode(inputs["codes"], inputs["start"], inputs["state"])
+            run(*inputs.values())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
-            outputs = self.model.decode(inputs["codes"], inputs["start"], inputs["state"])
+            outputs = run(*inputs.values())
         self.pool = graph.pool()
-        self.graphs[(batch, frames)] = (graph, inputs, outputs)
+        return graph, inputs, outputs
 
     @torch.inference_mode()
     def decode(
@@ -111,15 +131,35 @@ class CodecRunner:
     @torch.inference_mode()
     def prime(self, codes: torch.Tensor, start: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """codes [B, T, Q], start [B], state [B, S] -> the next state `decode` would give, without its
-        audio (see the codec's `prime`). Eager: the length is a recording's, and the work is the
-        transformer's launches over every frame at once and the convolutions' over a few frames.
-        cuDNN does not autotune these shapes (a new length would wait for it); the codec's process
-        makes one call at a time."""
-        autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
-        try:
-            return self.model.prime(codes.to(self.device), start.to(self.device), state.to(self.device))
-        finally:
-            torch.backends.cudnn.benchmark = autotune
+        audio (see the codec's `prime`): through the priming graphs, the first half in captured
+        lengths carrying its state and the second half over the last `back_frames` frames. Without
+        them (a CPU, a batch, a length no captured ones add up to, a reference no longer than
+        `back_frames`) eagerly, with no cuDNN autotuning (each new length would wait for it; the
+        codec's process makes one call at a time)."""
+        codes, start, state = codes.to(self.device), start.to(self.device), state.to(self.device)
+        frames = codes.shape[1]
+        pieces = split_frames(frames, tuple(self.front_graphs)) if codes.shape[0] == 1 else None
+        if not pieces or frames <= self.model.back_frames:
+            autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
+            try:
+                return self.model.prime(codes, start, state)
+            finally:
+                torch.backends.cudnn.benchmark = autotune
+        hidden, offset = [], 0
+        for size in pieces:
+            graph, inputs, (piece, next_state) = self.front_graphs[size]
+            inputs["codes"].copy_(codes[:, offset : offset + size])
+            inputs["start"].copy_(start + offset)
+            inputs["state"].copy_(state)
+            graph.replay()
+            hidden.append(piece.clone())
+            state = next_state.clone()
+            offset += size
+        graph, inputs, (_, next_state) = self.back_graph
+        inputs["hidden"].copy_(torch.cat(hidden, dim=-1)[..., -self.model.back_frames :])
+        inputs["state"].copy_(state)
+        graph.replay()
+        return next_state.clone()
 
     def _captured_pieces(self, bucket: int, frames: int) -> tuple[int, ...] | None:
         sizes = tuple(sorted(f for b, f in self.graphs if b == bucket))

@@ -390,23 +390,6 @@ class CodecDecoder(nn.Module):
         wav = self.decoder[-1](wav, state, activation=self.decoder[-2])
         return wav.squeeze(1).clamp(-1.0, 1.0)
 
-    def prime(self, codes: torch.Tensor, start: torch.Tensor, state: StreamState) -> None:
-        """Advance `state` over `codes` as `forward` does, without the audio: the layers after the
-        transformer run over its last `back_frames` frames only, from a fresh state, which leaves
-        them the state the whole decode would (nothing earlier reaches it)."""
-        hidden = self.front(codes, start, state)
-        if hidden.shape[-1] <= self.back_frames:
-            self.back(hidden, state)
-            return
-        fresh = StreamState(
-            {
-                name: torch.zeros_like(tensor) if name in self.back_state_names else tensor
-                for name, tensor in state.tensors.items()
-            }
-        )
-        self.back(hidden[..., -self.back_frames :], fresh)
-        state.updated.update(fresh.updated)
-
 
 def _look_back_frames(layers: list[StreamingModule]) -> int:
     """How many frames back the last output of `layers` (the layers after the transformer, in
@@ -437,10 +420,9 @@ class PackedState:
         return StreamState(tensors)
 
     def pack(self, state: StreamState) -> torch.Tensor:
-        return torch.cat(
-            [state.updated[slot.name].reshape(state.updated[slot.name].shape[0], -1) for slot in self.slots],
-            dim=1,
-        )
+        """The updated slots, and the others as they came."""
+        tensors = [state.updated.get(slot.name, state.tensors[slot.name]) for slot in self.slots]
+        return torch.cat([tensor.reshape(tensor.shape[0], -1) for tensor in tensors], dim=1)
 
 
 class CodecModel(PackedState, nn.Module):
@@ -474,10 +456,39 @@ class CodecModel(PackedState, nn.Module):
         return wav, self.pack(state)
 
     @torch.inference_mode()
+    def front(
+        self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode`'s first half (`CodecDecoder.front`): (hidden [B, latent, T], the packed state with
+        that half's part advanced)."""
+        state = self.unpack(packed_state.to(self.decoder.pre_conv.conv.weight.dtype))
+        hidden = self.decoder.front(codes.long(), start.long(), state)
+        return hidden, self.pack(state)
+
+    @torch.inference_mode()
+    def back(
+        self, hidden: torch.Tensor, packed_state: torch.Tensor, fresh: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode`'s second half over `front`'s hidden frames: (waveform, the packed state with this
+        half's part advanced). `fresh`: this half starts from a fresh state, whatever the row holds."""
+        state = self.unpack(packed_state.to(self.decoder.pre_conv.conv.weight.dtype))
+        if fresh:
+            names = self.decoder.back_state_names
+            tensors = {name: torch.zeros_like(t) if name in names else t for name, t in state.tensors.items()}
+            state = StreamState(tensors)
+        wav = self.decoder.back(hidden, state)
+        return wav, self.pack(state)
+
+    @property
+    def back_frames(self) -> int:
+        return self.decoder.back_frames
+
     def prime(self, codes: torch.Tensor, start: torch.Tensor, packed_state: torch.Tensor) -> torch.Tensor:
-        """The next packed state `decode` returns for these codes, without decoding their audio (an
-        in-context voice's reference codes, whose audio is dropped)."""
-        param = self.decoder.pre_conv.conv.weight
-        state = self.unpack(packed_state.to(param.dtype))
-        self.decoder.prime(codes.long(), start.long(), state)
-        return self.pack(state)
+        """The next packed state `decode` returns for these codes, without their audio (an in-context
+        voice's reference codes, whose audio is dropped): the second half runs over the last
+        `back_frames` frames only, from a fresh state, which leaves it the state the whole decode
+        would (nothing earlier reaches it)."""
+        hidden, packed_state = self.front(codes, start, packed_state)
+        if hidden.shape[-1] <= self.back_frames:
+            return self.back(hidden, packed_state)[1]
+        return self.back(hidden[..., -self.back_frames :], packed_state, fresh=True)[1]

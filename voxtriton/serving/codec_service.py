@@ -10,7 +10,7 @@ import torch
 from ..engine.codec_runner import CodecRunner
 from ..models.families import load_family
 from .runtime import SMPartition, ensure_checkpoint, resolve_device, resolve_dtype
-from .settings import CodecSettings, cache_dir, lane_sms
+from .settings import CodecSettings, cache_dir, int_list, lane_sms
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,10 @@ class CodecService:
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             batch_sizes, frame_sizes = settings.graph_shapes() if graphs else (None, None)
-            self.runner = CodecRunner(self.model, batch_sizes, frame_sizes)
+            # Either lane primes (a stream pinned to the background lane primes there).
+            primes = graphs and self.family.clones_voices
+            priming_sizes = int_list(settings.graph_priming_sizes) if primes else []
+            self.runner = CodecRunner(self.model, batch_sizes, frame_sizes, priming_sizes)
         self.state_size = self.model.state_size
         self.calls = 0
 

@@ -257,11 +257,15 @@ class CodecSettings:
     # chunk schedule and this lane's batch limit make (`codec_graph_shapes`).
     graph_batch_sizes: str = ""
     graph_frame_sizes: str = ""
+    # Checkpoints that clone voices: the codec transformer's lengths captured at batch 1 for primings
+    # (an in-context voice's reference codes, 125 frames for 10 s, run as the fewest of them; 1 lets
+    # every length run so).
+    graph_priming_sizes: str = "1,4,25,100"
     test_fault: str = ""  # test-only fault injection: "raise:N" | "exit:N" (not counting the warm-up's calls)
 
     def __post_init__(self):
         check_lane_sms("sm_count", self.sm_count)
-        for name in ("graph_batch_sizes", "graph_frame_sizes"):
+        for name in ("graph_batch_sizes", "graph_frame_sizes", "graph_priming_sizes"):
             check_sizes(name, getattr(self, name))
         if self.lane not in (URGENT, BACKGROUND):
             raise ValueError(
