@@ -193,13 +193,19 @@ def measure_cases(url: str, cases: dict[str, dict], args) -> dict[str, dict]:
 def ttfa_parts(found: dict[str, dict], trace: Path) -> dict[str, dict]:
     """Per case, the median of each part of TTFA (ms): `way_in` from the client's sending to the tts
     model taking the request, the server's first-chunk parts (chunk_trace's FIRST_CHUNK_PARTS), and
-    `way_back` from the server's send to the client's first audio. The requests ran one at a time,
-    so a request's first chunk is the first one to arrive after it was sent."""
+    `way_back` from the server's send to the client's first audio. Beside them, two spans within
+    `generate`: `first_step`, the first frame step's period (the prefill's GPU time and what ran
+    beside it slow it), and for in-context voices `priming`, from the service taking the request
+    to its codec state's priming ending (a kept state's copy, or a codec call on the urgent lane).
+    The requests ran one at a time, so a request's first chunk is the first one to arrive after it
+    was sent, and its first frame step the first after it was taken."""
+    records = read_trace(trace)
     firsts = sorted(
-        (r for r in read_trace(trace) if r.get("kind") == "chunk" and r["index"] == 0),
-        key=lambda r: r["arrived"],
+        (r for r in records if r.get("kind") == "chunk" and r["index"] == 0), key=lambda r: r["arrived"]
     )
     arrivals = [r["arrived"] for r in firsts]
+    steps = sorted((r for r in records if r.get("kind") == "step" and r["frames"]), key=lambda r: r["end"])
+    step_ends = [r["end"] for r in steps]
     parts = {}
     for name, case in found.items():
         rows = collections.defaultdict(list)
@@ -209,6 +215,9 @@ def ttfa_parts(found: dict[str, dict], trace: Path) -> dict[str, dict]:
             for part, measure in FIRST_CHUNK_PARTS.items():
                 rows[part].append(measure(record))
             rows["way_back"].append(ms / 1e3 - (record["sent"] - sent))
+            rows["first_step"].append(steps[bisect.bisect_right(step_ends, record["submitted"])]["period"])
+            if record.get("primed") is not None:
+                rows["priming"].append(record["primed"] - record["submitted"])
         parts[name] = {part: round(statistics.median(values) * 1e3, 2) for part, values in rows.items()}
     return parts
 
@@ -323,19 +332,20 @@ def markdown(report: dict) -> str:
             )
         traced = [row for row in report["ttfa"] if row.get("parts_ms")]
         if traced:
-            names = list(traced[0]["parts_ms"])
+            names = list(dict.fromkeys(name for row in traced for name in row["parts_ms"]))
             lines += [
                 "",
                 "Where each case's TTFA goes (medians, ms; `way_in`: from the client's sending to the tts "
                 "model taking the request; `submit`: its reference's decoding and encoding; "
                 "`generate`: prefill and the first chunk's frames; `way_back`: the server's send to "
-                "the client's first audio):",
+                "the client's first audio; within `generate`, `first_step`: the first frame step's "
+                "period, and `priming`: until an in-context voice's codec state was primed):",
                 "",
                 "| case | " + " | ".join(names) + " |",
                 "|---|" + "---|" * len(names),
             ]
             for row in traced:
-                cells = " | ".join(str(row["parts_ms"][name]) for name in names)
+                cells = " | ".join(str(row["parts_ms"].get(name, "-")) for name in names)
                 lines.append(f"| {row['case']} | {cells} |")
         if report["codec_primings"] is not None:
             lines += [

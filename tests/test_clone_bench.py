@@ -78,6 +78,14 @@ def test_clone_bench_smoke_then_a_voice_mix_over_its_voices(tmp_path, tiny_base_
     # way back may be a little below 0: the client can have the chunk before the server's send returns.
     for row in report["ttfa"]:
         parts = row["parts_ms"]
+        in_context = row["case"] in (
+            "inline in-context",
+            "inline in-context, repeated",
+            "registered in-context",
+        )
+        assert ("priming" in parts) == in_context, row
+        assert 0 < parts.pop("first_step") <= parts["generate"], row
+        parts.pop("priming", None)
         assert set(parts) == {
             "way_in",
             "submit",
