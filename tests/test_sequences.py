@@ -193,6 +193,24 @@ def test_a_sequence_whose_stream_ended_frees_its_id(served):
         sequences.piece("4", False, False, text("more"), "d", None)
 
 
+def test_a_sequence_cancelled_before_its_first_word_settled_is_forgotten_at_once(served):
+    """No stream to end yet (its first word has not settled): the next sweep asks the first piece's
+    sink, and a cancelled client's sequence closes then, not after the idle time, with no error
+    sent to it; its id may start again."""
+    _, _, sequences = served
+    sink = CollectingSink()
+    sequences.piece("5", True, False, {**text("Hel"), **FIRST}, "a", lambda: sink)
+    sequences.expire()
+    assert not sequences.open["5"].submitted
+    sink.cancel = True
+    sequences.expire()
+    assert "5" not in sequences.open and sequences.ended["5"] == "its stream ended"
+    assert not sink.done.is_set() and sink.errors == []
+    again = CollectingSink()
+    sequences.piece("5", True, True, {**text("Hello again."), **FIRST}, "b", lambda: again)
+    assert again.done.wait(120) and not again.errors
+
+
 def test_shutdown_ends_every_open_sequence_with_an_error(served):
     """Submitted or not (no word settled yet), every open sequence hears that the server stops."""
     _, service, sequences = served

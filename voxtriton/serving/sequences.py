@@ -177,12 +177,16 @@ class TextSequences:
             return not self.open
 
     def _stream_ended(self, sequence: Sequence) -> bool:
-        return sequence.submitted and not self.service.is_open(sequence.request_id)
+        """Its stream ended without it (a failure, a client's cancel): the service ended a submitted
+        one; the client of one not submitted yet (no word settled) may have cancelled its call."""
+        if sequence.submitted:
+            return not self.service.is_open(sequence.request_id)
+        return sequence.sink.cancelled()
 
     def expire(self) -> None:
         """End the sequences that have had no piece for `idle_timeout_s` or have been open for
         `max_open_s`, and forget those whose stream ended without them (a client's cancel, a
-        failure): their ids may start again."""
+        failure, also before a word settled): their ids may start again."""
         now = self.clock()
         expired = []
         with self.lock:
