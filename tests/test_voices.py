@@ -503,6 +503,26 @@ def test_the_encoding_queue_refuses_beyond_its_limit_and_outlives_a_failing_answ
         assert answered.acquire(timeout=60) and isinstance(answers["second"][0], Voice)
         queue.submit(recordings[2], None, note("third"), note("third"))
         assert answered.acquire(timeout=60) and isinstance(answers["third"][0], Voice)
+        # Recordings in the pass being encoded count too: two in it, none waiting, a third is refused.
+        encode, started, release = queue.encoder.encode, threading.Event(), threading.Event()
+
+        def held_encode(*args, **kwargs):
+            started.set()
+            release.wait(60)
+            return encode(*args, **kwargs)
+
+        queue.encoder.encode = held_encode
+        with queue.lock:
+            for name in ("fourth", "fifth"):
+                queue.submit(audio_file(reference_audio(1.3, seed=len(name))), None, note(name), note(name))
+        assert started.wait(60) and not queue.jobs
+        with pytest.raises(
+            ServerBusy,
+            match="server busy: 2 requests with reference_audio wait for the voice encoder or are in it",
+        ):
+            queue.submit(recordings[0], None, note("sixth"), note("sixth"))
+        release.set()
+        assert answered.acquire(timeout=60) and answered.acquire(timeout=60)
     finally:
         queue.shutdown()
     with pytest.raises(ServerBusy, match="server shutting down"):

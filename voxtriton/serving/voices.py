@@ -142,14 +142,15 @@ class EncodingQueue:
     """A thread that encodes queued reference recordings, up to `max_batch` per pass, and hands each
     voice to its job's `done`; a bad recording or a failing `done` goes to the job's `fail`. The
     voices of the last `cache_size` distinct (recording, transcript) pairs are kept. Beyond
-    `max_waiting` jobs waiting, `submit` refuses: server busy, as the engine's queue does."""
+    `max_waiting` jobs waiting or in the pass being encoded, `submit` refuses: server busy, as the
+    engine's queue does."""
 
     def __init__(self, encoder: VoiceEncoder, max_batch: int = 8, cache_size: int = 0, max_waiting: int = 64):
         self.encoder, self.max_batch, self.max_waiting = encoder, max_batch, max_waiting
         self.cache_size = cache_size
         self.cache: collections.OrderedDict[tuple[bytes, str | None], Voice] = collections.OrderedDict()
         self.jobs: list[_Job] = []
-        self.encoding = False  # a batch taken from `jobs` is being encoded and answered
+        self.in_pass = 0  # jobs taken from `jobs` into the pass being encoded and answered
         self.lock = threading.Condition()
         self.running = True
         self.thread = threading.Thread(target=self._run, name="voxtriton-voice-encoder", daemon=True)
@@ -161,10 +162,11 @@ class EncodingQueue:
         with self.lock:
             if not self.running:  # its thread is gone: the job would never be answered
                 raise ServerBusy("server shutting down")
-            if len(self.jobs) >= self.max_waiting:
+            if len(self.jobs) + self.in_pass >= self.max_waiting:
                 raise ServerBusy(
-                    f"server busy: {len(self.jobs)} requests with reference_audio wait for the voice "
-                    f"encoder (at most {self.max_waiting}: max_streams + max_queued); retry later"
+                    f"server busy: {len(self.jobs) + self.in_pass} requests with reference_audio wait "
+                    f"for the voice encoder or are in it (at most {self.max_waiting}: max_streams + "
+                    "max_queued); retry later"
                 )
             self.jobs.append(_Job(audio, text, done, fail))
             self.lock.notify()
@@ -186,7 +188,7 @@ class EncodingQueue:
                 if not self.running:
                     return
                 jobs, self.jobs = self.jobs[: self.max_batch], self.jobs[self.max_batch :]
-                self.encoding = True
+                self.in_pass = len(jobs)
             try:
                 self._encode(jobs)
             except Exception as error:  # a bug: the pass's unanswered requests fail, the thread goes on
@@ -196,12 +198,12 @@ class EncodingQueue:
                         job.refuse(f"internal error: reference_audio could not be encoded: {error}")
             finally:
                 with self.lock:
-                    self.encoding = False
+                    self.in_pass = 0
 
     def idle(self) -> bool:
         """No request waits for its voice here."""
         with self.lock:
-            return not self.jobs and not self.encoding
+            return not self.jobs and not self.in_pass
 
     def _encode(self, jobs: list[_Job]) -> None:
         """Answer every job exactly once: its voice to `done`, or an error to `fail`. Kept voices
