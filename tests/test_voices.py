@@ -218,6 +218,15 @@ def test_the_voices_command_says_what_is_wrong_in_one_line(
         "voxtriton voices: left out theirs: voice 'theirs' was not made for this checkpoint "
         f"(x-vector or codes differ)\nvoxtriton voices: no registered voices in {tmp_path}\n"
     )
+    recording = tmp_path / "recording.wav"
+    recording.write_bytes(audio_file(reference_audio(1.5)))
+    add = ["voices", "add", "--checkpoint", str(tiny_base_checkpoint), "--audio", str(recording), *common]
+    # the directory holds `theirs` already
+    assert main([*add, "first", "--max-voices", "2"]) == 0 and '"name": "first"' in capsys.readouterr().out
+    assert main([*add, "second", "--max-voices", "2"]) == 2
+    assert capsys.readouterr().err == "voxtriton voices: name: the voices directory is full (2 voices)\n"
+    assert main([*add, "second", "--max-voices", "0"]) == 2
+    assert capsys.readouterr().err == "voxtriton voices: --max-voices: must be at least 1, got 0\n"
     missing = str(tmp_path / "missing.wav")
     assert (
         main(["voices", "add", "x", "--checkpoint", str(tiny_base_checkpoint), "--audio", missing, *common])

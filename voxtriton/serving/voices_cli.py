@@ -32,6 +32,12 @@ def add_voices_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add.add_argument("--replace", action="store_true", help="replace a voice of that name")
     add.add_argument("--device", default="cpu", help="where the encoders run (cpu, cuda, cuda:N)")
+    add.add_argument(
+        "--max-voices",
+        type=int,
+        default=None,
+        help="refuse a new voice past N in the directory, as the servers' max_voices (default: theirs, 1000)",
+    )
     actions.add_parser("list", parents=[common], help="the registered voices")
     delete = actions.add_parser("delete", parents=[common], help="remove a registered voice")
     delete.add_argument("name")
@@ -40,7 +46,7 @@ def add_voices_arguments(parser: argparse.ArgumentParser) -> None:
 def voices_command(args: argparse.Namespace) -> int:
     from ..models.config import CheckpointError
     from ..models.families import load_family
-    from .settings import voices_dir
+    from .settings import TTSSettings, voices_dir
     from .voices import VoiceEncoder, VoiceStore, register_voice
 
     try:
@@ -51,7 +57,11 @@ def voices_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    store = VoiceStore(voices_dir(args.voices_dir), family)
+    max_voices = getattr(args, "max_voices", None)
+    if max_voices is not None and max_voices < 1:
+        print(f"voxtriton voices: --max-voices: must be at least 1, got {max_voices}", file=sys.stderr)
+        return 2
+    store = VoiceStore(voices_dir(args.voices_dir), family, max_voices or TTSSettings.max_voices)
     try:
         if not family.clones_voices:
             kind = getattr(family.config, "model_type", family.name)
