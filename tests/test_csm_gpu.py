@@ -26,8 +26,13 @@ TEXTS = ["One.", "Two voices now.", "Three streams share a batch.", "Four is pad
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    return load_family(make_csm_checkpoint("csm-tiny", tmp_path_factory.mktemp("csm-tiny"), seed=0))
+def checkpoint(tmp_path_factory):
+    return make_csm_checkpoint("csm-tiny", tmp_path_factory.mktemp("csm-tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def family(checkpoint):
+    return load_family(checkpoint)
 
 
 def generate(family, graphs: bool, dtype=torch.bfloat16, overlap: bool = False) -> dict[str, np.ndarray]:
@@ -166,3 +171,19 @@ def test_mimi_graphs_give_the_eager_audio_chunk_by_chunk(family, monkeypatch):
         assert (audio_graph - audio_eager).abs().max().item() <= 1e-5
         start += size
     assert len(runner.graphs) == 4
+
+
+def test_the_csm_codec_lane_starts_with_graphs_and_no_priming_graphs(checkpoint, monkeypatch):
+    """A CSM voice is a context turn, not a primed codec state: Mimi has nothing to prime, and its
+    lanes start with the default settings (priming sizes included) on a GPU."""
+    from voxtriton.serving.codec_service import CodecService
+    from voxtriton.serving.settings import CodecSettings
+
+    # The service sets cuDNN's autotuning for the process: restored after the test.
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    service = CodecService(
+        CodecSettings(
+            checkpoint_dir=str(checkpoint), device="cuda:0", graph_batch_sizes="1", graph_frame_sizes="2"
+        )
+    )
+    assert service.runner.graphs and not service.runner.front_graphs and service.runner.back_graph is None

@@ -208,6 +208,43 @@ def test_a_gpu_priming_runs_as_graphs_and_leaves_the_state_a_decode_does(tiny_ch
     assert eager == [False] and torch.backends.cudnn.benchmark  # the batch of 2 only
 
 
+def test_a_priming_call_answers_once_its_state_is_written(tiny_base_checkpoint, monkeypatch):
+    """A priming sends no audio back, whose copy would wait for the codec's stream: the call waits
+    for the state's write-back itself, so the row read right after it holds the primed state (a
+    registered voice's is kept from there)."""
+    from voxtriton.serving.codec_service import CodecService
+    from voxtriton.serving.settings import CodecSettings
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    # The service sets cuDNN's autotuning for the process: restored after the test.
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    service = CodecService(
+        CodecSettings(
+            checkpoint_dir=str(tiny_base_checkpoint),
+            device="cuda:0",
+            dtype="float32",
+            graph_batch_sizes="1",
+            graph_frame_sizes="2",
+        )
+    )
+    assert sorted(service.runner.front_graphs) == [1, 4, 25, 100]
+    prime = service.runner.prime
+
+    def slow_prime(*args):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time ahead of the priming, on its stream
+        return prime(*args)
+
+    monkeypatch.setattr(service.runner, "prime", slow_prime)
+    pool = torch.zeros(3, service.state_size, device=DEVICE)
+    codes = torch.randint(0, 2048, (1, 30, 16), dtype=torch.int32)
+    start, slots = torch.zeros(1, dtype=torch.int64), torch.tensor([1])
+    audio = service.decode(codes, start, slots, pool, prime=True)
+    primed = pool[1].cpu()  # on the default stream: it does not wait for the codec's
+    assert audio.shape == (1, 0)
+    _, decoded = service.model.decode(codes.to(DEVICE), start.to(DEVICE), service.model.new_state(1))
+    assert (primed - decoded[0].cpu()).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("value", ["false", "true"])
 def test_a_graphed_codec_autotunes_cudnn_as_its_setting_says(tiny_checkpoint, value):
     from voxtriton.serving.codec_service import CodecService

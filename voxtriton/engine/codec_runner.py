@@ -15,11 +15,16 @@ half over the last frames once, as one more graph.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from torch import nn
 
 from ..kernels import check_kernels
+
+# cuDNN's autotuning is one flag for the whole process: runners in one process (in-process lanes)
+# turn it off for an eager priming one at a time.
+_AUTOTUNE_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -134,17 +139,17 @@ class CodecRunner:
         audio (see the codec's `prime`): through the priming graphs, the first half in captured
         lengths carrying its state and the second half over the last `back_frames` frames. Without
         them (a CPU, a batch, a length no captured ones add up to, a reference no longer than
-        `back_frames`) eagerly, with no cuDNN autotuning (each new length would wait for it; the
-        codec's process makes one call at a time)."""
+        `back_frames`) eagerly, with no cuDNN autotuning (each new length would wait for it)."""
         codes, start, state = codes.to(self.device), start.to(self.device), state.to(self.device)
         frames = codes.shape[1]
         pieces = split_frames(frames, tuple(self.front_graphs)) if codes.shape[0] == 1 else None
         if not pieces or frames <= self.model.back_frames:
-            autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
-            try:
-                return self.model.prime(codes, start, state)
-            finally:
-                torch.backends.cudnn.benchmark = autotune
+            with _AUTOTUNE_LOCK:
+                autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
+                try:
+                    return self.model.prime(codes, start, state)
+                finally:
+                    torch.backends.cudnn.benchmark = autotune
         hidden, offset = [], 0
         for size in pieces:
             graph, inputs, (piece, next_state) = self.front_graphs[size]

@@ -34,8 +34,9 @@ class CodecService:
         torch.backends.cudnn.benchmark = settings.cudnn_autotune and graphs
         with self.partition:
             batch_sizes, frame_sizes = settings.graph_shapes() if graphs else (None, None)
-            # Either lane primes (a stream pinned to the background lane primes there).
-            primes = graphs and self.family.clones_voices
+            # Either lane primes (a stream pinned to the background lane primes there), for a family
+            # whose codec states are primed (Qwen3-TTS Base; a CSM voice is a context turn instead).
+            primes = graphs and hasattr(self.model, "prime")
             priming_sizes = int_list(settings.graph_priming_sizes) if primes else []
             self.runner = CodecRunner(self.model, batch_sizes, frame_sizes, priming_sizes)
         self.state_size = self.model.state_size
@@ -92,6 +93,8 @@ class CodecService:
                 audio, new_state = self.runner.decode(codes.to(self.device), start, state)
             pool[slots] = new_state.float().to(pool.device)
             audio = audio.float().cpu()  # waits for the decode and (same device) the state write-back
+            if prime and self.device.type == "cuda":  # no audio to wait for: wait for the write-back
+                torch.cuda.current_stream(self.device).synchronize()
         if pool.device != self.device and pool.device.type == "cuda":  # disaggregated: the pool is elsewhere
             torch.cuda.current_stream(pool.device).synchronize()
         return audio

@@ -257,7 +257,7 @@ class CodecSettings:
     # chunk schedule and this lane's batch limit make (`codec_graph_shapes`).
     graph_batch_sizes: str = ""
     graph_frame_sizes: str = ""
-    # Checkpoints that clone voices: the codec transformer's lengths captured at batch 1 for primings
+    # Codecs that prime (Qwen3-TTS Base): the codec transformer's lengths captured at batch 1 for primings
     # (an in-context voice's reference codes, 125 frames for 10 s, run as the fewest of them; 1 lets
     # every length run so).
     graph_priming_sizes: str = "1,4,25,100"
