@@ -4,8 +4,9 @@
 # Makes the PRESET-base and PRESET (CustomVoice) random checkpoints (PRESET: 1.7b; 0.6b too), then
 # 1. clone_bench.py: TTFA of sequential single streams for a preset speaker (a PRESET server), an
 #    inline 10 s reference (x-vector, in-context) and the same reference registered as the voices
-#    bench-xvector and bench-in-context (a PRESET-base server, voices in $OUT/clone/voices); then the
-#    encoders' cost per reference second (3/10/30 s, batches 1 and 8) on the GPU (if any), in process;
+#    bench-xvector and bench-in-context (a PRESET-base server, voices in $OUT/clone/voices), each
+#    split by the servers' chunk traces (--trace); then the encoders' cost per reference second
+#    (3/10/30 s, batches 1 and 8) on the GPU (if any), in process;
 # 2. serving_bench.py on the PRESET-base server: open loop at RATES with the registered voices, a share
 #    SHARE of requests in-context and the rest x-vector only (SHARE=0: all x-vector only).
 # Results: $OUT/clone/clone_bench.{json,md} and $OUT/clone_mix/results.{json,md}; log in $OUT/log.txt.
@@ -23,7 +24,7 @@ checkpoint $PRESET-base
 checkpoint $PRESET
 BASE=$CKPTS/ck-$PRESET-base
 run timeout ${T:-540} $PY benchmarks/clone_bench.py --checkpoint $BASE --preset-checkpoint $CKPTS/ck-$PRESET \
-  ${TRITONSERVER:+--tritonserver $TRITONSERVER} --out $OUT/clone
+  ${TRITONSERVER:+--tritonserver $TRITONSERVER} --trace --out $OUT/clone
 MIX=""
 [ "${SHARE:-0.5}" != 0 ] && MIX="--voice-mix bench-in-context:${SHARE:-0.5}"
 run timeout ${T:-540} $PY benchmarks/serving_bench.py --checkpoint $BASE \
