@@ -132,6 +132,33 @@ def test_a_cancellation_with_the_last_frame_in_flight_drops_it(setup, overlap):
     assert (request.finish_reason, len(result["r0"])) == expected
 
 
+def test_rows_all_paused_for_text_leave_a_queued_request_nothing_to_do(setup):
+    """Every row holds an input stream waiting for its text and a request waits for a row: no step
+    can do anything (the engine thread waits), until text comes or a row frees."""
+    config, _, prompts = setup
+    engine = new_engine(setup, rows=1)
+    params = GenerationParams.create(config.generation, 1000, seed=1, max_frames=40, ignore_eos=True)
+    stream = Request(
+        "s", prompts.head("vivian").prompt([1000], True, text_ended=False), params, text_open=True
+    )
+    engine.add(stream)
+    engine.add_text(stream, [1000, 1000], end=False)
+    for _ in range(5):
+        engine.step()
+    engine.step()
+    assert engine.waiting_for_text() == [stream] and not engine.has_work
+    queued = make_request(setup, 0)
+    engine.add(queued)
+    assert not engine.has_work  # no row for it
+    queued.cancelled = True
+    assert engine.has_work  # a cancelled request is swept from the queue
+    engine.step()
+    assert not engine.waiting and not engine.has_work
+    engine.add(make_request(setup, 1))
+    engine.add_text(stream, [1000] * 4, end=True)
+    assert engine.has_work
+
+
 def test_seed_controls_sampling(setup):
     first = run(new_engine(setup), {0: [make_request(setup, 0, 6)]})["r0"]
     again = run(new_engine(setup), {0: [make_request(setup, 0, 6)]})["r0"]

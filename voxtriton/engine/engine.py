@@ -88,10 +88,13 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        """A step would do something: admit, generate, return frames in flight, or free a row."""
+        """A step would do something: admit (a row is free), generate, return frames in flight, or
+        drop a cancelled request. Rows all held by streams paused for text admit nothing: the engine
+        thread waits instead of stepping for nothing until text comes."""
+        free = len(self.running) < self.max_running
         return bool(
             self.in_flight
-            or any(self._may_start(r) or r.cancelled for r in self.waiting)
+            or any((free and self._may_start(r)) or r.cancelled for r in self.waiting)
             or any(self._may_generate(r) or r.cancelled for r in self.running)
         )
 
