@@ -1062,6 +1062,48 @@ def test_a_failed_send_or_a_bug_after_the_codec_call_ends_the_stream_with_an_err
         service.shutdown()
 
 
+def test_the_service_threads_outlive_a_bug_in_their_own_error_paths(tiny_checkpoint, monkeypatch):
+    """A bug choosing a lane's next batch, and a failed step whose clean-up fails too: each thread
+    logs it and goes on, so the next request still gets its audio (a dead thread would leave every
+    later stream without its final response)."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
+    inputs = {
+        "text": np.array([b"Goes on."], dtype=object),
+        "max_frames": np.array([6]),
+        "ignore_eos": np.array([True]),
+    }
+    faults = {"next_batch": 1, "step": 1, "abort": 1}
+
+    def once(name, method):
+        def faulty(*args, **kwargs):
+            if faults[name]:
+                faults[name] -= 1
+                raise RuntimeError(f"a bug in {name}")
+            return method(*args, **kwargs)
+
+        return faulty
+
+    try:
+        monkeypatch.setattr(service.scheduler, "next_batch", once("next_batch", service.scheduler.next_batch))
+        monkeypatch.setattr(engine, "abort", once("abort", engine.abort))
+        first = CollectingSink()
+        service.submit(parser.parse("r1", inputs), first)
+        assert first.done.wait(60) and first.errors == [] and len(first.info) == 3
+        assert faults["next_batch"] == 0
+        monkeypatch.setattr(engine, "step", once("step", engine.step))
+        failed, after = CollectingSink(), CollectingSink()
+        service.submit(parser.parse("r2", inputs), failed)
+        assert failed.done.wait(60) and failed.errors == ["generation failed: a bug in step"]
+        assert faults == {"next_batch": 0, "step": 0, "abort": 0}
+        service.submit(parser.parse("r3", inputs), after)
+        assert after.done.wait(60) and after.errors == [] and len(after.info) == 3
+    finally:
+        service.shutdown()
+
+
 class LaneThatCannotPrime(RecordingLane):
     """Its priming calls fail."""
 

@@ -28,7 +28,10 @@ class EngineLoop:
                 self._engine_iteration()
             except Exception as error:  # a bug or device fault: fail the running streams, keep serving
                 log.error("engine iteration failed: %s", traceback.format_exc())
-                self._fail_all_running(f"generation failed: {error}")
+                try:
+                    self._fail_all_running(f"generation failed: {error}")
+                except Exception:  # the thread outlives its error path too: the next failure retries it
+                    log.exception("failing the running streams failed")
 
     def _engine_iteration(self) -> None:
         # The pass's wall time includes waiting for the lock; its CPU time on this thread, next to the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import numpy as np
 import torch
@@ -40,11 +41,16 @@ class LaneWorkers:
 
     def _serve_lane(self, lane: str) -> None:
         while self.running:
-            with self.lock:
-                priming, batch = self._next_work(lane)
-                while self.running and not (priming or batch):
-                    self.lock.wait(0.5)
+            try:
+                with self.lock:
                     priming, batch = self._next_work(lane)
+                    while self.running and not (priming or batch):
+                        self.lock.wait(0.5)
+                        priming, batch = self._next_work(lane)
+            except Exception:  # a bug choosing the work: the worker goes on (its lane would stop)
+                log.exception("codec lane %s: choosing its next work failed", lane)
+                time.sleep(0.1)
+                continue
             if priming is not None:
                 self._prime_ahead(priming)
             elif batch:
