@@ -1104,6 +1104,34 @@ def test_the_service_threads_outlive_a_bug_in_their_own_error_paths(tiny_checkpo
         service.shutdown()
 
 
+def test_a_bug_in_one_chunks_bookkeeping_ends_that_chunks_stream_alone(tiny_checkpoint):
+    """Two first chunks in one codec call, the first's metrics failing: its stream ends with the
+    error, the other's goes on to its end (its next chunk, cut already, may be on another worker)."""
+    engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent", chunk_schedule="2")
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    metrics = MetricsThatFailOnce()
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1, metrics=metrics)
+    inputs = {
+        "text": np.array([b"Two."], dtype=object),
+        "max_frames": np.array([6]),
+        "ignore_eos": np.array([True]),
+    }
+    try:
+        slots = len(service.free_slots)
+        sinks = [CollectingSink(), CollectingSink()]
+        with service.lock:  # both in the engine's first step, so their first chunks share a batch
+            for index, sink in enumerate(sinks):
+                service.submit(parser.parse(f"r{index}", inputs), sink)
+        assert all(sink.done.wait(60) for sink in sinks) and metrics.failed
+        errors = sorted(sink.errors for sink in sinks)
+        assert errors == [[], ["codec lane 'urgent' failed: a bug in the metrics"]]
+        assert [len(sink.info) for sink in sinks if not sink.errors] == [3]
+        wait_for(lambda: len(service.free_slots) == slots and not service.streams)
+    finally:
+        service.shutdown()
+
+
 class LaneThatCannotPrime(RecordingLane):
     """Its priming calls fail."""
 

@@ -253,25 +253,37 @@ class LaneWorkers:
                     # The error reaches a client still there; a no-op for a stream ended meanwhile.
                     self._end(stream, failure)
                     continue
-                if self.metrics:
-                    self.metrics.chunk_sent(
-                        chunk.lane,
-                        chunk.frames,
-                        elapsed,
-                        chunk.index == 0,
-                        sent_at - stream.opened_at,
-                        chunk.promoted,
-                        (sent_at - stream.text_ended_at)
-                        if chunk.last and stream.text_ended_at is not None
-                        else None,
-                        since_text_s=(sent_at - stream.first_chunk_text_at)
-                        if chunk.index == 0 and stream.first_chunk_text_at is not None
-                        else None,
-                        text_wait=chunk.text_wait,
-                    )
-                if self.chunk_trace:
-                    self._trace(chunk, len(live), started, ended, sent_at)
-                self.scheduler.chunk_done(chunk, elapsed, sent_at)
-                if chunk.last:
-                    self._end(stream, None)
+                try:
+                    self._chunk_delivered(chunk, stream, elapsed, len(live), started, ended, sent_at)
+                except (
+                    Exception
+                ) as error:  # a bug: this chunk's stream ends with it, the batch's others go on
+                    log.exception("codec lane %s: a chunk's bookkeeping failed", lane)
+                    self._end(stream, f"codec lane '{lane}' failed: {error}")
             self.lock.notify_all()
+
+    def _chunk_delivered(
+        self, chunk: Chunk, stream, elapsed: float, batch: int, started, ended, sent_at
+    ) -> None:
+        """Under the lock, after a chunk's audio was sent: its metrics and trace, and the scheduler
+        cuts the stream's next chunk (another worker may take it once the lock is released, so a
+        failure past this point must end this stream alone, never the whole batch)."""
+        if self.metrics:
+            self.metrics.chunk_sent(
+                chunk.lane,
+                chunk.frames,
+                elapsed,
+                chunk.index == 0,
+                sent_at - stream.opened_at,
+                chunk.promoted,
+                (sent_at - stream.text_ended_at) if chunk.last and stream.text_ended_at is not None else None,
+                since_text_s=(sent_at - stream.first_chunk_text_at)
+                if chunk.index == 0 and stream.first_chunk_text_at is not None
+                else None,
+                text_wait=chunk.text_wait,
+            )
+        if self.chunk_trace:
+            self._trace(chunk, batch, started, ended, sent_at)
+        self.scheduler.chunk_done(chunk, elapsed, sent_at)
+        if chunk.last:
+            self._end(stream, None)
