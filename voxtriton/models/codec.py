@@ -450,10 +450,13 @@ class CodecModel(PackedState, nn.Module):
         stream has decoded before; packed_state: [B, state_size] from `new_state` or a previous
         call. Returns (waveform [B, T * samples_per_frame], next packed state).
         """
-        param = self.decoder.pre_conv.conv.weight
-        state = self.unpack(packed_state.to(param.dtype))
+        state = self._unpacked(packed_state)
         wav = self.decoder(codes.long(), start.long(), state)
         return wav, self.pack(state)
+
+    def _unpacked(self, packed_state: torch.Tensor) -> StreamState:
+        """A packed state (a pool's float32 rows, say) in the decoder's dtype, unpacked."""
+        return self.unpack(packed_state.to(self.decoder.pre_conv.conv.weight.dtype))
 
     @torch.inference_mode()
     def front(
@@ -461,7 +464,7 @@ class CodecModel(PackedState, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode`'s first half (`CodecDecoder.front`): (hidden [B, latent, T], the packed state with
         that half's part advanced)."""
-        state = self.unpack(packed_state.to(self.decoder.pre_conv.conv.weight.dtype))
+        state = self._unpacked(packed_state)
         hidden = self.decoder.front(codes.long(), start.long(), state)
         return hidden, self.pack(state)
 
@@ -471,7 +474,7 @@ class CodecModel(PackedState, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode`'s second half over `front`'s hidden frames: (waveform, the packed state with this
         half's part advanced). `fresh`: this half starts from a fresh state, whatever the row holds."""
-        state = self.unpack(packed_state.to(self.decoder.pre_conv.conv.weight.dtype))
+        state = self._unpacked(packed_state)
         if fresh:
             names = self.decoder.back_state_names
             tensors = {name: torch.zeros_like(t) if name in names else t for name, t in state.tensors.items()}

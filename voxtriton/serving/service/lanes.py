@@ -255,9 +255,8 @@ class LaneWorkers:
                     continue
                 try:
                     self._chunk_delivered(chunk, stream, elapsed, len(live), started, ended, sent_at)
-                except (
-                    Exception
-                ) as error:  # a bug: this chunk's stream ends with it, the batch's others go on
+                except Exception as error:
+                    # A bug: this chunk's stream ends with it, the batch's others go on.
                     log.exception("codec lane %s: a chunk's bookkeeping failed", lane)
                     self._end(stream, f"codec lane '{lane}' failed: {error}")
             self.lock.notify_all()
