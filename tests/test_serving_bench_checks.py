@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from voxtriton.bench.fleet import kernel_fallbacks
-from voxtriton.bench.targets import Endpoint, Utterance
+from voxtriton.bench.summary import summarize
+from voxtriton.bench.targets import Endpoint, Utterance, played
 from voxtriton.serving.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +110,17 @@ def test_a_request_body_carries_the_fixed_length_in_the_field_named():
         "stream": True,
         "max_new_tokens": 50,
     }
+
+
+def test_a_stream_that_ends_well_short_of_its_length_counts_as_failed():
+    # 10 s asked; pieces of 1 s arriving every 0.5 s from 50 ms on (no stall).
+    def pieces(seconds):
+        return [(0.05 + 0.5 * i, 1.0) for i in range(seconds)]
+
+    one_frame_less = played(0.0, pieces(9) + [(4.55, 0.92)], None, asked_s=10.0)
+    half = played(0.0, pieces(5), None, asked_s=10.0)
+    assert one_frame_less.error is None
+    assert half.error == "ended short: 5.00 s of audio of the 10.00 s asked for"
+    summary = summarize([one_frame_less, half], lag=[])
+    assert (summary["completed"], summary["failed"], summary["slo_attained"]) == (1, 1, 1)
+    assert summary["errors"] == [half.error]

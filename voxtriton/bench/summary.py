@@ -11,6 +11,9 @@ from voxtriton.serving.tts_service import LANE_CODES
 
 TTFA_TARGET_S = 0.2
 SLO_ATTAINMENT_PERCENT = 99  # of requests that must start within TTFA_TARGET_S and never stall
+# A completed stream with less audio than this share of its fixed length counts as failed (one frame
+# less than asked, as a server may send, is over 99% of the shortest utterance).
+MIN_AUDIO_FRACTION = 0.9
 TIMELINE_WINDOW_S = 2.0  # each probe's timeline: requests, stalls and p90 TTFA per 2 s of arrivals
 LANES = tuple(sorted(LANE_CODES, key=LANE_CODES.get))  # chunk_info's lane codes, in order
 

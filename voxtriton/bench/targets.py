@@ -13,7 +13,7 @@ from typing import Callable
 
 from voxtriton_client import simulate_playback
 
-from voxtriton.bench.summary import LANES, RequestResult
+from voxtriton.bench.summary import LANES, MIN_AUDIO_FRACTION, RequestResult
 from voxtriton.serving.gateway import Backend
 
 FRAME_RATE = 12.5  # codec frames per second of audio
@@ -42,8 +42,11 @@ def played(
     text_end_to_audio_end_s=None,
 ):
     """A RequestResult from the audio's arrivals ((seconds after `sent`, audio seconds) per piece);
-    `lanes[i]` names the codec lane of piece i where the server says it."""
+    `lanes[i]` names the codec lane of piece i where the server says it. A stream that ends well
+    short of the audio asked for did less work than the workload asks of it: it counts as failed."""
     report = simulate_playback(0.0, arrivals)
+    if error is None and asked_s and report.audio_s < MIN_AUDIO_FRACTION * asked_s:
+        error = f"ended short: {report.audio_s:.2f} s of audio of the {asked_s:.2f} s asked for"
     last = arrivals[-1][0] if arrivals else None
     late = tuple((i, lanes[i] if lanes else "unknown") for i in report.late_chunks)
     return RequestResult(
