@@ -62,6 +62,16 @@ def wait_for(condition, timeout=30.0):
         time.sleep(0.01)
 
 
+def fixed_length(text: bytes, frames: int, **fields) -> dict:
+    """A request's inputs for `frames` frames of `text`, whatever the random weights sample."""
+    inputs = {
+        "text": np.array([text], dtype=object),
+        "max_frames": np.array([frames]),
+        "ignore_eos": np.array([True]),
+    }
+    return inputs | {name: np.array([value]) for name, value in fields.items()}
+
+
 def engine_and_parser(
     tiny_checkpoint, policy: str, **scheduler
 ) -> tuple[Engine, RequestParser, SchedulerConfig]:
@@ -94,11 +104,7 @@ def test_a_slot_comes_back_when_a_lane_fails_a_stream_that_was_cancelled_meanwhi
     try:
         slots = codec_slots(engine, 1, scheduler_config)
         sink = CancellableSink()
-        inputs = {
-            "text": np.array([b"Cancelled while decoding."], dtype=object),
-            "max_frames": np.array([40]),
-            "ignore_eos": np.array([True]),
-        }
+        inputs = fixed_length(b"Cancelled while decoding.", 40)
         service.submit(parser.parse("r1", inputs), sink)
         assert lane.called.wait(60)  # (under serial it is the engine thread that waits in the call)
         sink.cancel = True
@@ -134,11 +140,7 @@ def test_the_watcher_lets_the_lock_go_after_max_hold_s_and_its_sweep_still_reach
         metrics=metrics,
     )
     try:
-        inputs = {
-            "text": np.array([b"Queued."], dtype=object),
-            "max_frames": np.array([40]),
-            "ignore_eos": np.array([True]),
-        }
+        inputs = fixed_length(b"Queued.", 40)
         sinks = [SlowCheckSink(f"r{index}", checks) for index in range(count)]
         for index, sink in enumerate(sinks):
             service.submit(parser.parse(f"r{index}", inputs), sink)
@@ -212,11 +214,7 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
         cancellation_lock_share=0.25,
     )
     try:
-        inputs = {
-            "text": np.array([b"Queued."], dtype=object),
-            "max_frames": np.array([40]),
-            "ignore_eos": np.array([True]),
-        }
+        inputs = fixed_length(b"Queued.", 40)
         for name in names:
             service.submit(parser.parse(name, inputs), SlowCheckSink(name, checks))
         wait_for(lambda: service.draining >= 2)  # the first two have generated theirs (two rows)
@@ -285,12 +283,7 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     )
     try:
         sink = CollectingSink()
-        inputs = {
-            "text": np.array([b"Padded at the end."], dtype=object),
-            "max_frames": np.array([13]),
-            "ignore_eos": np.array([True]),
-            "seed": np.array([5]),
-        }
+        inputs = fixed_length(b"Padded at the end.", 13, seed=5)
         service.submit(parser.parse("r1", inputs), sink)
         assert sink.done.wait(120) and sink.errors == []
     finally:
@@ -363,12 +356,7 @@ def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tin
     )
     try:
         sinks = [CollectingSink(), CollectingSink()]
-        inputs = {
-            "text": np.array([b"Two calls at once."], dtype=object),
-            "max_frames": np.array([10]),
-            "ignore_eos": np.array([True]),
-            "seed": np.array([3]),
-        }
+        inputs = fixed_length(b"Two calls at once.", 10, seed=3)
         service.submit(parser.parse("r1", inputs), sinks[0])
         assert lane.first_started.wait(60)  # the first stream's first chunk is out
         service.submit(parser.parse("r2", inputs), sinks[1])
@@ -423,11 +411,7 @@ def test_audio_is_sent_without_the_service_lock(tiny_checkpoint):
     try:
         sink = SinkThatTriesTheServiceLock()
         sink.service = service
-        inputs = {
-            "text": np.array([b"Sent freely."], dtype=object),
-            "max_frames": np.array([10]),
-            "ignore_eos": np.array([True]),
-        }
+        inputs = fixed_length(b"Sent freely.", 10)
         service.submit(parser.parse("r1", inputs), sink)
         assert sink.done.wait(120) and sink.errors == []
     finally:
@@ -453,11 +437,7 @@ def test_each_chunk_counts_as_sent_when_its_own_send_returned(tiny_checkpoint):
     )
     try:
         sinks = [SlowSink(), SlowSink()]
-        inputs = {
-            "text": np.array([b"Sent in turn."], dtype=object),
-            "max_frames": np.array([2]),
-            "ignore_eos": np.array([True]),
-        }
+        inputs = fixed_length(b"Sent in turn.", 2)
         with service.lock:  # both admitted in one engine pass: their chunks go in one call
             for name, sink in zip(("r1", "r2"), sinks):
                 service.submit(parser.parse(name, inputs), sink)
@@ -485,11 +465,7 @@ def test_a_failed_admission_ends_its_streams_with_an_error_and_the_service_goes_
 
     runner.prefill = prefill_failing_once
     service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1)
-    inputs = {
-        "text": np.array([b"Admitted?"], dtype=object),
-        "max_frames": np.array([4]),
-        "ignore_eos": np.array([True]),
-    }
+    inputs = fixed_length(b"Admitted?", 4)
     try:
         failed, served = CollectingSink(), CollectingSink()
         service.submit(parser.parse("r1", inputs), failed)
@@ -516,11 +492,7 @@ def test_a_step_that_fails_after_the_engine_finished_a_request_still_ends_its_st
 
     engine._frames = frames_then_fault
     service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1)
-    inputs = {
-        "text": np.array([b"Lost at the end."], dtype=object),
-        "max_frames": np.array([4]),
-        "ignore_eos": np.array([True]),
-    }
+    inputs = fixed_length(b"Lost at the end.", 4)
     try:
         sink = CollectingSink()
         service.submit(parser.parse("r1", inputs), sink)
@@ -548,11 +520,7 @@ def test_a_failing_chunk_trace_turns_itself_off_and_the_stream_completes(tiny_ch
     )
     try:
         sink = CollectingSink()
-        inputs = {
-            "text": np.array([b"Traced."], dtype=object),
-            "max_frames": np.array([6]),
-            "ignore_eos": np.array([True]),
-        }
+        inputs = fixed_length(b"Traced.", 6)
         service.submit(parser.parse("r1", inputs), sink)
         assert sink.done.wait(60) and sink.errors == [] and len(sink.info) == 3
         assert service.chunk_trace is None
@@ -582,12 +550,7 @@ def test_the_waiting_gauge_counts_requests_no_row_was_free_for(tiny_checkpoint):
     )
     try:
         sinks = [CollectingSink() for _ in range(3)]
-        inputs = {
-            "text": np.array([b"Wait for a row."], dtype=object),
-            "max_frames": np.array([12]),
-            "ignore_eos": np.array([True]),
-            "seed": np.array([4]),
-        }
+        inputs = fixed_length(b"Wait for a row.", 12, seed=4)
         for index, sink in enumerate(sinks):
             service.submit(parser.parse(f"r{index}", inputs), sink)
         assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
@@ -648,12 +611,7 @@ def test_chunks_catch_up_with_a_generation_that_ran_ahead_and_the_audio_stays_ex
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
     try:
         sink = CollectingSink()
-        inputs = {
-            "text": np.array([b"Generation runs ahead."], dtype=object),
-            "max_frames": np.array([13]),
-            "ignore_eos": np.array([True]),
-            "seed": np.array([7]),
-        }
+        inputs = fixed_length(b"Generation runs ahead.", 13, seed=7)
         service.submit(parser.parse("r1", inputs), sink)
         assert lane.called.wait(60)  # the first chunk is out
         wait_for(lambda: service.scheduler.streams["r1"].generation_done)
@@ -690,11 +648,7 @@ def test_streams_that_finished_generating_do_not_take_the_rows_of_new_requests(t
 
     def submit(request_id: str, frames: int) -> None:
         sink = CollectingSink()
-        inputs = {
-            "text": np.array([b"Still playing."], dtype=object),
-            "max_frames": np.array([frames]),
-            "ignore_eos": np.array([True]),
-        }
+        inputs = fixed_length(b"Still playing.", frames)
         service.submit(parser.parse(request_id, inputs), sink)
         sinks[request_id] = sink
 
@@ -749,11 +703,7 @@ def test_a_late_frame_of_an_ended_request_does_not_touch_a_new_stream_under_its_
     engine, parser, scheduler_config = engine_and_parser(tiny_checkpoint, "concurrent")
     lane = LaneThatFailsAfterCancellation()  # holds the first call: nothing is decoded meanwhile
     service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1, cancellation_check_s=0.01)
-    inputs = {
-        "text": np.array([b"Reused id."], dtype=object),
-        "max_frames": np.array([40]),
-        "ignore_eos": np.array([True]),
-    }
+    inputs = fixed_length(b"Reused id.", 40)
     try:
         old_request, old_sink = parser.parse("r1", inputs), CancellableSink()
         service.submit(old_request, old_sink)
@@ -812,12 +762,7 @@ def test_the_warm_up_decodes_on_every_lane_records_nothing_and_leaves_the_servic
     }
     metrics, trace = EveryUpdateRecorder(), io.StringIO()
     service = TTSService(engine, scheduler_config, lanes, max_queued=1, metrics=metrics, chunk_trace=trace)
-    inputs = {
-        "text": np.array([b"Warm every lane."], dtype=object),
-        "max_frames": np.array([6]),
-        "ignore_eos": np.array([True]),
-        "seed": np.array([0]),
-    }
+    inputs = fixed_length(b"Warm every lane.", 6, seed=0)
     try:
         warm_up_requests = {lane: parser.parse(f"warmup-{lane}", inputs) for lane in (URGENT, BACKGROUND)}
         service.warm_up(warm_up_requests, timeout=120)
@@ -882,12 +827,7 @@ def test_an_in_context_stream_is_primed_while_it_prefills(tiny_base_checkpoint, 
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
     try:
         sink = CollectingSink()
-        inputs = {
-            "text": np.array([b"Primed ahead."], dtype=object),
-            "max_frames": np.array([10]),
-            "ignore_eos": np.array([True]),
-            "seed": np.array([5]),
-        }
+        inputs = fixed_length(b"Primed ahead.", 10, seed=5)
         service.submit(parser.parse("r1", inputs, voice), sink)
         assert sink.done.wait(120) and sink.errors == []
     finally:
@@ -1038,11 +978,7 @@ def test_a_failed_send_or_a_bug_after_the_codec_call_ends_the_stream_with_an_err
     service = TTSService(
         engine, scheduler_config, {URGENT: lane}, max_queued=1, metrics=MetricsThatFailOnce()
     )
-    inputs = {
-        "text": np.array([b"Ends."], dtype=object),
-        "max_frames": np.array([6]),
-        "ignore_eos": np.array([True]),
-    }
+    inputs = fixed_length(b"Ends.", 6)
     try:
         slots = len(service.free_slots)
         cannot_send = SinkThatCannotSend()
@@ -1070,11 +1006,7 @@ def test_the_service_threads_outlive_a_bug_in_their_own_error_paths(tiny_checkpo
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
-    inputs = {
-        "text": np.array([b"Goes on."], dtype=object),
-        "max_frames": np.array([6]),
-        "ignore_eos": np.array([True]),
-    }
+    inputs = fixed_length(b"Goes on.", 6)
     faults = {"next_batch": 1, "step": 1, "abort": 1}
 
     def once(name, method):
@@ -1112,11 +1044,7 @@ def test_a_bug_in_one_chunks_bookkeeping_ends_that_chunks_stream_alone(tiny_chec
     lane = InProcessLane(codec, pool.tensor)
     metrics = MetricsThatFailOnce()
     service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1, metrics=metrics)
-    inputs = {
-        "text": np.array([b"Two."], dtype=object),
-        "max_frames": np.array([6]),
-        "ignore_eos": np.array([True]),
-    }
+    inputs = fixed_length(b"Two.", 6)
     try:
         slots = len(service.free_slots)
         sinks = [CollectingSink(), CollectingSink()]
@@ -1150,11 +1078,7 @@ def test_a_stream_whose_priming_fails_ends_alone(tiny_base_checkpoint, base_enco
     recording = (0.3 * np.sin(np.arange(30000) * 0.05)).astype(np.float32)
     in_context, x_vector = base_encoder.encode([recording] * 2, ["Words.", None])
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
-    inputs = {
-        "text": np.array([b"Side by side."], dtype=object),
-        "max_frames": np.array([6]),
-        "ignore_eos": np.array([True]),
-    }
+    inputs = fixed_length(b"Side by side.", 6)
     try:
         primed, plain = CollectingSink(), CollectingSink()
         with service.lock:  # both in the engine's first step, so their first chunks share a batch
