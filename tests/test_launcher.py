@@ -210,6 +210,25 @@ def test_a_signal_while_the_server_starts_stops_it_at_once(tiny_checkpoint, tmp_
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+def test_a_stop_told_to_give_up_kills_a_server_that_has_not_exited(tiny_checkpoint):
+    """`voxtriton serve`'s third signal: no wait for the rest of the grace (a server unloading its
+    models, here a process that ignores SIGTERM) before the kill."""
+    server = TritonServer(checkpoint=str(tiny_checkpoint))
+    ignoring = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True)"
+    command = [sys.executable, "-c", ignoring + "; time.sleep(120)"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert process.stdout.readline() == b"1\n"  # SIGTERM is ignored from here on
+        server.process = process
+        started = time.monotonic()
+        server.stop(grace=60, give_up=lambda: time.monotonic() > started + 0.5)
+        assert time.monotonic() - started < 30 and process.returncode == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        server.cleanup()
+
+
 @pytest.mark.parametrize(
     "visible, expected", [(None, 2), ("1", 1), ("0,1", 2), ("", 0), ("-1", 0), ("0,1,2,3", 2)]
 )

@@ -48,7 +48,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="S",
         help="on SIGTERM or Ctrl-C, refuse new requests and let the streams in flight end for up to S "
-        "seconds before stopping (a second signal stops at once; default 30)",
+        "seconds before stopping (a second signal ends the wait, a third kills; default 30)",
     )
     parser.add_argument(
         "--param",
@@ -195,5 +195,5 @@ def serve(args: argparse.Namespace) -> int:
             print("voxtriton: stopping with streams still in flight: they end with an error", flush=True)
         return 0
     finally:
-        server.stop()
+        server.stop(give_up=lambda: signals > 2)  # a third signal: no wait for the models to unload
         server.cleanup()

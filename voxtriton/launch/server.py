@@ -259,14 +259,15 @@ class TritonServer:
             time.sleep(0.1)
         return True
 
-    def stop(self, grace: float = 20.0) -> None:
+    def stop(self, grace: float = 20.0, give_up: Callable[[], bool] = lambda: False) -> None:
+        """SIGTERM (Triton unloads its models: the Python stubs end and free their shared memory),
+        then a kill after `grace` seconds, or as soon as `give_up()` says so."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.monotonic() + grace
+            while process.poll() is None and time.monotonic() < deadline and not give_up():
+                time.sleep(0.1)
         if process is not None:
             try:
                 os.killpg(process.pid, signal.SIGKILL)  # stragglers: stubs of a server that hung
