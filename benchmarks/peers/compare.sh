@@ -7,7 +7,9 @@
 # open-loop rates with the first chunk), RAMP (4,4,8,16,25), RAMP_RATES (4,5), VX_RATES (100,112:
 # voxtriton's; 70,80 suit an H100), INITIAL (8: first-chunk frames), SAME_CHUNK (2: a second
 # single-stream run with voxtriton's first chunk), D (30 s per probe), REPEATS (2), OUT
-# (/tmp/voxtriton-gpu-runs), VENV (vLLM-Omni's environment, see vllm_omni/README.md), TRITONSERVER, PY.
+# (/tmp/voxtriton-gpu-runs), VENV (vLLM-Omni's environment, see vllm_omni/README.md), TRITONSERVER, PY,
+# FQ_PYTHONPATH (where faster-qwen3-tts and its transformers 5.15 are, if not in PY's environment:
+# single_stream.py then measures it against voxtriton in process; skipped where it does not import).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -34,6 +36,12 @@ LABEL=vllm-omni-ramp bash "$HERE/vllm_omni/bench.sh" "$CK" single
 LABEL=vllm-omni-ramp bash "$HERE/vllm_omni/bench.sh" "$CK" rates "${RAMP_RATES:-4,5}"
 stop_omni vllm-omni-ramp_rates
 
+if PYTHONPATH=${FQ_PYTHONPATH:-} "$PY" -c "import faster_qwen3_tts" 2> /dev/null; then
+  PYTHONPATH=${FQ_PYTHONPATH:-} "$PY" "$ROOT/benchmarks/single_stream.py" --checkpoint "$CK" --runs 5 \
+    --frames 100 --json "$OUT/single_stream_$PRESET.json"
+else
+  echo "faster-qwen3-tts does not import: its single-stream run is skipped"
+fi
 P="--repeats $REPEATS --concurrency 1" bash "$ROOT/benchmarks/gpu/run_serving.sh" rates "$PRESET" voxserve \
   "${VX_RATES:-100,112}" "voxtriton_$PRESET"
 "$PY" "$ROOT/benchmarks/merge_goodput.py" --out "$OUT/compare_$PRESET" \
