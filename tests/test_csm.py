@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -360,10 +361,15 @@ def engine_codes(engine, requests, *, stagger: bool = False) -> dict[str, list]:
                 engine.add(request)
             pending = pending[1:] if stagger else []
         for output in engine.step():
-            frames[output.request.request_id].append(output.codes)
+            if output.codes is not None:  # None: the request ended before its first frame
+                frames[output.request.request_id].append(output.codes)
             if output.finish_reason:
                 reasons[output.request.request_id] = output.finish_reason
-    return {key: (torch.tensor(np.array(value)), reasons.get(key)) for key, value in frames.items()}
+    codebooks = engine.runner.codebooks
+    return {
+        key: (torch.tensor(np.array(value)).reshape(len(value), codebooks), reasons.get(key))
+        for key, value in frames.items()
+    }
 
 
 def csm_request(family, request_id: str, text: str, speaker=1, **params):
@@ -479,17 +485,21 @@ def test_sampled_codes_depend_on_the_seed_not_the_batch(family, ours):
     assert int(alone["a"][0].max()) < family.codec_vocab  # only codes the codec decodes
 
 
-def test_the_end_frame_ends_the_request_and_is_not_returned(family, ours):
-    """With an end rule that matches the greedy frame 3, the request returns frames 0..2, the last
-    with reason eos; ignore_eos keeps going to max_frames."""
+def ends_at(frame: torch.Tensor):
+    """An end rule that matches `frame` alone."""
+    return lambda codes: (codes == frame.to(codes.device)).all(dim=1)
+
+
+@pytest.mark.parametrize("end", [3, 1, 0])
+def test_the_end_frame_ends_the_request_and_is_not_returned(family, ours, end):
+    """With an end rule that matches the greedy frame `end`, the request returns the frames before
+    it, the last with reason eos (none at all when the first frame is the end, as transformers'
+    generate returns none); ignore_eos keeps going to max_frames."""
     greedy = engine_codes(
         new_engine(family, ours), [csm_request(family, "g", TEXT, temperature=0.0, max_frames=6)]
     )
     frames = greedy["g"][0]
-    end_frame = frames[3]
-
-    def is_end(codes):
-        return (codes == end_frame.to(codes.device)).all(dim=1)
+    is_end = ends_at(frames[end])
 
     for overlap in (False, True):
         ended = engine_codes(
@@ -497,12 +507,64 @@ def test_the_end_frame_ends_the_request_and_is_not_returned(family, ours):
             [csm_request(family, "e", TEXT, temperature=0.0, max_frames=6)],
         )
         codes, reason = ended["e"]
-        assert reason == "eos" and torch.equal(codes, frames[:3])
+        assert reason == "eos" and torch.equal(codes, frames[:end])
     kept = engine_codes(
         new_engine(family, ours, is_end=is_end),
         [csm_request(family, "k", TEXT, temperature=0.0, max_frames=6, ignore_eos=True)],
     )
     assert kept["k"][1] == "max_frames" and torch.equal(kept["k"][0], frames)
+
+
+def test_a_stream_whose_first_frame_is_the_end_ends_with_no_audio_and_no_error(checkpoint, family, ours):
+    """Through the service (engine thread, scheduler, a CPU codec lane): the final response holds no
+    audio, and the next request of the same service is served."""
+    from voxtriton.scheduler.policy import URGENT, SchedulerConfig
+    from voxtriton.serving.codec_service import CodecService, InProcessLane
+    from voxtriton.serving.requests import request_parser
+    from voxtriton.serving.settings import CodecSettings, TTSSettings
+    from voxtriton.serving.state_pool import CodecStatePool
+    from voxtriton.serving.tts_service import TTSService, codec_slots
+
+    settings = TTSSettings(checkpoint_dir=str(checkpoint), max_streams=2, max_positions=256)
+    parser, scheduler_config = request_parser(family, settings), SchedulerConfig(policy="concurrent")
+    inputs = {"text": np.array([TEXT.encode()], dtype=object), "seed": np.array([3])}
+    two = {**inputs, "max_frames": np.array([2], np.int32)}
+    first = engine_codes(new_engine(family, ours), [parser.parse("first", two)])["first"][0][0]
+    engine = new_engine(family, ours, rows=2, is_end=ends_at(first))
+    codec = CodecService(CodecSettings(checkpoint_dir=str(checkpoint), device="cpu"))
+    pool = CodecStatePool(codec_slots(engine, 1, scheduler_config), codec.state_size, "cpu")
+    service = TTSService(engine, scheduler_config, {URGENT: InProcessLane(codec, pool.tensor)}, max_queued=1)
+    try:
+        sinks = {}
+        for name, frames in (("ends", 4), ("speaks", 4)):
+            sinks[name] = FinalResponses()
+            other = {} if name == "ends" else {"ignore_eos": np.array([True])}
+            request = {**inputs, **other, "max_frames": np.array([frames], np.int32)}
+            service.submit(parser.parse(name, request), sinks[name])
+            assert sinks[name].done.wait(60)
+        assert sinks["ends"].responses == [(0, True)] and sinks["ends"].errors == []
+        assert sum(samples for samples, _ in sinks["speaks"].responses) == 4 * family.samples_per_frame
+    finally:
+        service.shutdown()
+
+
+class FinalResponses:
+    """A sink that keeps each response's audio length and final flag."""
+
+    def __init__(self):
+        self.responses, self.errors, self.done = [], [], threading.Event()
+
+    def send(self, audio, codes, info, final):
+        self.responses.append((len(audio), final))
+        if final:
+            self.done.set()
+
+    def fail(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def cancelled(self):
+        return False
 
 
 def test_serve_preflight_takes_a_csm_checkpoint_and_names_a_missing_file(checkpoint, tmp_path):
@@ -569,6 +631,26 @@ def test_a_context_turn_needs_its_words(family, context_voice):
     with pytest.raises(RequestError) as error:
         family.prompt.prompt(TEXT, 1, dataclasses.replace(context_voice, text=None))
     assert error.value.field == "reference_text" and "required" in str(error.value)
+
+
+def test_a_context_turn_whose_words_make_the_prompt_too_long_is_named(checkpoint, family, context_voice):
+    """Under max_text_tokens alone, the text is accepted; with a long transcript before it, the
+    error names reference_text (it named text, which the client had kept short)."""
+    import dataclasses
+
+    from voxtriton.serving.requests import request_parser
+    from voxtriton.serving.settings import TTSSettings
+
+    parser = request_parser(family, TTSSettings(checkpoint_dir=str(checkpoint), max_text_tokens=64))
+    long_words = dataclasses.replace(context_voice, text="words " * 20)
+    inputs = {"text": np.array([b"Hi."], dtype=object), "reference_text": np.array([b"..."], dtype=object)}
+    parser.parse("short", inputs, context_voice)
+    with pytest.raises(RequestError) as error:
+        parser.parse("long", inputs, long_words)
+    assert str(error.value) == "reference_text: too long: its words with the text are over 64 tokens"
+    with pytest.raises(RequestError) as error:
+        parser.parse("text", {"text": np.array([b"word " * 80], dtype=object)}, context_voice)
+    assert error.value.field == "text"
 
 
 def context_request(family, request_id, voice, **params):

@@ -44,6 +44,7 @@ class CsmRows(Rows):
 
 class CsmRunner(FrameRunner):
     end_marker = 1  # the last column: the next frame is the end frame
+    empty_end_marker = 2  # the frame fed is itself the end: only a request's first (made at admission)
     pad_text_id = 0  # CSM feeds no text per frame: an admission's trailing text is unused
 
     def __init__(
@@ -167,4 +168,7 @@ class CsmRunner(FrameRunner):
         frame = self._complete_frame(hidden[:, -1], logits, rows)
         state.frame[rows] = frame
         self.step_output[rows, :-1] = fed
-        self.step_output[rows, -1] = (self.is_end(frame) & ~state.ignore_eos[rows]).long()
+        # A fed frame after the first was the step before's `frame`, whose end ended its request.
+        ends = ~state.ignore_eos[rows]
+        marker = (self.is_end(frame) & ends).long()
+        self.step_output[rows, -1] = torch.where(self.is_end(fed) & ends, self.empty_end_marker, marker)

@@ -33,7 +33,7 @@ from .request import Request, Status
 @dataclass
 class FrameOutput:
     request: Request
-    codes: np.ndarray  # [num_code_groups] int64
+    codes: np.ndarray | None  # [num_code_groups] int64; None: it ended before any frame (eos)
     finish_reason: str | None  # set on the request's last frame
 
 
@@ -79,7 +79,7 @@ class Engine:
         self.streaming: set[Request] = set()
         self.max_running = max_running
         self.overlap = overlap
-        self.end_marker = runner.end_marker
+        self.end_marker, self.empty_end_marker = runner.end_marker, runner.empty_end_marker
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # index == row; requests whose next frame is still to launch
         self.in_flight: _Launched | None = None
@@ -272,13 +272,16 @@ class Engine:
             if request.cancelled:  # cancelled with its last frame in flight: nobody wants it
                 self._finish(request, "cancelled")
                 continue
-            request.emitted += 1
-            reason = None
-            if request.emitted >= request.params.max_frames:
-                reason = "max_frames"
-            elif codes[row, -1] == self.end_marker and not request.params.ignore_eos:
-                reason = "eos"
-            outputs.append(FrameOutput(request, codes[row, :-1], reason))
+            if self.empty_end_marker is not None and codes[row, -1] == self.empty_end_marker:
+                frame, reason = None, "eos"  # its first frame was the end: it ends with no audio
+            else:
+                frame, reason = codes[row, :-1], None
+                request.emitted += 1
+                if request.emitted >= request.params.max_frames:
+                    reason = "max_frames"
+                elif codes[row, -1] == self.end_marker and not request.params.ignore_eos:
+                    reason = "eos"
+            outputs.append(FrameOutput(request, frame, reason))
             if reason:
                 self._finish(request, reason)
                 if request.row is not None:

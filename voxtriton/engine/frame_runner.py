@@ -37,6 +37,9 @@ NO_CODEC = -1  # an admission's codec ids past a prompt's
 
 class FrameRunner:
     end_marker: int  # a step output's last column equal to this ends the row's request
+    # ... and equal to this, the frame itself is the end: the request ends without it (a family
+    # whose first frame can be its end frame); None: never.
+    empty_end_marker: int | None = None
     pad_text_id: int  # what fills the trailing text of an admission's rows
     extra_width = 0  # the width of a family's extra prompt embeddings (`_extra_embeds`); 0: none
 
@@ -55,6 +58,7 @@ class FrameRunner:
         self.device, self.dtype = device, dtype
         check_kernels(self.device)  # decided now, before any graph capture
         self.max_rows, self.max_positions, self.max_text_tokens = max_rows, max_positions, max_text_tokens
+        self.codebooks = codebooks
         self.row_offsets = torch.arange(max_rows, device=self.device)
         self.move_pair = torch.zeros(2, device=self.device, dtype=torch.long)  # (source, target): `move_row`
         self.step_output = torch.zeros(max_rows, codebooks + 1, device=self.device, dtype=torch.long)

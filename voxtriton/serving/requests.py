@@ -219,9 +219,13 @@ class CsmRequestParser:
         speaker = _string("speaker", inputs["speaker"], limit) if "speaker" in inputs else None
         if voice is None and speaker and not speaker.isdecimal() and self.voices is not None:
             voice, speaker = self._registered_voice(speaker.lower()), None
-        prompt = self.family.prompt.prompt(text, speaker, voice)
-        if prompt.text_tokens > self.settings.max_text_tokens:
-            raise RequestError("text", f"too long: more than {self.settings.max_text_tokens} tokens")
+        prompt, limit = self.family.prompt.prompt(text, speaker, voice), self.settings.max_text_tokens
+        if prompt.text_tokens > limit:
+            if voice is None or self.family.prompt.prompt(text, speaker).text_tokens > limit:
+                raise RequestError("text", f"too long: more than {limit} tokens")
+            # The context turn's words lead the text: the recording's transcript, or the voice's.
+            field = "reference_text" if "reference_text" in inputs else "speaker"
+            raise RequestError(field, f"too long: its words with the text are over {limit} tokens")
         params = _generation_params(
             self.family.sampling, self.settings, _scalars(inputs), len(prompt.text_ids)
         )

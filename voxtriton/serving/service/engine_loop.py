@@ -9,6 +9,7 @@ import time
 import traceback
 
 import numpy as np
+import torch
 
 from ...engine.request import Request
 
@@ -70,11 +71,15 @@ class EngineLoop:
             self._hand_text()
         outputs = self.engine.step()
         with self.lock:
+            silent = [output.request for output in outputs if output.codes is None]
             for output in outputs:
-                self._on_frame(output.request, output.codes, output.finish_reason)
+                if output.codes is not None:
+                    self._on_frame(output.request, output.codes, output.finish_reason)
             self._note_text_waits()
             self._publish_gauges()
             self.lock.notify_all()
+        for request in silent:
+            self._end_without_audio(request)
         if self.scheduler.config.rules.inline_decode:
             self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
         period, timing = time.perf_counter() - started, self.engine.last_timing
@@ -133,6 +138,21 @@ class EngineLoop:
         cut = self.scheduler.frames_generated(request.request_id, 1, done=stream.generation_done)
         if stream.input_stream and any(chunk.index == 0 for chunk in cut):
             stream.first_chunk_text_at = stream.text_handed_at
+
+    def _end_without_audio(self, request: Request) -> None:
+        """A request whose first frame was its end (the reference model gives it no audio): its
+        stream's final response holds none (sent without the service lock, like every chunk)."""
+        stream = self.streams.get(request.request_id)
+        if stream is None or stream.closed or stream.request is not request:
+            return
+        failure = None
+        try:
+            empty = np.zeros((0, self.engine.runner.codebooks), np.int64)
+            stream.sink.send(torch.zeros(0), empty, np.zeros(4, np.int64), True)
+        except Exception as error:
+            failure = f"sending its final response failed: {error}"
+        with self.lock:
+            self._end(stream, failure)
 
     def _fail_all_running(self, message: str) -> None:
         """After a failed step: end every stream the engine had taken, running, being admitted
