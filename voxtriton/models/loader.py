@@ -120,6 +120,10 @@ class SafetensorsCheckpoint:
     def tensor(self, name: str) -> torch.Tensor:
         return self._open(self.file_of(name)).get_tensor(name)
 
+    def full_name(self, name: str) -> str:
+        """The name as the file holds it (see `CheckpointView`)."""
+        return name
+
 
 def load_weights(root: nn.Module, checkpoint: SafetensorsCheckpoint, only: str | None = None) -> None:
     """Fill every parameter of `root` from the checkpoint; fail naming the first problem. only: the
@@ -134,7 +138,7 @@ def load_weights(root: nn.Module, checkpoint: SafetensorsCheckpoint, only: str |
         shape = checkpoint.shape(name)
         if shape != target.shape:
             raise CheckpointError(
-                f"{checkpoint.file_of(name)}: tensor {name} has shape {list(shape)}, "
+                f"{checkpoint.file_of(name)}: tensor {checkpoint.full_name(name)} has shape {list(shape)}, "
                 f"expected {list(target.shape)}"
             )
         with torch.no_grad():

@@ -51,6 +51,9 @@ class CheckpointView:
     def file_of(self, name: str) -> Path:
         return self.checkpoint.file_of(self.prefix + name)
 
+    def full_name(self, name: str) -> str:
+        return self.prefix + name
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.checkpoint.shape(self.prefix + name)
 
