@@ -832,3 +832,96 @@ def test_a_stream_that_fails_after_its_audio_began_is_aborted_not_ended(tiny_che
             assert health["status"] == "ok"
         finally:
             stop_gateway(gateway)
+
+
+def test_a_text_stream_message_past_its_limit_closes_the_socket(stack):
+    """A message over 64 KiB (the server takes 8 KiB of text in all) is refused by the WebSocket
+    layer, before it is parsed or its key checked: close code 1009, and the gateway goes on."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    url, _ = stack
+    with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=10) as socket:
+        socket.send(json.dumps({"input": "x" * (70 << 10)}))
+        with pytest.raises(ConnectionClosed):
+            socket.recv(timeout=30)
+        assert socket.close_code == 1009
+    assert fetch(urllib.request.Request(url + "/health"))[0] == 200
+
+
+def test_a_message_after_the_last_piece_ends_the_text_stream_with_an_error(stack):
+    from websockets.sync.client import connect
+
+    url, _ = stack
+    with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=10) as socket:
+        first = {"input": "Hello there.", "voice": "ryan", "max_frames": 400, "ignore_eos": True, "end": True}
+        socket.send(json.dumps(first))
+        socket.send(json.dumps({"input": " And more."}))
+        while isinstance(message := socket.recv(timeout=60), bytes):
+            pass
+    error = json.loads(message)
+    assert error["type"] == "error", error
+    assert (error["error"]["param"], error["error"]["message"]) == (
+        "end",
+        "end: no message may follow the last piece",
+    )
+
+
+def test_a_text_streams_first_message_of_the_wrong_shape_gets_its_error_and_a_close():
+    """In process (no backend is asked before the first message parses): a response_format that is
+    not a string is named, not a dropped socket."""
+    from fastapi.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from voxtriton.serving.gateway import create_app
+
+    with TestClient(create_app("127.0.0.1:1")).websocket_connect("/v1/audio/speech/stream") as socket:
+        socket.send_json({"input": "Hi", "response_format": ["pcm"]})
+        error = socket.receive_json()
+        with pytest.raises(WebSocketDisconnect) as closed:
+            socket.receive_json()
+    assert error["type"] == "error" and error["error"]["param"] == "response_format", error
+    assert closed.value.code == 1000
+
+
+def test_a_body_that_never_ends_gets_a_408_and_gives_its_place_back(stack):
+    """--body-timeout 1 and one open request at most: an upload that stops short of its declared
+    length is answered 408 after a second, and the next request is served."""
+    _, server = stack
+    gateway, url = start_gateway(server.grpc_url, extra=("--body-timeout", "1", "--max-connections", "1"))
+    try:
+        headers = {"Content-Type": "application/json", "Content-Length": "100"}
+        status, payload = post_and_read(url, headers, [b'{"in'])
+        assert status == 408, payload
+        assert json.loads(payload)["error"]["message"] == "request body not received within 1 s"
+        speech = dict(model="tts", voice="ryan", input="Hello.", response_format="pcm", max_frames=4)
+        assert post(url, speech)[0] == 200
+    finally:
+        stop_gateway(gateway)
+
+
+def test_a_request_whose_client_leaves_before_its_first_audio_leaves_the_servers_queue(tiny_checkpoint):
+    """One row, taken by a long stream: a second request waits in the server's queue for it. Its
+    client goes away meanwhile; the gateway cancels it then, so it leaves the queue while the first
+    stream still runs (not once a row frees and its first chunk is made for nobody)."""
+    limits = {"max_streams": "1", "max_queued": "2"}
+    with start_server(tiny_checkpoint, parameters={"tts": limits}) as server:
+        gateway, url = start_gateway(server.grpc_url)
+        long_speech = dict(model="tts", voice="ryan", input="Long.", response_format="pcm", ignore_eos=True)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                first = pool.submit(post, url, {**long_speech, "max_frames": 1500})
+                wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda rows: rows == 1)
+                host, port = url.removeprefix("http://").rsplit(":", 1)
+                body = json.dumps({**long_speech, "max_frames": 8}).encode()
+                with socket.create_connection((host, int(port)), timeout=30) as leaving:
+                    head = (
+                        f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
+                    )
+                    leaving.sendall(f"{head}Content-Type: application/json\r\n\r\n".encode() + body)
+                    wait_for_metric(server, "voxtriton_waiting_requests", lambda waiting: waiting == 1)
+                wait_for_metric(server, "voxtriton_waiting_requests", lambda waiting: waiting == 0)
+                assert not first.done()  # it left the queue before the row was free
+                assert first.result(timeout=300)[0] == 200
+        finally:
+            stop_gateway(gateway)

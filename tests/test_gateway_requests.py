@@ -18,6 +18,7 @@ from voxtriton.serving.gateway import (
     SpeechStream,
     error_from_server,
     parse_speech_request,
+    parse_text_piece,
 )
 
 
@@ -62,6 +63,9 @@ def test_unknown_fields_are_named_all_at_once():
         ("voice", 3, "voice: must be a string"),
         ("stream_format", "chunks", "stream_format: 'chunks' is not one of audio, sse"),
         ("response_format", "aac", "response_format: 'aac' is not supported (use wav, pcm, opus, mp3)"),
+        ("response_format", ["wav"], "response_format: ['wav'] is not supported (use wav, pcm, opus, mp3)"),
+        ("voice", "ry\ud800an", "voice: not valid Unicode (a lone surrogate at character 2)"),
+        ("instructions", "\udfff", "instructions: not valid Unicode (a lone surrogate at character 0)"),
         ("speed", 2, "speed: only 1.0 is supported (the model has no speed control)"),
     ],
 )
@@ -115,3 +119,17 @@ def test_the_streamed_wav_header_is_standard_with_open_ended_sizes():
     assert len(header) == 44 and header[4:8] == b"\xff\xff\xff\xff" and header[40:44] == b"\xff\xff\xff\xff"
     with wave.open(io.BytesIO(header)) as parsed:
         assert (parsed.getframerate(), parsed.getnchannels(), parsed.getsampwidth()) == (24000, 1, 2)
+
+
+def test_text_with_no_utf8_form_is_named_in_a_request_and_in_a_text_stream():
+    """A lone surrogate (JSON's "\\ud800") has no UTF-8: refused as the field's error (it reached
+    the gRPC client's encoding, and came back as a 502 blaming the server)."""
+    error = rejection({"input": "Hello \ud800"})
+    assert (error.param, error.message) == (
+        "input",
+        "input: not valid Unicode (a lone surrogate at character 6)",
+    )
+    for first in (True, False):
+        with pytest.raises(SpeechError) as caught:
+            parse_text_piece({"input": "\udc80 there"}, first)
+        assert (caught.value.status, caught.value.param) == (400, "input")

@@ -111,6 +111,11 @@ def test_register_speak_list_and_delete(stack):
         (registration("quiet", audio_file(np.zeros(48000, np.float32))), "audio", "audio: is silent"),
         (registration("short", audio_file(reference_audio(0.4))), "audio", "audio: too short"),
         (registration("a", audio_file(reference_audio(1.0)), voice="x"), "voice", "unknown field"),
+        (
+            registration("a", audio_file(reference_audio(1.0)), text="Hi \ud800."),
+            "text",
+            "text: not valid Unicode (a lone surrogate at character 3)",
+        ),
     ],
     ids=[
         "path-name",
@@ -120,6 +125,7 @@ def test_register_speak_list_and_delete(stack):
         "silent",
         "too-short",
         "unknown-field",
+        "lone-surrogate",
     ],
 )
 def test_bad_registrations_are_refused_naming_the_field(stack, body, param, message):

@@ -12,3 +12,14 @@ class RequestError(ValueError):
 class ServerBusy(RuntimeError):
     """Admission control refused a request (the server is full or shutting down); the client may
     retry later, or elsewhere."""
+
+
+def utf8(text: str, field: str) -> bytes:
+    """`text` in UTF-8; RequestError naming `field` for a string that has none (a lone surrogate,
+    which JSON's \\ud800 escapes and Python's surrogateescape let through)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(
+            field, f"not valid Unicode (a lone surrogate at character {error.start})"
+        ) from None

@@ -33,10 +33,11 @@ from tritonclient.utils import InferenceServerException
 from voxtriton_client import AsyncTTSClient, Chunk, Synthesis
 from voxtriton_client.api import INPUT_TYPES, LANES, MODEL
 
+from ..errors import RequestError, utf8
 from ..models.config import CheckpointError
 from ..models.families import load_family
 from .audio_formats import MEDIA_TYPES, check_encoders, new_encoder
-from .gateway_voices import add_voice_routes, read_body
+from .gateway_voices import BODY_TIMEOUT_S, add_voice_routes, read_body
 from .settings import TTSSettings, default_checkpoint_dir, voices_dir
 
 log = logging.getLogger("voxtriton.gateway")
@@ -50,6 +51,10 @@ API_KEY_ENV = "VOXTRITON_API_KEY"  # --api-key's default
 # a server that stopped answering.
 STREAM_TIMEOUT_S = 1800.0
 FIRST_MESSAGE_TIMEOUT_S = 30.0  # a text stream's first message, after its WebSocket opened
+# A text stream's message at most (uvicorn's default is 16 MiB): the server takes 8 KiB of text in
+# all, and a larger message is parsed before its key is checked.
+WS_MAX_MESSAGE_BYTES = 64 << 10
+AWAITING_FIRST_PER_CONNECTION = 4  # text-stream sockets awaiting a first message, per --max-connections
 MAX_CONNECTIONS = 1024  # --max-connections' default: a few servers' max_streams + max_queued
 MAX_SPEECH_BODY_BYTES = 1 << 20  # a speech request: its input (the server takes 8 KiB of text) and options
 
@@ -211,6 +216,7 @@ def parse_speech_request(body: dict) -> dict:
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise SpeechError(400, "input: must be a non-empty string", "input")
+    check_unicode(text, "input")
     resolve_model(body.get("model", MODEL))
     response_format = parse_response_format(body.get("response_format", "wav"))
     stream_format = body.get("stream_format", "audio")
@@ -233,6 +239,8 @@ def voice_options(body: dict, fields: dict = OPTIONAL_FIELDS) -> dict:
             continue
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise SpeechError(400, f"{source}: must be {TYPE_NAMES[kind]}", source)
+        if kind is str:
+            check_unicode(value, source)
         if kind is int:  # as the tts input's type holds it (numpy would wrap a larger one around)
             limits = np.iinfo(INPUT_TYPES[target])
             if not limits.min <= value <= limits.max:
@@ -241,8 +249,16 @@ def voice_options(body: dict, fields: dict = OPTIONAL_FIELDS) -> dict:
     return options
 
 
+def check_unicode(text: str, field_name: str) -> None:
+    """SpeechError(400) naming the field for a string with no UTF-8 form (a lone surrogate)."""
+    try:
+        utf8(text, field_name)
+    except RequestError as error:
+        raise SpeechError(400, str(error), field_name) from None
+
+
 def parse_response_format(value) -> str:
-    if value not in MEDIA_TYPES:
+    if not isinstance(value, str) or value not in MEDIA_TYPES:
         raise SpeechError(
             400,
             f"response_format: {value!r} is not supported (use {', '.join(MEDIA_TYPES)})",
@@ -266,6 +282,7 @@ def parse_text_piece(message, first: bool) -> tuple[str, bool, dict]:
     text, end = message.get("input", ""), message.get("end", False)
     if not isinstance(text, str):
         raise SpeechError(400, "input: must be a string", "input")
+    check_unicode(text, "input")
     if not isinstance(end, bool):
         raise SpeechError(400, "end: must be true or false", "end")
     if not first:
@@ -450,6 +467,26 @@ class SpeechStream:
             self.task.cancel()
 
 
+async def start_unless_the_client_leaves(stream: SpeechStream, request) -> None:
+    """`stream.start()`, cancelling the stream if the client goes away first (its request can wait
+    in the server's queue for a while, holding a place there for nobody)."""
+
+    async def client_left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":  # the body is read: only that
+            pass
+
+    started, left = asyncio.create_task(stream.start()), asyncio.create_task(client_left())
+    try:
+        await asyncio.wait((started, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if not started.done():
+        started.cancel()
+        stream.cancel()
+        raise SpeechError(400, "the client went away before the first audio")
+    started.result()  # its SpeechError, if any
+
+
 def stream_latencies(times: dict) -> dict:
     """An input stream's latencies as the gateway saw them (event-loop times of its messages)."""
     latencies = {}
@@ -476,15 +513,20 @@ def create_app(
     api_key: str = "",
     max_voices: int = TTSSettings.max_voices,
     max_connections: int = MAX_CONNECTIONS,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ):
     """api_key: what clients must present ("" = none); max_voices: registered voices at most;
-    max_connections: /v1/ requests and text streams open at once."""
+    max_connections: /v1/ requests and text streams open at once; body_timeout_s: a request body's
+    whole arrival at most."""
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     check_encoders()
     app = FastAPI(title="voxtriton gateway")
     open_limit = OpenLimit(max_connections)
+    # Text-stream sockets before their first message (a key unchecked: they take no `open_limit`
+    # slot), each holding at most a message of WS_MAX_MESSAGE_BYTES.
+    awaiting_first = OpenLimit(AWAITING_FIRST_PER_CONNECTION * max_connections)
     app.add_middleware(LimitOpen, limits=open_limit)
     if api_key:  # added last, so outermost: a request without the key is refused before it is counted
         app.add_middleware(RequireApiKey, key=api_key)
@@ -493,6 +535,11 @@ def create_app(
     @app.exception_handler(SpeechError)
     async def speech_error(request: Request, error: SpeechError):
         return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        """A bug: the client still gets the JSON error shape (the traceback goes to the log)."""
+        return error_response(SpeechError(500, "internal error in the gateway", kind="server_error"))
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
@@ -517,7 +564,9 @@ def create_app(
         except InferenceServerException:  # it went down since
             raise unreachable() from None
 
-    voice_store = add_voice_routes(app, served_checkpoint, voices_dir(voices), max_voices, SpeechError)
+    voice_store = add_voice_routes(
+        app, served_checkpoint, voices_dir(voices), max_voices, SpeechError, body_timeout_s
+    )
 
     async def model_card() -> dict:
         directory = await served_checkpoint()
@@ -567,7 +616,7 @@ def create_app(
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
         try:
-            body = json.loads(await read_body(request, MAX_SPEECH_BODY_BYTES, SpeechError))
+            body = json.loads(await read_body(request, MAX_SPEECH_BODY_BYTES, SpeechError, body_timeout_s))
         except (ValueError, RecursionError):  # not JSON or UTF-8, or numbers or nesting past Python's limits
             raise SpeechError(400, "request body must be JSON") from None
         options = parse_speech_request(body)
@@ -576,7 +625,7 @@ def create_app(
         stream = SpeechStream(
             lambda on_chunk: backend.synthesize(text, on_chunk=on_chunk, info=sse, **options)
         )
-        await stream.start()
+        await start_unless_the_client_leaves(stream, request)
 
         async def audio():
             try:
@@ -650,8 +699,13 @@ def create_app(
                     return
 
         async def read_rest(end: bool, stream: SpeechStream) -> None:
-            while not end:
+            """Later messages, into `pieces`, until the client leaves; one after the last piece, or
+            a bad one, ends the stream with its error."""
+            while True:
                 try:
+                    if end:
+                        await receive(first=False)
+                        raise SpeechError(400, "end: no message may follow the last piece", "end")
                     piece, end, _ = await receive(first=False)
                 except Exception as error:  # the stream ends with it (else it waits for text)
                     if isinstance(error, WebSocketDisconnect):
@@ -708,14 +762,21 @@ def create_app(
                 reader.cancel()
 
         try:
-            piece, end, options = await receive_first()
+            if busy := awaiting_first.busy():  # sockets with their key unchecked hold no more than this
+                raise busy
+            with awaiting_first.slot():
+                piece, end, options = await receive_first()
             if busy := open_limit.busy():
                 raise busy
-        except SpeechError as error:
-            await websocket.send_json({"type": "error", **error.body()})
-            await websocket.close(code=1013 if error.kind == "server_busy" else 1000)  # 1013: try again later
-            return
         except WebSocketDisconnect:
+            return
+        except Exception as error:  # a bad first message, a busy gateway, or a bug: said, then closed
+            if not isinstance(error, SpeechError):
+                log.exception("gateway: reading a text stream's first message failed")
+                error = SpeechError(500, "internal error in the gateway", kind="server_error")
+            await websocket.send_json({"type": "error", **error.body()})
+            # 1013: try again later; 1011: the server failed
+            await websocket.close(code={"server_busy": 1013, "server_error": 1011}.get(error.kind, 1000))
             return
         with open_limit.slot():
             await speak(piece, end, options)
@@ -770,6 +831,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="/v1/ requests and text-stream WebSockets open at once; past N a 503 (server_busy), so that "
         f"clients that never read cannot exhaust the gateway's memory (default {MAX_CONNECTIONS})",
     )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        metavar="S",
+        help="a request body not all received in S seconds gets a 408, so a client that never ends "
+        f"its upload cannot hold a --max-connections place (default {BODY_TIMEOUT_S:g})",
+    )
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -791,6 +860,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     for flag, value in (("--max-voices", args.max_voices), ("--max-connections", args.max_connections)):
         if value < 1:
             raise SystemExit(f"voxtriton gateway: {flag}: must be at least 1, got {value}")
+    if not args.body_timeout > 0:
+        raise SystemExit(f"voxtriton gateway: --body-timeout: must be more than 0, got {args.body_timeout:g}")
     app = create_app(
         args.backend[0] if args.backend else "127.0.0.1:8001",
         args.checkpoint,
@@ -798,6 +869,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         args.api_key,
         args.max_voices,
         args.max_connections,
+        args.body_timeout,
     )
     base = f"http://{args.host}:{args.port}"
     print(
@@ -805,5 +877,13 @@ def run_gateway(args: argparse.Namespace) -> int:
         + ("; /v1/ needs the API key" if args.api_key else ""),
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    # No per-message compression: a small compressed message could inflate to the size limit.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        ws_max_size=WS_MAX_MESSAGE_BYTES,
+        ws_per_message_deflate=False,
+    )
     return 0

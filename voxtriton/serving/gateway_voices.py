@@ -20,35 +20,50 @@ import binascii
 import json
 from pathlib import Path
 
-from ..errors import RequestError
+from ..errors import RequestError, utf8
 from ..models.config import CheckpointError
 from ..models.families import load_family
 from ..models.family import ModelFamily
 from .voices import VoiceEncoder, VoiceStore, check_name, register_voice
 
 MAX_BODY_BYTES = 24 << 20  # a 16 MiB recording in base64, and the rest of the JSON
+# A request's whole body (the gateway's --body-timeout): one that never ends would hold its
+# open-requests slot for good.
+BODY_TIMEOUT_S = 60.0
+# Registrations waiting for the one being encoded (seconds each on a CPU), each holding its body.
+MAX_WAITING_REGISTRATIONS = 2
 
 
-async def read_body(request, limit: int, error_type) -> bytes:
+async def read_body(request, limit: int, error_type, timeout_s: float) -> bytes:
     """The request's body, refused with a 413 past `limit` bytes whether or not it declares its
-    length (a chunked upload does not)."""
+    length (a chunked upload does not), and with a 408 if it has not all come in `timeout_s`."""
+    from starlette.requests import ClientDisconnect
+
     too_large = error_type(413, f"request body too large (at most {limit} bytes)")
     if int(request.headers.get("content-length") or 0) > limit:
         raise too_large
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise too_large
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise too_large
+    except TimeoutError:
+        raise error_type(408, f"request body not received within {timeout_s:g} s") from None
+    except ClientDisconnect:  # nobody is left to answer: end the request quietly
+        raise error_type(400, "the client went away before its request body ended") from None
     return bytes(body)
 
 
 VOICE_FIELDS = ("name", "audio", "text", "replace")
 
 
-def add_voice_routes(app, served_checkpoint, voices_directory: Path, max_voices: int, error_type):
+def add_voice_routes(
+    app, served_checkpoint, voices_directory: Path, max_voices: int, error_type, body_timeout_s: float
+):
     """served_checkpoint: async () -> the checkpoint directory; max_voices: as the servers'
-    `max_voices`; error_type: the gateway's SpeechError.
+    `max_voices`; error_type: the gateway's SpeechError; body_timeout_s: as `read_body`'s.
     Returns `store_of(family)`: the voice store of a checkpoint, one per checkpoint for the gateway's
     life, so a listing reads only the voice files that changed since the last (in a worker thread:
     never on the event loop)."""
@@ -57,6 +72,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, max_voices:
     encoders: dict[Path, VoiceEncoder] = {}
     stores: dict[Path, VoiceStore] = {}
     one_at_a_time = asyncio.Lock()
+    registrations = 0  # running or waiting
 
     def store_of(family: ModelFamily) -> VoiceStore:
         if family.checkpoint not in stores:
@@ -70,8 +86,12 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, max_voices:
         directory = await served_checkpoint()
         try:
             return load_family(directory)
-        except (OSError, CheckpointError) as error:
-            raise error_type(503, f"the served checkpoint is not readable here ({error}); give --checkpoint")
+        except (OSError, CheckpointError) as error:  # the gateway's setup: a retry would not help
+            raise error_type(
+                500,
+                f"the served checkpoint is not readable here ({error}); give --checkpoint",
+                kind="server_error",
+            ) from None
 
     def clones_none(family: ModelFamily) -> str:
         """Why a model that clones no voice has no registered ones, in words."""
@@ -81,12 +101,24 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, max_voices:
 
     @app.post("/v1/audio/voices", status_code=201)
     async def add_voice(request: Request):
+        nonlocal registrations
         family = await served_family()  # a model that clones none is refused whatever the body
         if not family.clones_voices:
             raise error_type(400, "audio: " + clones_none(family), "audio")
+        if registrations > MAX_WAITING_REGISTRATIONS:  # refused before its body is read
+            raise error_type(
+                503, "The gateway is registering other voices; retry shortly.", kind="server_busy"
+            )
+        registrations += 1
+        try:
+            return await register(request, family)
+        finally:
+            registrations -= 1
+
+    async def register(request, family: ModelFamily) -> dict:
         directory, store = family.checkpoint, store_of(family)
         try:
-            body = json.loads(await read_body(request, MAX_BODY_BYTES, error_type))
+            body = json.loads(await read_body(request, MAX_BODY_BYTES, error_type, body_timeout_s))
         except (ValueError, RecursionError):  # not JSON or UTF-8, or numbers or nesting past Python's limits
             raise error_type(400, "request body must be JSON") from None
         if not isinstance(body, dict):
@@ -107,6 +139,7 @@ def add_voice_routes(app, served_checkpoint, voices_directory: Path, max_voices:
             raise error_type(400, "replace: must be true or false", "replace")
         try:
             check_name(name)
+            utf8(text or "", "text")  # before the recording is encoded
             raw = base64.b64decode(
                 audio.partition(",")[2] if audio.startswith("data:") else audio, validate=True
             )

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..engine.encoder_runner import EncoderRunner
-from ..errors import RequestError, ServerBusy
+from ..errors import RequestError, ServerBusy, utf8
 from ..models.family import ModelFamily
 from ..models.voice import Voice, codes_key
 from .reference_audio import read_reference_audio
@@ -269,7 +269,7 @@ def register_voice(
     """Encode a recording (file bytes) once and store it as `name`; returns its description."""
     check_name(name)
     text = (text or "").strip() or None
-    if text is not None and len(text.encode("utf-8")) > MAX_TRANSCRIPT_BYTES:
+    if text is not None and len(utf8(text, "text")) > MAX_TRANSCRIPT_BYTES:
         raise RequestError("text", f"too long (at most {MAX_TRANSCRIPT_BYTES} bytes)")
     if encoder.context_turn and text is None:
         raise RequestError("text", "is required: CSM's voice is a context turn, the recording and its words")
