@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from sinks import CollectingSink
 
 from voxtriton.cli import main
 from voxtriton.errors import RequestError
@@ -541,34 +541,15 @@ def test_a_stream_whose_first_frame_is_the_end_ends_with_no_audio_and_no_error(c
     try:
         sinks = {}
         for name, frames in (("ends", 4), ("speaks", 4)):
-            sinks[name] = FinalResponses()
+            sinks[name] = CollectingSink()
             other = {} if name == "ends" else {"ignore_eos": np.array([True])}
             request = {**inputs, **other, "max_frames": np.array([frames], np.int32)}
             service.submit(parser.parse(name, request), sinks[name])
             assert sinks[name].done.wait(60)
-        assert sinks["ends"].responses == [(0, True)] and sinks["ends"].errors == []
-        assert sum(samples for samples, _ in sinks["speaks"].responses) == 4 * family.samples_per_frame
+        assert [len(audio) for audio in sinks["ends"].audio] == [0] and sinks["ends"].errors == []
+        assert sum(len(audio) for audio in sinks["speaks"].audio) == 4 * family.samples_per_frame
     finally:
         service.shutdown()
-
-
-class FinalResponses:
-    """A sink that keeps each response's audio length and final flag."""
-
-    def __init__(self):
-        self.responses, self.errors, self.done = [], [], threading.Event()
-
-    def send(self, audio, codes, info, final):
-        self.responses.append((len(audio), final))
-        if final:
-            self.done.set()
-
-    def fail(self, message):
-        self.errors.append(message)
-        self.done.set()
-
-    def cancelled(self):
-        return False
 
 
 def test_serve_preflight_takes_a_csm_checkpoint_and_names_a_missing_file(checkpoint, tmp_path):

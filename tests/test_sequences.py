@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 import pytest
+from sinks import CollectingSink
 from test_tts_service import (
-    CollectingSink,
     assert_audio_is_the_whole_decode,
     cpu_codec,
     engine_and_parser,

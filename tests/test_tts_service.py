@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from sinks import CollectingSink
 
 from voxtriton.engine.engine import Engine
 from voxtriton.engine.model_runner import ModelRunner
@@ -235,28 +236,6 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
     finally:
         lane.release.set()
         service.shutdown()
-
-
-class CollectingSink:
-    def __init__(self):
-        self.audio, self.codes, self.info, self.errors, self.done = [], [], [], [], threading.Event()
-        self.cancel = False
-
-    def send(self, audio, codes, info, final):
-        if self.done.is_set():  # as sinks do after their final response or error (ResponseSink.send)
-            return
-        self.audio.append(audio.numpy().copy())
-        self.codes.append(np.asarray(codes).copy())
-        self.info.append(info.copy())
-        if final:
-            self.done.set()
-
-    def fail(self, message):
-        self.errors.append(message)
-        self.done.set()
-
-    def cancelled(self):
-        return self.cancel
 
 
 def assert_audio_is_the_whole_decode(codec: CodecService, sink: CollectingSink, frames: int) -> None:
