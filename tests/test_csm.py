@@ -271,6 +271,16 @@ def test_loader_names_the_file_and_tensor(checkpoint, tmp_path):
         load_mimi_encoder(tmp_path)
 
 
+def test_a_config_saved_by_transformers_5_reads_as_the_official_one(checkpoint, tmp_path):
+    """transformers 5 saves RoPE as `rope_parameters` (a fine-tuned checkpoint's config): the same
+    backbone, depth decoder and codec as from the official `rope_theta` and `rope_scaling`."""
+    transformers = pytest.importorskip("transformers")
+    transformers.CsmConfig.from_pretrained(str(checkpoint)).save_pretrained(str(tmp_path))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in saved and "rope_theta" not in saved  # the layout read here
+    assert load_csm_config(tmp_path) == load_csm_config(checkpoint)
+
+
 def test_config_errors_name_the_field(checkpoint, tmp_path):
     config = json.loads((checkpoint / "config.json").read_text())
     config["codec_config"]["num_quantizers"] = 16

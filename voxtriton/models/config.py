@@ -25,9 +25,27 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: file is missing")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return with_rope_fields(json.loads(path.read_text(encoding="utf-8")))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+
+
+def with_rope_fields(data):
+    """`data` with each `rope_parameters` (how transformers 5 saves a config: a fine-tuned checkpoint)
+    also given as the `rope_theta` and `rope_scaling` of the official configs, which the parsers
+    read; an object that has either keeps it."""
+    if isinstance(data, list):
+        return [with_rope_fields(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    data = {key: with_rope_fields(value) for key, value in data.items()}
+    rope = data.get("rope_parameters")
+    if isinstance(rope, dict):
+        data.setdefault("rope_theta", rope.get("rope_theta"))
+        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        # Plain RoPE saves only its type; anything more (Llama 3's factors, mRoPE's sections) scales.
+        data.setdefault("rope_scaling", scaling if set(scaling) - {"rope_type"} else None)
+    return data
 
 
 class _Fields:
