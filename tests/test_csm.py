@@ -414,6 +414,14 @@ def new_engine(family, ours, rows=3, is_end=None, overlap=False):
     return Engine(runner, rows, overlap=overlap)
 
 
+def test_a_server_allowing_more_positions_than_the_model_was_trained_for_is_refused(checkpoint, family):
+    from voxtriton.serving.settings import TTSSettings
+
+    TTSSettings(checkpoint_dir=str(checkpoint), max_positions=2048).check_model(family.max_positions)
+    with pytest.raises(ValueError, match="'max_positions' must be at most 2048 for this checkpoint"):
+        TTSSettings(checkpoint_dir=str(checkpoint), max_positions=4096).check_model(family.max_positions)
+
+
 def test_the_registry_picks_csm_from_the_checkpoint_config(family):
     assert family.name == "csm" and family.codebooks == 32 and family.samples_per_frame == 1920
     assert not family.input_streaming and family.clones_voices  # a voice is a context turn

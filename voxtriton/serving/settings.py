@@ -163,6 +163,15 @@ class TTSSettings:
             "prefill_lengths": int_list(self.prefill_graph_lengths),
         }
 
+    def check_model(self, max_positions: int) -> None:
+        """ValueError if a request could run past the positions the model was trained for (its
+        backbone's max_position_embeddings): RoPE there is untrained, and nothing would say so."""
+        if self.max_positions > max_positions:
+            raise ValueError(
+                f"config.pbtxt parameter 'max_positions' must be at most {max_positions} for this "
+                f"checkpoint (its backbone's max_position_embeddings), got {self.max_positions}"
+            )
+
     def __post_init__(self):
         if self.max_draining < 0:
             raise ValueError(

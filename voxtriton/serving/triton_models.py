@@ -187,6 +187,7 @@ class TTSTritonModel:
         dtype = resolve_dtype(settings.dtype, device)
         checkpoint = ensure_checkpoint(settings.checkpoint_dir)
         family = load_family(checkpoint)
+        settings.check_model(family.max_positions)
         self.family, config = family, family.config
         # The chunk scheduler's clock is the family's frames.
         scheduler_config = dataclasses.replace(scheduler_config, frame_seconds=family.frame_seconds)
