@@ -740,8 +740,10 @@ def test_playground_speaks_as_the_text_is_typed(stack, browser):
     page.wait_for_function("document.getElementById('status').textContent.startsWith('Type;')")
     page.locator("#text").press_sequentially("Spoken while it is still being typed, word by word", delay=100)
     page.locator("#text").press("Enter")
+    page.locator("#text").press_sequentially(" more", delay=50)  # after the end: sent nowhere
     page.wait_for_function("window.voxtritonStats.done", timeout=60_000)
     stats = page.evaluate("window.voxtritonStats")
+    page.locator("#text").fill("Spoken while it is still being typed, word by word")
     screenshot(page, "playground-as-typed.png")
     page.close()
     assert stats["state"] == "done" and stats["error"] is None, stats

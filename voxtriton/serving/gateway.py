@@ -748,7 +748,8 @@ def create_app(
                     if tail := await encoded(encoder, encoder.finish):
                         await websocket.send_bytes(tail)
                     await websocket.send_json({"type": "speech.audio.done", **stream_latencies(times)})
-                await websocket.close()
+                with contextlib.suppress(RuntimeError):  # the client closed first (the reader saw it)
+                    await websocket.close()
             except WebSocketDisconnect:  # the client went away: stop generating for it
                 pass
             except Exception as error:  # the socket still ends with its last message, an error

@@ -93,7 +93,9 @@ class TritonSink:
     def send(self, audio, codes, info, final):
         tensors = [to_triton("audio", audio)]
         if self.want_codes:
-            tensors.append(to_triton("codes", torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int32))))
+            # A copy, with the usual strides even when empty (numpy's of an empty array are 0, which
+            # Triton's DLPack import refuses as not contiguous).
+            tensors.append(to_triton("codes", torch.tensor(np.asarray(codes), dtype=torch.int32)))
         if self.want_info:
             tensors.append(to_triton("chunk_info", torch.from_numpy(info)))
         self._send(pb_utils.InferenceResponse(output_tensors=tensors), final)

@@ -84,8 +84,9 @@ class EngineLoop:
             self._drain_inline()  # part of the pass (its time counts as "other"): the codec takes its turn
         period, timing = time.perf_counter() - started, self.engine.last_timing
         host_cpu = time.thread_time() - cpu_started - timing.decode_cpu_s
-        if self.metrics and outputs:
-            self.metrics.frame_step(period, len(outputs), timing, host_cpu)
+        frames = len(outputs) - len(silent)
+        if self.metrics and frames:
+            self.metrics.frame_step(period, frames, timing, host_cpu)
         if self.chunk_trace and (outputs or timing.batch):  # with overlap, a first launch returns nothing
             with self.lock:
                 self._write_trace(
@@ -93,7 +94,7 @@ class EngineLoop:
                         "kind": "step",
                         "end": self.clock(),
                         "period": period,
-                        "frames": len(outputs),
+                        "frames": frames,
                         "host_cpu_s": host_cpu,
                         **dataclasses.asdict(timing),
                     }
