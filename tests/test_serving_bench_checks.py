@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import http.server
 import importlib.util
 import logging
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +128,55 @@ def test_a_stream_that_ends_well_short_of_its_length_counts_as_failed():
     summary = summarize([one_frame_less, half], lag=[])
     assert (summary["completed"], summary["failed"], summary["slo_attained"]) == (1, 1, 1)
     assert summary["errors"] == [half.error]
+
+
+class PacedSpeech(http.server.BaseHTTPRequestHandler):
+    """A speech endpoint that writes its body in the pieces of `PIECES` (bytes, then seconds to
+    wait), each flushed as a chunk of its own."""
+
+    PIECES: list = []
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for data, pause in self.PIECES:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+            time.sleep(pause)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("split", ["whole", "a byte first"])
+def test_the_openai_target_counts_audio_from_its_first_whole_sample(split):
+    """A read that ends inside the first sample is no audio yet: TTFA is when the sample is whole,
+    and the playback has no gap there. A WAV body (its header is no audio) is refused."""
+    frame = b"\x01\x00" * 1920  # one frame of 16-bit samples at 24 kHz: 80 ms
+    first = [(frame[:1], 0.1), (frame[1:], 0.0)] if split == "a byte first" else [(frame, 0.0)]
+    utterance = Utterance("Hi.", frames=2, seed=0)
+    outcomes = []
+    for pieces in (first + [(frame, 0.0)], [(b"RIFF" + bytes(40), 0.0), (frame * 2, 0.0)]):
+        PacedSpeech.PIECES = pieces
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PacedSpeech)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            target = Endpoint(f"http://127.0.0.1:{server.server_port}", "tts").make_target()
+
+            async def one():
+                try:
+                    return await target.request(utterance, None, time.perf_counter())
+                finally:
+                    await target.close()
+
+            outcomes.append(asyncio.run(one()))
+        finally:
+            server.shutdown()
+    played_pcm, wav = outcomes
+    assert played_pcm.error is None and played_pcm.stall_s == 0 and played_pcm.audio_s == pytest.approx(0.16)
+    assert played_pcm.ttfa_s >= (0.1 if split == "a byte first" else 0.0)
+    assert wav.error == "the body is a WAV file, not raw pcm"

@@ -55,6 +55,8 @@ def probes(run: Path) -> list[dict]:
                     "ttfa_p90_ms": trial["ttfa_p90_ms"],
                     "stall_total_s": round(trial["stall_total_s"], 3),
                     "listeners_peak": trial["listeners_peak"],
+                    # A client that fell behind delays its reads: TTFA and stalls then are partly its.
+                    "client_loop_lag_max_ms": trial.get("client_loop_lag_max_ms"),
                     "frame_step_ms": server.get("frame_step_ms_mean"),
                     # For gpu_budget.py; runs of older harness versions may lack them.
                     "completed": trial.get("completed"),

@@ -194,11 +194,16 @@ class OpenAITarget:
                 return played(sent, [], f"HTTP {response.status_code}: {detail}", asked_s=utterance.seconds)
             try:
                 async for piece in response.aiter_bytes():
-                    if not piece:
-                        continue
+                    if not received and piece.startswith(b"RIFF"):  # a header is no audio to play
+                        return played(
+                            sent, [], "the body is a WAV file, not raw pcm", asked_s=utterance.seconds
+                        )
                     samples = received // 2
                     received += len(piece)
-                    arrivals.append((time.perf_counter() - sent, (received // 2 - samples) / PCM_SAMPLE_RATE))
+                    if received // 2 > samples:  # audio arrives in whole samples (a read may split one)
+                        arrivals.append(
+                            (time.perf_counter() - sent, (received // 2 - samples) / PCM_SAMPLE_RATE)
+                        )
             except self.transfer_error as error:  # a body that ends without its last chunk: cut short
                 return played(sent, arrivals, f"stream cut short: {error!r}", asked_s=utterance.seconds)
         return played(sent, arrivals, None, asked_s=utterance.seconds)
