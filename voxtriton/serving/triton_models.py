@@ -46,6 +46,10 @@ WARMUP_TIMEOUT_S = 300.0
 
 
 def to_triton(name: str, tensor: torch.Tensor):
+    # An empty tensor can carry zero strides (numpy gives them; `contiguous()` keeps them), which
+    # Triton's DLPack import refuses as not contiguous: it goes as a fresh one.
+    if tensor.numel() == 0:
+        tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
     return pb_utils.Tensor.from_dlpack(name, tensor.contiguous())
 
 
@@ -93,9 +97,7 @@ class TritonSink:
     def send(self, audio, codes, info, final):
         tensors = [to_triton("audio", audio)]
         if self.want_codes:
-            # A copy, with the usual strides even when empty (numpy's of an empty array are 0, which
-            # Triton's DLPack import refuses as not contiguous).
-            tensors.append(to_triton("codes", torch.tensor(np.asarray(codes), dtype=torch.int32)))
+            tensors.append(to_triton("codes", torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int32))))
         if self.want_info:
             tensors.append(to_triton("chunk_info", torch.from_numpy(info)))
         self._send(pb_utils.InferenceResponse(output_tensors=tensors), final)
