@@ -403,6 +403,11 @@ def error_from_server(message: str) -> SpeechError:
     )
 
 
+def gateway_failed() -> SpeechError:
+    """A bug in the gateway, in the errors' shape (its traceback goes to the log)."""
+    return SpeechError(500, "internal error in the gateway", kind="server_error")
+
+
 def cut_short() -> SpeechError:
     return SpeechError(502, "The voxtriton server stopped answering mid-request.", kind="server_error")
 
@@ -538,8 +543,8 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):
-        """A bug: the client still gets the JSON error shape (the traceback goes to the log)."""
-        return error_response(SpeechError(500, "internal error in the gateway", kind="server_error"))
+        """A bug: the client still gets the JSON error shape."""
+        return error_response(gateway_failed())
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
@@ -774,7 +779,7 @@ def create_app(
         except Exception as error:  # a bad first message, a busy gateway, or a bug: said, then closed
             if not isinstance(error, SpeechError):
                 log.exception("gateway: reading a text stream's first message failed")
-                error = SpeechError(500, "internal error in the gateway", kind="server_error")
+                error = gateway_failed()
             await websocket.send_json({"type": "error", **error.body()})
             # 1013: try again later; 1011: the server failed
             await websocket.close(code={"server_busy": 1013, "server_error": 1011}.get(error.kind, 1000))
