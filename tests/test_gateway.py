@@ -208,16 +208,22 @@ def test_json_past_pythons_limits_is_a_bad_request(stack):
         assert status == 400 and json.loads(payload)["error"]["message"] == "request body must be JSON"
 
 
-def post_and_read(url: str, headers: dict, body_pieces: list[bytes]) -> tuple[int, bytes]:
-    """A POST to /v1/audio/speech over a socket of its own, the answer read after `body_pieces`
-    went out, the body left unfinished: the server has then read all it was sent when it answers,
-    so its close cannot reset the connection (and lose the answer) under the client's writes."""
+def open_post(url: str, headers: dict, body_pieces: list[bytes], timeout: float = 120) -> socket.socket:
+    """A socket of its own that has sent a POST to /v1/audio/speech: its head, then `body_pieces`."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     head = "".join(f"{name}: {value}\r\n" for name, value in {"Host": host, **headers}.items())
-    with socket.create_connection((host, int(port)), timeout=120) as sock:
-        sock.sendall(f"POST /v1/audio/speech HTTP/1.1\r\n{head}\r\n".encode())
-        for piece in body_pieces:
-            sock.sendall(piece)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(f"POST /v1/audio/speech HTTP/1.1\r\n{head}\r\n".encode())
+    for piece in body_pieces:
+        sock.sendall(piece)
+    return sock
+
+
+def post_and_read(url: str, headers: dict, body_pieces: list[bytes]) -> tuple[int, bytes]:
+    """`open_post`, the answer read after `body_pieces` went out, the body left unfinished: the
+    server has then read all it was sent when it answers, so its close cannot reset the connection
+    (and lose the answer) under the client's writes."""
+    with open_post(url, headers, body_pieces) as sock:
         response = http.client.HTTPResponse(sock)
         response.begin()
         return response.status, response.read()
@@ -914,13 +920,9 @@ def test_a_request_whose_client_leaves_before_its_first_audio_leaves_the_servers
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 first = pool.submit(post, url, {**long_speech, "max_frames": 1500})
                 wait_for_metric(server, "voxtriton_kv_rows_in_use", lambda rows: rows == 1)
-                host, port = url.removeprefix("http://").rsplit(":", 1)
                 body = json.dumps({**long_speech, "max_frames": 8}).encode()
-                with socket.create_connection((host, int(port)), timeout=30) as leaving:
-                    head = (
-                        f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
-                    )
-                    leaving.sendall(f"{head}Content-Type: application/json\r\n\r\n".encode() + body)
+                headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+                with open_post(url, headers, [body], timeout=30):  # closed unanswered
                     wait_for_metric(server, "voxtriton_waiting_requests", lambda waiting: waiting == 1)
                 wait_for_metric(server, "voxtriton_waiting_requests", lambda waiting: waiting == 0)
                 assert not first.done()  # it left the queue before the row was free
