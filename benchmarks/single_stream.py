@@ -123,11 +123,10 @@ def run_ours(checkpoint: Path, runs: int, frames: int, device: torch.device) -> 
     parser = request_parser(family, settings)
     trace: list = []
     engine = TracedEngine(runner, settings.max_streams, trace=trace)
-    pool = CodecStatePool(codec_slots(engine, 8, SchedulerConfig()), codec.state_size, device)
+    scheduler = SchedulerConfig(single_frame_start_streams=0)  # the peer's first chunk: 2 frames
+    pool = CodecStatePool(codec_slots(engine, 8, scheduler), codec.state_size, device)
     lane = TracedLane(InProcessLane(codec, pool.tensor), trace)
-    service = TTSService(
-        engine, SchedulerConfig(), {URGENT: lane, BACKGROUND: lane}, max_queued=8, device=device
-    )
+    service = TTSService(engine, scheduler, {URGENT: lane, BACKGROUND: lane}, max_queued=8, device=device)
     ttfa, rtf, breakdown = [], [], None
     try:
         for run in range(runs + 1):  # the first run warms up

@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from voxtriton.scheduler import POLICY_NAMES, get_policy
-from voxtriton.scheduler.policy import BACKGROUND, INLINE, URGENT, ChunkScheduler, SchedulerConfig
+from voxtriton.scheduler.policy import (
+    BACKGROUND,
+    GPU_SINGLE_FRAME_START_STREAMS,
+    INLINE,
+    URGENT,
+    ChunkScheduler,
+    SchedulerConfig,
+)
 
 
 class Clock:
@@ -205,9 +212,26 @@ def test_under_light_load_a_whole_text_starts_with_one_frame_then_the_schedule()
         while batch := serve(sched, URGENT):
             cut += [chunk.frames for chunk in batch]
     assert cut == [1, 2, 4]  # a schedule that starts with 1 frame: no second 1-frame chunk
-    assert SchedulerConfig().single_frame_start_streams == 0
     with pytest.raises(ValueError, match="single_frame_start_streams"):
-        SchedulerConfig(single_frame_start_streams=-1)
+        SchedulerConfig(single_frame_start_streams=-2)
+
+
+def test_a_one_frame_start_is_a_gpus_default_and_never_a_cpus():
+    """Unset, the setting takes the device's default: a 1-frame start under light load on a GPU,
+    none on a CPU (two frame steps and a codec call there take about the first chunk's 80 ms); a
+    value set is kept on both. Unsettled, the config never starts with one frame."""
+    unset = SchedulerConfig()
+    assert unset.for_device("cuda").single_frame_start_streams == GPU_SINGLE_FRAME_START_STREAMS > 0
+    assert unset.for_device("cpu").single_frame_start_streams == 0
+    for given in (0, 4):
+        assert (
+            SchedulerConfig(single_frame_start_streams=given).for_device("cuda").single_frame_start_streams
+            == given
+        )
+    sched, _ = scheduler(policy="concurrent")
+    stream = sched.open("s")
+    sched.frames_generated("s", 1)
+    assert not sched.next_batch(URGENT) and stream.frames_generated == 1  # no 1-frame chunk cut
 
 
 def test_a_first_chunk_is_due_the_ttfa_target_after_the_service_took_its_request():

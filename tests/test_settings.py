@@ -74,15 +74,17 @@ def test_the_background_lane_is_three_quarters_of_the_gpu_by_default_in_groups_o
 def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
     """A codec call without a CUDA graph runs eagerly, several times slower: by default each codec
     captures every chunk size of the scheduler's default schedule and batch sizes up to its lane's
-    limit (the urgent lane's also bounds serial's inline calls)."""
+    limit (the urgent lane's also bounds serial's inline calls); the urgent lane also a GPU's
+    default 1-frame start."""
     _, scheduler = TTSSettings.from_model_config(config())
-    for lane, limit in ((URGENT, scheduler.max_batch), (BACKGROUND, scheduler.background_max_batch)):
+    schedule = {int(size) for size in scheduler.chunk_schedule.split(",")}
+    for lane, limit, starts in ((URGENT, scheduler.max_batch, {1}), (BACKGROUND, scheduler.background_max_batch, set())):
         batch_sizes, frame_sizes = CodecSettings.from_model_config(config(lane=lane)).graph_shapes()
-        assert set(frame_sizes) == set(int(size) for size in scheduler.chunk_schedule.split(","))
+        assert set(frame_sizes) == schedule | starts
         assert {limit, 1} <= set(batch_sizes) and max(batch_sizes) == limit
     assert scheduler.batch_limit(INLINE) == scheduler.max_batch  # serial's calls go to the urgent model
-    # As the README says:
-    assert CodecSettings.from_model_config(config()).graph_shapes() == ([1, 2, 4, 8, 16], [2, 4, 8, 16, 25])
+    # As docs/configuration.md says:
+    assert CodecSettings.from_model_config(config()).graph_shapes() == ([1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 25])
     assert CodecSettings.from_model_config(config(lane="background")).graph_shapes() == (
         [1, 2, 4, 8, 16, 32, 64],
         [2, 4, 8, 16, 25],

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable
 
 from .policies import BACKGROUND, INLINE, URGENT, Policy, get_policy
 
 __all__ = ["BACKGROUND", "INLINE", "URGENT", "Chunk", "ChunkScheduler", "SchedulerConfig", "StreamTimeline"]
+
+# `single_frame_start_streams` on a GPU unless set: up to 32 open streams measured no stall on an
+# H100 (benchmarks/results/first_chunk_h100.md); half that leaves room for slower cards.
+GPU_SINGLE_FRAME_START_STREAMS = 16
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,10 @@ class SchedulerConfig:
     # While at most this many streams are open (its own included), a stream whose text is whole
     # starts with a 1-frame chunk, then the schedule from its first size: its first audio comes a
     # frame step sooner. Under load a 1-frame start leaves the next chunk half the time to arrive
-    # (80 ms of audio against 160), so it is for light load only; 0: never.
-    single_frame_start_streams: int = 0
+    # (80 ms of audio against 160), so it is for light load on a device whose two frame steps and
+    # codec call take well under 80 ms; 0: never; -1: `GPU_SINGLE_FRAME_START_STREAMS` on a GPU,
+    # never on a CPU (`for_device`; until then, never).
+    single_frame_start_streams: int = -1
 
     def __post_init__(self):
         get_policy(self.policy)
@@ -96,9 +102,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler_catch_up needs a chunk_schedule that never shrinks, got {self.chunk_schedule!r}"
             )
-        if self.single_frame_start_streams < 0:
+        if self.single_frame_start_streams < -1:
             raise ValueError(
-                f"scheduler_single_frame_start_streams must be >= 0, got {self.single_frame_start_streams}"
+                "scheduler_single_frame_start_streams must be >= 0, or -1 for the device's default, "
+                f"got {self.single_frame_start_streams}"
             )
         if self.text_start_frames < 1:
             raise ValueError(f"scheduler_text_start_frames must be >= 1, got {self.text_start_frames}")
@@ -106,6 +113,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}"
             )
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """The config with its device defaults settled: a 1-frame start on a GPU (an H100's two frame
+        steps and codec call take about 17 ms of the first chunk's 80), none on a CPU (on 2 cores they
+        took about 80 ms and second chunks came late)."""
+        if self.single_frame_start_streams != -1:
+            return self
+        streams = GPU_SINGLE_FRAME_START_STREAMS if device_type == "cuda" else 0
+        return replace(self, single_frame_start_streams=streams)
 
     @property
     def rules(self) -> Policy:

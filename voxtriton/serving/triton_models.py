@@ -194,7 +194,9 @@ class TTSTritonModel:
         settings.check_model(family.max_positions)
         self.family, config = family, family.config
         # The chunk scheduler's clock is the family's frames.
-        scheduler_config = dataclasses.replace(scheduler_config, frame_seconds=family.frame_seconds)
+        scheduler_config = dataclasses.replace(
+            scheduler_config.for_device(device.type), frame_seconds=family.frame_seconds
+        )
         log.info(
             "tts: checkpoint %s (%s %s), device %s %s, policy %s, GIL switch interval %g ms",
             checkpoint,
