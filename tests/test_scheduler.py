@@ -223,10 +223,10 @@ def test_a_one_frame_start_is_a_gpus_default_and_never_a_cpus():
     unset = SchedulerConfig()
     assert unset.for_device("cuda").single_frame_start_streams == GPU_SINGLE_FRAME_START_STREAMS > 0
     assert unset.for_device("cpu").single_frame_start_streams == 0
-    for given in (0, 4):
+    for value in (0, 4):
         assert (
-            SchedulerConfig(single_frame_start_streams=given).for_device("cuda").single_frame_start_streams
-            == given
+            SchedulerConfig(single_frame_start_streams=value).for_device("cuda").single_frame_start_streams
+            == value
         )
     sched, _ = scheduler(policy="concurrent")
     stream = sched.open("s")

@@ -78,13 +78,17 @@ def test_the_codecs_capture_every_call_shape_the_default_scheduler_makes():
     default 1-frame start."""
     _, scheduler = TTSSettings.from_model_config(config())
     schedule = {int(size) for size in scheduler.chunk_schedule.split(",")}
-    for lane, limit, starts in ((URGENT, scheduler.max_batch, {1}), (BACKGROUND, scheduler.background_max_batch, set())):
+    lanes = ((URGENT, scheduler.max_batch, {1}), (BACKGROUND, scheduler.background_max_batch, set()))
+    for lane, limit, starts in lanes:
         batch_sizes, frame_sizes = CodecSettings.from_model_config(config(lane=lane)).graph_shapes()
         assert set(frame_sizes) == schedule | starts
         assert {limit, 1} <= set(batch_sizes) and max(batch_sizes) == limit
     assert scheduler.batch_limit(INLINE) == scheduler.max_batch  # serial's calls go to the urgent model
     # As docs/configuration.md says:
-    assert CodecSettings.from_model_config(config()).graph_shapes() == ([1, 2, 4, 8, 16], [1, 2, 4, 8, 16, 25])
+    assert CodecSettings.from_model_config(config()).graph_shapes() == (
+        [1, 2, 4, 8, 16],
+        [1, 2, 4, 8, 16, 25],
+    )
     assert CodecSettings.from_model_config(config(lane="background")).graph_shapes() == (
         [1, 2, 4, 8, 16, 32, 64],
         [2, 4, 8, 16, 25],

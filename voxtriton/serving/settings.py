@@ -327,7 +327,8 @@ def codec_graph_shapes(scheduler: SchedulerConfig | None = None, lane: str = URG
     """The shapes of the codec calls a tts scheduler makes on `lane` (None: the default scheduler's):
     a call holds chunks of one size of its schedule, up to the lane's batch limit. Every size of the
     schedule (on the urgent lane, which decodes first chunks, also a 1-frame start where
-    `single_frame_start_streams` may allow one: a CPU captures no graphs); powers of two up to the limit, and the limit. The
+    `single_frame_start_streams` may allow one: a CPU captures no graphs); powers of two up to the
+    limit, and the limit. The
     urgent model serves the urgent lane under every policy (serial's inline decodes too, at the same
     limit); only voxserve's background lane makes the larger calls, so only the background model
     captures them. (A call whose shape has no CUDA graph runs eagerly, several times slower.)"""
