@@ -182,7 +182,7 @@ def test_under_light_load_a_whole_text_starts_with_one_frame_then_the_schedule()
     """`single_frame_start_streams`: while at most that many streams are open, a stream whose text
     is whole starts with a 1-frame chunk, and the schedule follows from its first size; not above
     it, not for an input stream whose text is arriving, not for a stream pinned to a lane, and
-    never by default."""
+    never with 0."""
 
     def first_sizes(open_streams, light=2, text_open=False, lane=None, policy="concurrent"):
         sched, clock = scheduler(policy=policy, single_frame_start_streams=light)

@@ -34,8 +34,9 @@ from .policies import BACKGROUND, INLINE, URGENT, Policy, get_policy
 
 __all__ = ["BACKGROUND", "INLINE", "URGENT", "Chunk", "ChunkScheduler", "SchedulerConfig", "StreamTimeline"]
 
-# `single_frame_start_streams` on a GPU unless set: up to 32 open streams measured no stall on an
-# H100 (benchmarks/results/first_chunk_h100.md); half that leaves room for slower cards.
+# `single_frame_start_streams` on a GPU unless set: closed loops of up to 32 streams measured no
+# stall on an H100, and at 16 open loops of 70-80 req/s passed as without it
+# (benchmarks/results/first_chunk_h100.md); half of 32 leaves room for slower cards.
 GPU_SINGLE_FRAME_START_STREAMS = 16
 
 
