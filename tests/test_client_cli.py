@@ -3,6 +3,8 @@ option or the server, a non-zero exit, and no output file that looks like a resu
 
 from __future__ import annotations
 
+import os
+
 from voxtriton_client import cli
 
 from voxtriton.serving.launcher import free_port
@@ -35,3 +37,14 @@ def test_no_server_leaves_no_file_and_says_where_it_looked(tmp_path, capsys):
     assert f"no Triton server answers at {address}" in captured.err
     assert captured.out == ""  # no chunk table for a stream that brought no chunk
     assert not out.exists()
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, capsys):
+    """The WAV header is rewritten at the end and a failed synthesis removes its file: a directory or
+    a pipe (a device such as /dev/null alike) is refused before anything is sent, and stays."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for output in (tmp_path, pipe):
+        assert speak("-o", str(output), "--server", f"127.0.0.1:{free_port()}") == 2
+        assert capsys.readouterr().err == f"error: -o/--output: {str(output)!r} is not a regular file\n"
+        assert output.exists()

@@ -474,3 +474,71 @@ def test_the_async_client_ends_with_its_timeout_and_the_text_sources_error(clien
     assert failed.error == "text pieces failed: ValueError('the LLM failed')"
     assert blocked.raise_for_error().completed and longest_gap < 0.3, longest_gap
     assert client.synthesize(TEXT, **OPTIONS).raise_for_error().completed
+
+
+def test_a_synthesis_that_ends_early_leaves_no_grpc_thread_behind(client):
+    """tritonclient cancels a stream's call but leaves gRPC's thread that reads its requests waiting:
+    a synthesis the server refuses (an unknown voice) or that its caller stops must not leave one
+    behind each time."""
+    before = threading.active_count()
+    for _ in range(4):
+        assert client.synthesize(TEXT, speaker="no_such_voice", max_frames=3).error
+        events = client.stream(TEXT, **OPTIONS)
+        next(events)
+        events.close()  # stopped after its first chunk: cancelled
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+def test_a_text_piece_that_is_not_a_str_is_refused_not_spoken(client):
+    """An LLM stream's empty delta is often None: tritonclient would send it as the word "None"."""
+    sync = client.synthesize_text_stream(["Hello there,", None], **OPTIONS)
+    assert sync.error == "text pieces failed: TypeError('text piece 1 must be a str, got NoneType')"
+
+    async def pieces_with_a_number():
+        async with AsyncTTSClient(client.url) as async_client:
+            return await async_client.synthesize_text_stream(["Hello there,", 42], **OPTIONS)
+
+    assert asyncio.run(pieces_with_a_number()).error == (
+        "text pieces failed: TypeError('text piece 1 must be a str, got int')"
+    )
+    with pytest.raises(TypeError, match="text must be a str, got NoneType"):
+        client.synthesize(None, **OPTIONS)
+    assert client.synthesize(TEXT, **OPTIONS).raise_for_error().completed
+
+
+def test_the_sync_clients_timeout_counts_from_a_late_first_piece(client):
+    """The first piece comes 0.1 s before the timeout would end a wait counted from the call: the
+    synthesis gets its whole timeout from that piece."""
+
+    def late():
+        time.sleep(3.9)
+        yield TEXT
+
+    synthesis = client.synthesize_text_stream(late(), timeout=4.0, **OPTIONS)
+    assert synthesis.raise_for_error().completed
+
+
+def test_asyncio_run_returns_while_a_plain_text_source_still_blocks(client):
+    """A plain iterator (stdin, say) blocked after the synthesis ended at max_frames: `asyncio.run`
+    returns without waiting for it."""
+    release = threading.Event()
+
+    def words_then_blocked():
+        yield TEXT
+        release.wait(45)
+
+    async def run():
+        async with AsyncTTSClient(client.url) as async_client:
+            return await async_client.synthesize_text_stream(
+                words_then_blocked(), max_frames=3, ignore_eos=True
+            )
+
+    called = time.perf_counter()
+    try:
+        assert asyncio.run(run()).raise_for_error().completed
+        assert time.perf_counter() - called < 30
+    finally:
+        release.set()

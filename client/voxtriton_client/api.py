@@ -107,6 +107,8 @@ class Synthesis:
 
 def request_inputs(client_module, text: str, **options) -> list:
     """InferInput list for `tts`; options are the optional inputs (None = server default)."""
+    if not isinstance(text, str):  # tritonclient would send str(text): None spoken as "None"
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
     values = {"text": text, **{k: v for k, v in options.items() if v is not None}}
     unknown = set(values) - set(INPUT_TYPES)
     if unknown:
@@ -144,6 +146,8 @@ def piece_request(
     """Input streaming: the request of a sequence's text piece `index`, as keyword arguments of
     `async_stream_infer` (and the dict `stream_infer` takes). The first carries the options and asks
     for the outputs: the audio comes back on it."""
+    if not isinstance(text, str):  # an LLM stream's empty delta is often None, not ""
+        raise TypeError(f"text piece {index} must be a str, got {type(text).__name__}")
     first = index == 0
     return {
         "model_name": model,
@@ -309,6 +313,8 @@ class TTSClient:
                         timeout=max(0.0, clock.zero + timeout - time.perf_counter())
                     )
                 except queue.Empty:
+                    if time.perf_counter() < clock.zero + timeout:
+                        continue  # the first piece came during the wait and moved the clock's zero
                     synthesis.error = f"no final response within {timeout} s"
                     break
                 chunk, ended = _consume(synthesis, result, error, clock.since(arrived))
@@ -319,7 +325,7 @@ class TTSClient:
         finally:  # a stream left early (an exception, or the caller stopped iterating) is cancelled
             with posting:  # a sender still reading its pieces sends no more
                 over.set()
-            client.stop_stream(cancel_requests=not synthesis.completed)
+            _stop_stream(client, cancel=not synthesis.completed)
             client.close()
         yield None, synthesis
 
@@ -333,6 +339,16 @@ class TTSClient:
         return _collect(self.stream_text(pieces, **kwargs), on_chunk)
 
 
+def _stop_stream(client: grpcclient.InferenceServerClient, cancel: bool) -> None:
+    """Stop the client's stream. A cancel also ends the stream's request queue: tritonclient (2.73)
+    cancels the call but leaves gRPC's request thread waiting on that queue, one thread per
+    synthesis that did not complete."""
+    stream = client._stream
+    client.stop_stream(cancel_requests=cancel)
+    if cancel and stream is not None:
+        stream._request_queue.put(None)
+
+
 def _collect(events: Iterator[tuple[Chunk | None, Synthesis]], on_chunk) -> Synthesis:
     synthesis = Synthesis()
     for chunk, synthesis in events:
@@ -342,7 +358,8 @@ def _collect(events: Iterator[tuple[Chunk | None, Synthesis]], on_chunk) -> Synt
 
 
 class AsyncTTSClient:
-    """asyncio client: many concurrent syntheses from one event loop (one gRPC channel)."""
+    """asyncio client: many concurrent syntheses from one event loop (one gRPC channel). Make it in
+    the loop that uses it (inside `asyncio.run`): grpc.aio ties the channel to the running loop."""
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = MODEL):
         self.url, self.model = url, model
@@ -446,6 +463,33 @@ async def _async_iter(pieces):
         async for piece in pieces:
             yield piece
         return
-    iterator, done = iter(pieces), object()
-    while (piece := await asyncio.to_thread(next, iterator, done)) is not done:
+    # A plain iterable may block (stdin): it is read on a daemon thread of its own, which a synthesis
+    # that ends first leaves behind; `asyncio.run` would wait for a thread of its default executor.
+    loop, read = asyncio.get_running_loop(), asyncio.Queue()
+    done = object()
+
+    def hand(item) -> bool:
+        try:
+            loop.call_soon_threadsafe(read.put_nowait, item)
+            return True
+        except RuntimeError:  # the loop closed: nobody reads on
+            return False
+
+    def reader():
+        try:
+            for piece in pieces:
+                if not hand((piece, None)):
+                    return
+        except Exception as error:
+            hand((None, error))
+            return
+        hand((done, None))
+
+    threading.Thread(target=reader, daemon=True, name="voxtriton-text-pieces").start()
+    while True:
+        piece, error = await read.get()
+        if error is not None:
+            raise error
+        if piece is done:
+            return
         yield piece

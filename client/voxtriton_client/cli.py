@@ -17,6 +17,10 @@ def speak(args: argparse.Namespace) -> int:
     if not output.parent.is_dir():
         print(f"error: -o/--output: no directory {str(output.parent)!r}", file=sys.stderr)
         return 2
+    if output.exists() and not output.is_file():  # a directory, a device, a pipe: the WAV header is
+        # rewritten at the end, and a failed synthesis removes its file
+        print(f"error: -o/--output: {args.output!r} is not a regular file", file=sys.stderr)
+        return 2
     reference = None
     if args.reference_audio is not None:
         try:
