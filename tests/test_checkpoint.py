@@ -215,3 +215,24 @@ def test_invalid_json_is_named(broken):
     (broken / "generation_config.json").write_text("{oops")
     with pytest.raises(CheckpointError, match=r"generation_config.json: not valid JSON"):
         load_config(broken)
+
+
+def test_the_command_writes_into_a_new_or_empty_directory_only(tmp_path, capsys):
+    """Files left in the directory (an index and shards, a tokenizer) would be read with or instead of
+    the new ones, and a real checkpoint would be overwritten with noise."""
+    from voxtriton.cli import main
+
+    sharded = tmp_path / "sharded"
+    assert main(["make-checkpoint", "--preset", "tiny", str(sharded), "--shard-mb", "1"]) == 0
+    capsys.readouterr()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for taken in (sharded, a_file):
+        assert main(["make-checkpoint", "--preset", "tiny", str(taken), "--seed", "7"]) == 2
+        assert capsys.readouterr().err == (
+            f"voxtriton make-checkpoint: {str(taken)!r} is not an empty directory; name a new or empty one\n"
+        )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["make-checkpoint", "--preset", "tiny", str(empty), "--no-tokenizer"]) == 0
+    assert (empty / "model.safetensors").is_file()

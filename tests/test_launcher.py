@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -309,5 +310,9 @@ def test_the_ready_hint_registers_a_voice_only_for_a_model_without_speakers(
     lines = hint.splitlines()
     if model == "base":
         assert "voices add anna" in lines[0] and lines[1].endswith("--speaker anna")
+        # paths with spaces are quoted, so the hint can be pasted
+        spaced = shutil.copytree(checkpoint, tmp_path / "my base")
+        hint = first_request_hint(str(spaced), "localhost:8001", {"tts": {"voices_dir": "my voices"}})
+        assert hint.splitlines()[0].endswith(f"--checkpoint '{spaced}' --voices-dir 'my voices'")
     else:
         assert len(lines) == 1 and " speak " in lines[0] and "--speaker" not in lines[0]

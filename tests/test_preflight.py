@@ -120,6 +120,18 @@ def test_a_missing_tritonserver_is_named(checkpoint, tmp_path):
     assert_refused(result, seconds, "--tritonserver", "no such file")
 
 
+def test_a_tritonserver_that_cannot_run_is_named(checkpoint, tmp_path):
+    """Not executable: refused before the start. Executable but no program (built for another
+    machine, say): the start's error in one line, not a traceback."""
+    binary = tmp_path / "tritonserver"
+    binary.write_bytes(b"\x00 not a program")
+    result, seconds = serve("--checkpoint", str(checkpoint), "--tritonserver", str(binary))
+    assert_refused(result, seconds, "--tritonserver", "not executable")
+    binary.chmod(0o755)
+    result, seconds = serve("--checkpoint", str(checkpoint), "--tritonserver", str(binary))
+    assert_refused(result, seconds, f"cannot run {binary}: Exec format error")
+
+
 @pytest.mark.parametrize(
     "param, named",
     [
@@ -130,6 +142,7 @@ def test_a_missing_tritonserver_is_named(checkpoint, tmp_path):
         ("tts:max_stream=8", "unknown parameter(s) max_stream (did you mean max_streams?); the keys: docs/"),
         ("*:max_streams=8", "model codec_background: config.pbtxt: unknown parameter(s) max_streams"),
         ("tts:max_streams=many", "'max_streams': cannot read 'many' as int"),
+        ("tts: max_stream=8", "unknown parameter(s) max_stream (did you mean max_streams?)"),
         ("tts:cuda_graphs=maybe", "'cuda_graphs': cannot read 'maybe' as bool"),
         ("tts:backbone_partition=half", "'backbone_partition' must be exclusive or shared"),
         ("tts:scheduler_chunk_schedule=0,4", "chunk_schedule must be comma-separated frame counts"),

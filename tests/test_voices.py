@@ -236,6 +236,15 @@ def test_the_voices_command_says_what_is_wrong_in_one_line(
         capsys.readouterr().err
         == f"voxtriton voices: audio: cannot read {missing}: No such file or directory\n"
     )
+    assert main([*add, "third", "--voices-dir", str(recording)]) == 2  # the last --voices-dir counts
+    assert (
+        capsys.readouterr().err == f"voxtriton voices: --voices-dir: {str(recording)!r} is not a directory\n"
+    )
+    assert main([*add, "first"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "voxtriton voices: name: voice 'first' exists; delete it first, or replace it\n"
+    )
 
 
 class CountingEncoder(VoiceEncoder):

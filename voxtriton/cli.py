@@ -11,8 +11,6 @@ from pathlib import Path
 def make_csm_checkpoint_command(args: argparse.Namespace) -> int:
     from .models.csm.checkpoint import make_csm_checkpoint
 
-    if args.shard_mb:
-        raise SystemExit("--shard-mb: CSM checkpoints are written as one model.safetensors")
     out = make_csm_checkpoint(
         args.preset, Path(args.out_dir), seed=args.seed, tokenizer=not args.no_tokenizer
     )
@@ -23,6 +21,17 @@ def make_csm_checkpoint_command(args: argparse.Namespace) -> int:
 def make_checkpoint_command(args: argparse.Namespace) -> int:
     from .models.random_checkpoint import make_checkpoint
 
+    if args.preset.startswith("csm-") and args.shard_mb:
+        raise SystemExit("--shard-mb: CSM checkpoints are written as one model.safetensors")
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        # Files left there (an index, shards, a tokenizer) would be read with or instead of the new
+        # ones, and a real checkpoint would be overwritten with noise.
+        print(
+            f"voxtriton make-checkpoint: {args.out_dir!r} is not an empty directory; name a new or empty one",
+            file=sys.stderr,
+        )
+        return 2
     if args.preset.startswith("csm-"):
         return make_csm_checkpoint_command(args)
     out = make_checkpoint(

@@ -18,6 +18,7 @@ checkpoint() {
     flock 9
     last=speech_tokenizer/model.safetensors  # the file make-checkpoint writes last
     case $1 in csm-*) last=model.safetensors ;; esac
-    [ -f "$CKPTS/ck-$1/$last" ] || run $PY -m voxtriton.cli make-checkpoint --preset "$1" "$CKPTS/ck-$1"
+    # make-checkpoint writes into a new or empty directory: one left half-written starts over
+    [ -f "$CKPTS/ck-$1/$last" ] || { rm -rf "$CKPTS/ck-$1" && run $PY -m voxtriton.cli make-checkpoint --preset "$1" "$CKPTS/ck-$1"; }
   ) 9> "$CKPTS/locks/$1"
 }

@@ -17,7 +17,7 @@ PRESET=${1:-1.7b}
 export OUT=${OUT:-/tmp/voxtriton-gpu-runs} PY=${PY:-python3} D=${D:-30} REPEATS=${REPEATS:-2}
 CK=${CKPTS:-/tmp}/ck-$PRESET
 PIDFILE=/tmp/vllm-omni-8091.log.pid
-[ -f "$CK/speech_tokenizer/model.safetensors" ] || "$PY" -m voxtriton.cli make-checkpoint --preset "$PRESET" "$CK"
+[ -f "$CK/speech_tokenizer/model.safetensors" ] || { rm -rf "$CK" && "$PY" -m voxtriton.cli make-checkpoint --preset "$PRESET" "$CK"; }
 trap 'kill -- -$(cat $PIDFILE) 2> /dev/null || true' EXIT
 stop_omni() {  # keep the deploy config with the runs, then free the GPU for the next server
   cp /tmp/vllm-omni-8091.deploy.yaml "$OUT/$1/"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -65,6 +66,7 @@ def parse_params(items: list[str]) -> dict[str, dict[str, str]]:
     for item in items:
         model, sep, assignment = item.partition(":")
         key, eq, value = assignment.partition("=")
+        model, key = model.strip(), key.strip()
         if not model or not sep or not eq or not key:
             raise SystemExit(f"voxtriton: --param {item!r}: expected MODEL:KEY=VALUE")
         parameters.setdefault(model, {})[key] = value
@@ -126,11 +128,12 @@ def first_request_hint(checkpoint: str | None, grpc_url: str, parameters: dict[s
     if family is None or family.speakers or not family.clones_voices:
         return f"  try: {speak}"
     register = (
-        f"{installed_command('voxtriton')} voices add anna --audio REFERENCE.wav --checkpoint {checkpoint}"
+        f"{installed_command('voxtriton')} voices add anna --audio REFERENCE.wav "
+        f"--checkpoint {shlex.quote(str(checkpoint))}"
     )
     voices_dir = parameters.get("tts", {}).get("voices_dir")
     if voices_dir:
-        register += f" --voices-dir {voices_dir}"
+        register += f" --voices-dir {shlex.quote(voices_dir)}"
     return f"  try: {register}\n  then: {speak} --speaker anna"
 
 
@@ -161,8 +164,15 @@ def serve(args: argparse.Namespace) -> int:
             server.start(timeout=600)
             starting = False
         except StartFailed as error:
-            print(f"voxtriton: {error.reason}; its log says:", file=sys.stderr)
-            print("\n".join(f"  {line}" for line in server.log_errors()), file=sys.stderr)
+            lines = server.log_errors()
+            print(
+                f"voxtriton: {error.reason}{'; its log says:' if lines else ' (its log is empty)'}",
+                file=sys.stderr,
+            )
+            print("\n".join(f"  {line}" for line in lines), file=sys.stderr)
+            return 1
+        except OSError as error:  # the binary itself would not run (say, built for another machine)
+            print(f"voxtriton: cannot run {server.install.server}: {error.strerror}", file=sys.stderr)
             return 1
         except StoppedBeforeReady:
             print("voxtriton: stopped before it was ready", file=sys.stderr)

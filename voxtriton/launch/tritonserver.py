@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ def find_tritonserver(explicit: str | None = None) -> TritonInstall:
         path = Path(explicit).resolve()
         if not path.is_file():
             raise SystemExit(f"voxtriton: --tritonserver {explicit}: no such file")
+        if not os.access(path, os.X_OK):
+            raise SystemExit(f"voxtriton: --tritonserver {explicit}: not executable")
         bundle = path.parents[1]
         if (bundle / "python_backend_stubs").is_dir():  # an unpacked nvidia-pytriton wheel
             return _bundle_install(bundle)

@@ -280,6 +280,10 @@ def register_voice(
     return store.describe(name)
 
 
+def _exists(name: str) -> RequestError:
+    return RequestError("name", f"voice {name!r} exists; delete it first, or replace it")
+
+
 class VoiceStore:
     """Registered voices of one checkpoint in `directory`, at most `max_voices` of them."""
 
@@ -317,7 +321,7 @@ class VoiceStore:
         self._check(name, voice)
         exists = path.exists()
         if exists and not replace:
-            raise RequestError("name", f"voice {name!r} exists; delete it first")
+            raise _exists(name)
         if not exists and len(self.names()) >= self.max_voices:
             raise RequestError("name", f"the voices directory is full ({self.max_voices} voices)")
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -336,7 +340,7 @@ class VoiceStore:
                 try:
                     os.link(temporary, path)
                 except FileExistsError:
-                    raise RequestError("name", f"voice {name!r} exists; delete it first") from None
+                    raise _exists(name) from None
                 except OSError:  # a file system without hard links: as checked above
                     os.replace(temporary, path)
         finally:

@@ -61,7 +61,11 @@ def voices_command(args: argparse.Namespace) -> int:
     if max_voices is not None and max_voices < 1:
         print(f"voxtriton voices: --max-voices: must be at least 1, got {max_voices}", file=sys.stderr)
         return 2
-    store = VoiceStore(voices_dir(args.voices_dir), family, max_voices or TTSSettings.max_voices)
+    directory = voices_dir(args.voices_dir)
+    if directory.exists() and not directory.is_dir():
+        print(f"voxtriton voices: --voices-dir: {str(directory)!r} is not a directory", file=sys.stderr)
+        return 2
+    store = VoiceStore(directory, family, max_voices or TTSSettings.max_voices)
     try:
         if not family.clones_voices:
             kind = getattr(family.config, "model_type", family.name)
