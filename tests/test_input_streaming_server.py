@@ -224,19 +224,19 @@ def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, cli
     try:
         unknown = uuid.uuid4().hex
         raw.piece(unknown, "no start", "a")
-        assert f"unknown sequence {unknown}: its first piece must carry sequence_start" in raw.next_error()
+        assert f"unknown sequence {unknown!r}: its first piece must carry sequence_start" in raw.next_error()
         sequence = uuid.uuid4().hex
         raw.piece(sequence, "First piece, ", "b", start=True, **OPTIONS)
         raw.piece(sequence, "started again", "c", start=True)
-        assert f"sequence {sequence} is already open" in raw.next_error()
+        assert f"sequence {sequence!r} is already open" in raw.next_error()
         raw.piece(sequence, "and the end.", "d", end=True)
         raw.piece(sequence, " One more.", "e")
-        assert f"sequence {sequence} has ended (its last piece arrived): a piece after its end" in (
+        assert f"sequence {sequence!r} has ended (its last piece arrived): a piece after its end" in (
             raw.next_error()
         )
         empty = uuid.uuid4().hex
         raw.piece(empty, " ", "f", start=True, end=True)
-        assert f"sequence {empty}: the text is empty" in raw.next_error()
+        assert f"sequence {empty!r}: the text is empty" in raw.next_error()
         raw.piece(uuid.uuid4().hex, "x", "g", start=True, speaker="nobody")
         assert "unknown speaker 'nobody'" in raw.next_error()
         long = uuid.uuid4().hex
@@ -244,7 +244,15 @@ def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, cli
             first = {"max_frames": 200} if index == 0 else {}
             raw.piece(long, "word " * 20, f"h{index}", start=index == 0, **first)
         errors = [raw.next_error(), raw.next_error()]
-        assert errors == [f"text: sequence {long}: too long: over 256 bytes in all"] * 2
+        assert errors == [f"text: sequence {long!r}: too long: over 256 bytes in all"] * 2
+        number = int(uuid.uuid4().int % 2**62) + 1  # a string id is not the number it spells
+        raw.piece(number, "Numbered, ", "i", start=True, **OPTIONS)
+        raw.piece(str(number), "the end.", "j", end=True)
+        assert f"unknown sequence '{number}': its first piece must carry sequence_start" in raw.next_error()
+        raw.piece(number, "the end.", "k", end=True, max_frames=7)  # a later piece takes no options
+        assert (
+            f"max_frames: sequence {number}: only a sequence's first piece takes options" in raw.next_error()
+        )
     finally:
         raw.close()
     assert client.synthesize("Still serving.", max_frames=6, ignore_eos=True).raise_for_error().completed

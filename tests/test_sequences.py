@@ -130,6 +130,26 @@ def test_a_bad_later_piece_ends_its_sequence_with_its_error(served):
     wait_for(lambda: not service.streams and not service.engine.running)
 
 
+def test_a_later_piece_with_options_ends_its_sequence_and_a_refused_start_is_named(served):
+    """A later piece carries text alone: options there were dropped unseen, a bad value among them.
+    The pieces after a refused first piece are told it was refused, not that none started."""
+    _, service, sequences = served
+    sink = CollectingSink()
+    sequences.piece("6", True, False, {**text("Hello there, and then "), **FIRST}, "a", lambda: sink)
+    with pytest.raises(
+        RequestError, match="max_frames: sequence 6: only a sequence's first piece takes options"
+    ):
+        sequences.piece("6", False, True, {**text("the end."), "max_frames": np.array([-1])}, "b", None)
+    assert sink.done.wait(10) and sink.errors[0].startswith("max_frames: sequence 6: only")
+    with pytest.raises(RequestError, match="max_frames: must be between 1 and"):
+        sequences.piece("8", True, False, {**text("Hi, "), "max_frames": np.array([-1])}, "c", CollectingSink)
+    with pytest.raises(
+        RequestError, match=r"sequence 8 has ended \(its first piece was refused: max_frames: must be between"
+    ):
+        sequences.piece("8", False, True, text("there."), "d", None)
+    wait_for(lambda: not service.streams and not service.engine.running)
+
+
 class GoneSink(CollectingSink):
     """A client gone before its error: sending it raises, as Triton's response sender does."""
 

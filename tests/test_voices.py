@@ -563,3 +563,11 @@ def test_a_name_taken_after_the_check_is_not_overwritten(tmp_path, family, monke
         store.add("anna", voice(2))
     np.testing.assert_array_equal(VoiceStore(tmp_path, family).get("anna").codes, voice(1).codes)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["anna.npz"]  # no temporary file left
+
+
+def test_a_reference_just_short_of_a_second_is_not_reported_as_one():
+    from voxtriton.serving.reference_audio import read_reference_audio
+
+    recording = audio_file(reference_audio(1.0)[:23988])  # 0.9995 s
+    with pytest.raises(RequestError, match=r"^reference_audio: too short: 0\.99 s \(at least 1 s\)$"):
+        read_reference_audio(recording)

@@ -52,7 +52,8 @@ def read_reference_audio(raw: bytes, field: str = "reference_audio") -> np.ndarr
         ) from None
     seconds = audio.shape[0] / rate
     if seconds < MIN_SECONDS:
-        raise RequestError(field, f"too short: {seconds:.2f} s (at least {MIN_SECONDS:g} s)")
+        shown = math.floor(seconds * 100) / 100  # rounded down: 0.9995 s is not "1.00 s (at least 1 s)"
+        raise RequestError(field, f"too short: {shown:.2f} s (at least {MIN_SECONDS:g} s)")
     if seconds > MAX_SECONDS:
         raise RequestError(field, f"too long: over {MAX_SECONDS:g} s")
     if not np.isfinite(audio).all():

@@ -2,13 +2,14 @@
 
 A client sends a sequence's pieces as requests on one gRPC stream, with the sequence's id, the start
 flag on the first and the end flag on the last. The first piece names the voice and the sampling
-parameters (later pieces' other inputs are ignored), and its response sender carries the audio; every
-later piece is answered at once with an empty final response (or an error), its text passed on. The
-stream is submitted once the tokenizer has settled its first text id (the prompt holds it); the engine
-then waits for `text_lookahead` ids (`Engine`). A sequence that sends no text for `text_idle_timeout_s`
-ends with an error (empty pieces do not count), and so does one still open `text_stream_max_s` after
-its first piece (text trickling in, a word at a time or a character of a word that never ends, must
-not hold a row for hours); all its pieces together are held to max_text_bytes.
+parameters (a later piece carrying any input but `text` is refused), and its response sender carries
+the audio; every later piece is answered at once with an empty final response (or an error), its
+text passed on. The stream is submitted once the tokenizer has settled its first text id (the prompt
+holds it); the engine then waits for `text_lookahead` ids (`Engine`). A sequence that sends no text
+for `text_idle_timeout_s` ends with an error (empty pieces do not count), and so does one still open
+`text_stream_max_s` after its first piece (text trickling in, a word at a time or a character of a
+word that never ends, must not hold a row for hours); all its pieces together are held to
+max_text_bytes.
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ class TextSequences:
                     raise RequestError(
                         "sequence_start", f"sequence {sequence_id} is already open (it has not ended)"
                     )
-                head, params, text, start_frames = self.parser.parse_stream(inputs)
+                try:
+                    head, params, text, start_frames = self.parser.parse_stream(inputs)
+                except RequestError as error:  # its later pieces are told why, not that none started
+                    self._remember_end(sequence_id, f"its first piece was refused: {error}")
+                    raise
                 sequence = Sequence(
                     sequence_id,
                     request_id,
@@ -122,6 +127,13 @@ class TextSequences:
             limit = self.parser.settings.max_text_bytes
             try:  # a bad piece ends its sequence: text left out, or an end lost, would pass unseen
                 if not start:
+                    taken_from_the_first = sorted(set(inputs) - {"text"})
+                    if taken_from_the_first:  # not dropped unseen: one could be a bad value
+                        raise RequestError(
+                            taken_from_the_first[0],
+                            f"sequence {sequence_id}: only a sequence's first piece takes options; "
+                            "later pieces carry text alone",
+                        )
                     text = self.parser.piece_text(inputs)
                     if text:  # empty pieces do not keep an idle sequence open
                         sequence.last_piece_at = self.clock()
@@ -168,9 +180,12 @@ class TextSequences:
     def _close(self, sequence: Sequence, how: str) -> None:
         if self.open.get(sequence.sequence_id) is sequence:
             del self.open[sequence.sequence_id]
-            self.ended[sequence.sequence_id] = how
-            while len(self.ended) > ENDED_REMEMBERED:
-                self.ended.popitem(last=False)
+            self._remember_end(sequence.sequence_id, how)
+
+    def _remember_end(self, sequence_id: str, how: str) -> None:
+        self.ended[sequence_id] = how
+        while len(self.ended) > ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
 
     def idle(self) -> bool:
         with self.lock:

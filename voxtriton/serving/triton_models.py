@@ -344,7 +344,9 @@ class TTSTritonModel:
                         inputs[name] = tensor.as_numpy()
                 sequence_id = request.correlation_id()
                 if sequence_id not in (0, ""):  # a piece of an input stream (no sequence batcher: see docs)
-                    self._piece(request, sender, str(sequence_id), request_id, inputs)
+                    # A string id is quoted: sequence "201" is not sequence 201.
+                    key = str(sequence_id) if isinstance(sequence_id, int) else repr(sequence_id)
+                    self._piece(request, sender, key, request_id, inputs)
                     continue
                 sink = TritonSink(request, sender, set(request.requested_output_names()))
                 reference = self.parser.reference(inputs)
