@@ -4,6 +4,8 @@ First chunks: the server's part of TTFA split into encoding (a request's referen
 generation (admission, prefill and the first frames), the wait for a codec lane, the codec call and
 the send, at p50 and p90, over the slowest tenth, and per time window; and for in-context voices,
 when their codec priming ended against when the first chunk's frames were cut.
+Last chunks of input streams: the last word to the last audio split into the frames after the text
+ended, the wait for a codec lane, the codec call and the send, with the frame steps in between.
 Per chunk index: how long after the stream's first chunk was sent the chunk was cut (its frames
 generated, or its predecessor done) and how long it then waited for its codec lane. Late chunks (sent
 after they were due) by index and lane. All chunks and late ones by route: the lane they were

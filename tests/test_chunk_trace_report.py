@@ -257,3 +257,31 @@ def test_the_wait_before_submit_and_the_priming_are_split_out_of_the_first_chunk
         "total": 126.0,
     }
     assert firsts["primed_after_cut_ms"] == {"count": 1, "p50": 4.0, "p90": 4.0}
+
+
+def test_last_chunks_split_an_input_streams_last_word_to_its_last_audio(tmp_path):
+    """Input stream a: its text ends at 0.30 s; frame steps every 20 ms end its last chunk's frames at
+    0.41 s (6 steps after the text), the chunk waits 2 ms, decodes in 5 and is sent 1 ms later. Input
+    streams b and b2's last chunks are cut when their predecessor is sent, 3 steps after their text
+    ended, after their frames. A plain
+    stream has no last word and is left out."""
+    a = stream("a", 0.0, 0.02)
+    a[-1] = {**a[-1], "cut": 0.41, "start": 0.412, "end": 0.417, "sent": 0.418}
+    b = stream("b", 0.0, 0.02)
+    b[-1] = {**b[-1], "cut": b[-2]["sent"], "start": b[-2]["sent"] + 0.001}
+    b[-1]["end"] = b[-1]["sent"] = b[-1]["start"] + 0.005
+    b2 = [{**r, "stream": "b2"} for r in b]
+    for records, ended in ((a, 0.30), (b, b[-2]["sent"] - 0.05), (b2, b[-2]["sent"] - 0.05)):
+        for record in records:
+            record["text_ended"] = ended
+    step = {"kind": "step", "period": 0.02, "frames": 2, "admit_s": 0.0, "decode_s": 0.015}
+    step.update(decode_device_s=None, prefill_device_s=None, admitted=0, batch=2)
+    steps = [{**step, "end": 0.25 + 0.02 * i} for i in range(9)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in a + b + b2 + stream("c", 0.0, 0.02) + steps))
+    last = report(read_trace(path))["last_chunks"]
+    assert last["count"] == 3 and last["cut_at_previous_chunk"] == 2
+    assert last["p50_ms"] == {"generate": 50.0, "lane_wait": 1.0, "codec": 5.0, "send": 0.0, "total": 56.0}
+    assert last["p90_ms"] == {"generate": 110.0, "lane_wait": 2.0, "codec": 5.0, "send": 1.0, "total": 118.0}
+    assert last["steps_after_text_p50"] == 3 and last["step_period_ms_p50"] == 20.0
+    assert last["frames_p50"] == 8

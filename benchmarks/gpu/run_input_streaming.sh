@@ -16,6 +16,8 @@
 #   WORDS  words-a-second rates, comma-separated (20,10); TAIL frames after the text's last id (12)
 #   RATES  open-loop arrival rates (30,60); D seconds of arrivals per run (20); P more arguments
 #   PRESET the model size (1.7b)
+#   TRACE=1 each one-stream run's server writes a chunk trace, and input_single_W/ gets its report
+#          (trace_report.json; its last_chunks split the last word to the last audio)
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 PRESET=${PRESET:-1.7b}
@@ -28,8 +30,12 @@ COMMON="--checkpoint $CKPTS/ck-$PRESET ${TRITONSERVER:+--tritonserver $TRITONSER
   --param tts:max_positions=512 --max-streams 512 --max-queued 256 --max-draining 768
   --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 ${P:-}"
 for words in ${WORDS//,/ }; do
+  trace=/tmp/input_trace_$$_$words.jsonl
   run timeout ${T:-270} $PY benchmarks/serving_bench.py $COMMON --text-rate $words --concurrency 1 \
-    --out $OUT/input_single_$words
+    ${TRACE:+--param tts:chunk_trace_path=$trace} --out $OUT/input_single_$words
+  if [ -f $trace ] && [ -d $OUT/input_single_$words ]; then
+    $PY benchmarks/chunk_trace_report.py $trace > $OUT/input_single_$words/trace_report.json && rm -f $trace
+  fi
 done
 run timeout ${T:-270} $PY benchmarks/serving_bench.py $COMMON --text-rate ${WORDS%%,*} \
   --rates ${RATES:-30,60} --out $OUT/input_load

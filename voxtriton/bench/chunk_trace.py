@@ -208,6 +208,47 @@ def first_chunks(records: list[dict], origin: float, window_s: float) -> dict | 
     }
 
 
+LAST_CHUNK_PARTS = {  # an input stream's last word to its last audio, in order
+    # the frames after the text's end (its last ids and the tail), or the stream's previous chunk
+    "generate": lambda r: r["cut"] - r["text_ended"],
+    "lane_wait": lambda r: r["start"] - r["cut"],
+    "codec": lambda r: r["end"] - r["start"],
+    "send": lambda r: r["sent"] - r["end"],
+    "total": lambda r: r["sent"] - r["text_ended"],
+}
+
+
+def last_chunks(streams: dict[str, dict[int, dict]], steps: list[dict]) -> dict | None:
+    """Where an input stream's last word to its last audio goes (the server's part, from its last
+    piece's arrival): each part of the last chunk's path (p50, p90); the frame steps that ended
+    between the text's end and the cut (every open stream takes a frame a step), their mean period;
+    and how many last chunks were cut when their predecessor was done rather than at their frames."""
+    lasts = []
+    for chunks in streams.values():
+        last = chunks[max(chunks)]
+        if last.get("text_ended") is None:
+            continue
+        ends = [s["end"] for s in steps if last["text_ended"] < s["end"] <= last["cut"]]
+        previous = chunks.get(last["index"] - 1)
+        lasts.append((last, ends, previous is not None and previous["sent"] >= last["cut"] - 1e-4))
+    if not lasts:
+        return None
+    parts = {
+        q: {name: quantile_ms([part(r) for r, _, _ in lasts], q) for name, part in LAST_CHUNK_PARTS.items()}
+        for q in (0.5, 0.9)
+    }
+    periods = [(e[-1] - e[0]) / (len(e) - 1) for _, e, _ in lasts if len(e) > 1]
+    return {
+        "count": len(lasts),
+        "p50_ms": parts[0.5],
+        "p90_ms": parts[0.9],
+        "frames_p50": quantile([r["frames"] for r, _, _ in lasts], 0.5),
+        "steps_after_text_p50": quantile([len(e) for _, e, _ in lasts], 0.5) if steps else None,
+        "step_period_ms_p50": quantile_ms(periods, 0.5),
+        "cut_at_previous_chunk": sum(after for _, _, after in lasts),
+    }
+
+
 def report(lines: list[dict], window_s: float = 4.0) -> dict:
     # Traces from before the step lines have chunk lines without a kind.
     records = [r for r in lines if r.get("kind", "chunk") == "chunk"]
@@ -253,6 +294,7 @@ def report(lines: list[dict], window_s: float = 4.0) -> dict:
         if late
         else None,
         "first_chunks": first_chunks(records, origin, window_s),
+        "last_chunks": last_chunks(streams, steps),
         "by_index": by_index,
         "frame_period_ms_by_window": {
             f"{k * window_s:g}s": round(statistics.median(v))
