@@ -484,6 +484,35 @@ def test_without_a_ready_backend_every_endpoint_says_so_in_one_sentence(no_backe
     assert error == {"message": UNAVAILABLE, "type": "service_unavailable", "param": None, "code": None}
 
 
+def test_a_text_stream_no_server_takes_says_so_and_closes_with_retry_later(no_backend):
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    with connect(
+        no_backend.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=10
+    ) as socket:
+        socket.send(json.dumps({"input": "Anyone?", "max_frames": 4, "end": True}))
+        end = json.loads(socket.recv(timeout=30))
+        assert end["type"] == "error" and end["error"]["type"] == "service_unavailable", end
+        with pytest.raises(ConnectionClosed):
+            socket.recv(timeout=10)
+        assert socket.close_code == 1013
+
+
+def test_a_path_or_method_the_gateway_lacks_gets_the_errors_shape(no_backend):
+    status, headers, payload = fetch(urllib.request.Request(no_backend + "/v1/audio/speech"))
+    error = json.loads(payload)["error"]
+    assert (status, headers["allow"], error["type"]) == (405, "POST", "invalid_request_error")
+    assert error["message"] == "GET /v1/audio/speech: Method Not Allowed"
+    status, _, payload = fetch(urllib.request.Request(no_backend + "/v1/nothing/here"))
+    error = json.loads(payload)["error"]
+    assert (status, error["type"], error["message"]) == (
+        404,
+        "not_found_error",
+        "GET /v1/nothing/here: Not Found",
+    )
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FRAMES = 40  # 3.2 s of audio in several chunks
 LANE_COLORS = {"var(--urgent)", "var(--background)", "var(--inline)"}

@@ -16,10 +16,15 @@ from voxtriton.serving.gateway import (
     BackendUnreachable,
     SpeechError,
     SpeechStream,
+    close_code,
+    cut_short,
     error_from_server,
     parse_speech_request,
     parse_text_piece,
+    unreachable,
 )
+
+MAX_FRAMES_RANGE = "max_frames: must be between 1 and the server's max_frames (1500 unless set otherwise)"
 
 
 def rejection(body) -> SpeechError:
@@ -58,7 +63,17 @@ def test_unknown_fields_are_named_all_at_once():
         ("seed", "7", "seed: must be an integer"),
         ("seed", True, "seed: must be an integer"),
         ("max_frames", 2.5, "max_frames: must be an integer"),
-        ("max_frames", 2**32 + 30, "max_frames: must be between -2147483648 and 2147483647"),
+        (
+            "max_frames",
+            2**32 + 30,
+            f"{MAX_FRAMES_RANGE}, got {2**32 + 30}",
+        ),
+        (
+            "max_frames",
+            -(2**40),
+            f"{MAX_FRAMES_RANGE}, got {-(2**40)}",
+        ),
+        ("seed", 2**64, f"seed: must be between -9223372036854775808 and 9223372036854775807, got {2**64}"),
         ("ignore_eos", 1, "ignore_eos: must be true or false"),
         ("voice", 3, "voice: must be a string"),
         ("stream_format", "chunks", "stream_format: 'chunks' is not one of audio, sse"),
@@ -67,6 +82,7 @@ def test_unknown_fields_are_named_all_at_once():
         ("voice", "ry\ud800an", "voice: not valid Unicode (a lone surrogate at character 2)"),
         ("instructions", "\udfff", "instructions: not valid Unicode (a lone surrogate at character 0)"),
         ("speed", 2, "speed: only 1.0 is supported (the model has no speed control)"),
+        ("speed", True, "speed: only 1.0 is supported (the model has no speed control)"),
     ],
 )
 def test_bad_values_are_named_in_plain_words(field, value, message):
@@ -133,3 +149,45 @@ def test_text_with_no_utf8_form_is_named_in_a_request_and_in_a_text_stream():
         with pytest.raises(SpeechError) as caught:
             parse_text_piece({"input": "\udc80 there"}, first)
         assert (caught.value.status, caught.value.param) == (400, "input")
+
+
+def test_a_text_streams_start_frames_past_any_schedule_is_its_largest_and_below_one_is_refused():
+    """An int32 cannot hold 2**40: the server would get a wrapped value. Any start_frames above the
+    chunk schedule's largest size means that size, so the gateway sends the largest it can."""
+    _, _, options = parse_text_piece({"input": "Hi", "start_frames": 2**40}, first=True)
+    assert options["start_frames"] == 2**31 - 1
+    with pytest.raises(SpeechError) as caught:
+        parse_text_piece({"input": "Hi", "start_frames": -(2**40)}, first=True)
+    assert (caught.value.param, caught.value.message) == (
+        "start_frames",
+        f"start_frames: must be at least 1, got {-(2**40)}",
+    )
+
+
+def test_a_text_streams_close_code_says_whether_to_retry():
+    assert close_code(None) == close_code(rejection({"input": ""})) == 1000
+    assert close_code(error_from_server("server busy: 2 streams; retry")) == 1013
+    assert close_code(error_from_server(SHUTTING_DOWN)) == close_code(unreachable()) == 1013
+    assert close_code(cut_short()) == close_code(error_from_server("internal error: boom")) == 1011
+
+
+def test_a_text_streams_errors_name_the_stream_not_the_gateways_sequence_id():
+    sequence = "'" + "f2e83c66" * 4 + "'"
+    empty = error_from_server(f"text: sequence {sequence}: the text is empty")
+    assert (empty.param, empty.message) == ("input", "input: the text stream: the text is empty")
+    idle = error_from_server(f"text: sequence {sequence} had no text piece for 10 s (text_idle_timeout_s)")
+    assert idle.message == "input: the text stream had no text piece for 10 s (text_idle_timeout_s)"
+
+
+def test_a_stream_the_gateway_stopped_ends_without_a_warning(caplog):
+    """A caller that leaves is routine: its stream's end is not logged as a failure, as a dropped
+    connection to the server is."""
+    from voxtriton.serving.gateway import StreamCancelled
+
+    with caplog.at_level("WARNING", logger="voxtriton.gateway"):
+        assert SpeechStream.ending(StreamCancelled("stream cancelled")).status == 502
+        assert caplog.records == []
+        SpeechStream.ending(ConnectionResetError("Socket closed"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "voxtriton stream failed: ConnectionResetError('Socket closed')"
+    ]

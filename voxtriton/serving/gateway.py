@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,6 +188,15 @@ class LimitOpen:
             await self.app(scope, receive, send)
 
 
+def close_code(error: SpeechError | None) -> int:
+    """A text stream's WebSocket close code for how it ended: 1013 (try again later) when the server
+    or the gateway was busy, shutting down or not up, 1011 when it failed, 1000 otherwise (done, or
+    a bad field)."""
+    if error is not None and error.kind in ("server_busy", "shutting_down", "service_unavailable"):
+        return 1013
+    return 1011 if error is not None and error.kind == "server_error" else 1000
+
+
 def unreachable() -> SpeechError:
     return SpeechError(503, "No voxtriton server is ready; retry when one is up.", kind="service_unavailable")
 
@@ -223,7 +233,7 @@ def parse_speech_request(body: dict) -> dict:
     if stream_format not in ("audio", "sse"):
         raise SpeechError(400, f"stream_format: {stream_format!r} is not one of audio, sse", "stream_format")
     speed = body.get("speed", 1.0)
-    if not isinstance(speed, (int, float)) or speed != 1.0:
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed != 1.0:
         raise SpeechError(400, "speed: only 1.0 is supported (the model has no speed control)", "speed")
     options = {"format": response_format, "sse": stream_format == "sse", **voice_options(body)}
     options["text"] = text
@@ -242,11 +252,26 @@ def voice_options(body: dict, fields: dict = OPTIONAL_FIELDS) -> dict:
         if kind is str:
             check_unicode(value, source)
         if kind is int:  # as the tts input's type holds it (numpy would wrap a larger one around)
-            limits = np.iinfo(INPUT_TYPES[target])
-            if not limits.min <= value <= limits.max:
-                raise SpeechError(400, f"{source}: must be between {limits.min} and {limits.max}", source)
+            value = integer_input(source, value, np.iinfo(INPUT_TYPES[target]))
         options[target] = value
     return options
+
+
+def integer_input(source: str, value: int, limits: np.iinfo) -> int:
+    """An integer field's value within its tts input's type; SpeechError(400) with the field's own
+    range where the type cannot hold it. A start_frames above it is the largest (as any above the
+    chunk schedule's largest size)."""
+    if limits.min <= value <= limits.max:
+        return value
+    if source == "start_frames":
+        if value > limits.max:
+            return int(limits.max)
+        raise SpeechError(400, f"start_frames: must be at least 1, got {value}", source)
+    if source == "max_frames":
+        bounds = f"between 1 and the server's max_frames ({TTSSettings.max_frames} unless set otherwise)"
+    else:
+        bounds = f"between {limits.min} and {limits.max}"
+    raise SpeechError(400, f"{source}: must be {bounds}, got {value}", source)
 
 
 def check_unicode(text: str, field_name: str) -> None:
@@ -396,7 +421,9 @@ def error_from_server(message: str) -> SpeechError:
         )
     if field_name in INPUT_TYPES and ":" in message:
         name = FIELD_NAMES.get(field_name, field_name)
-        return SpeechError(400, name + message[len(field_name) :], name)
+        # A text stream's Triton sequence is the gateway's own: its id means nothing to the caller.
+        detail = re.sub(r"^: sequence '?[0-9a-f]{32}'?", ": the text stream", message[len(field_name) :])
+        return SpeechError(400, name + detail, name)
     log.warning("voxtriton server error: %s", message)
     return SpeechError(
         502, "The voxtriton server failed this request; its log has the cause.", kind="server_error"
@@ -410,6 +437,10 @@ def gateway_failed() -> SpeechError:
 
 def cut_short() -> SpeechError:
     return SpeechError(502, "The voxtriton server stopped answering mid-request.", kind="server_error")
+
+
+class StreamCancelled(ConnectionAbortedError):
+    """A stream the gateway stopped (its caller went away): its end is expected, not a failure."""
 
 
 class StreamCutShort(Exception):
@@ -433,7 +464,7 @@ class SpeechStream:
         except Exception as error:  # connection-level failure, reported as the stream's end
             self.items.put_nowait(error)
         except asyncio.CancelledError:  # `cancel()`: whoever still reads `chunks()` sees the end
-            self.items.put_nowait(ConnectionAbortedError("stream cancelled"))
+            self.items.put_nowait(StreamCancelled("stream cancelled"))
             raise
 
     @staticmethod
@@ -442,7 +473,8 @@ class SpeechStream:
         if isinstance(item, BackendUnreachable):
             return unreachable()
         if isinstance(item, Exception):
-            log.warning("voxtriton stream failed: %r", item)
+            if not isinstance(item, StreamCancelled):
+                log.warning("voxtriton stream failed: %r", item)
             return cut_short()
         if item.error is not None:
             return error_from_server(item.error)
@@ -525,6 +557,7 @@ def create_app(
     whole arrival at most."""
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     check_encoders()
     app = FastAPI(title="voxtriton gateway")
@@ -540,6 +573,13 @@ def create_app(
     @app.exception_handler(SpeechError)
     async def speech_error(request: Request, error: SpeechError):
         return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: Request, error: StarletteHTTPException):
+        """No such path, or not that method on it: the errors' shape too (with 405's Allow header)."""
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return error_response(SpeechError(error.status_code, message, kind=kind), error.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):
@@ -754,7 +794,7 @@ def create_app(
                         await websocket.send_bytes(tail)
                     await websocket.send_json({"type": "speech.audio.done", **stream_latencies(times)})
                 with contextlib.suppress(RuntimeError):  # the client closed first (the reader saw it)
-                    await websocket.close()
+                    await websocket.close(code=close_code(failure))
             except WebSocketDisconnect:  # the client went away: stop generating for it
                 pass
             except Exception as error:  # the socket still ends with its last message, an error
@@ -762,7 +802,7 @@ def create_app(
                 failure = SpeechError(500, f"internal error: {error}", kind="server_error")
                 with contextlib.suppress(Exception):  # the client may be gone too
                     await websocket.send_json({"type": "error", **failure.body()})
-                    await websocket.close()
+                    await websocket.close(code=close_code(failure))
             finally:
                 stream.cancel()
                 reader.cancel()
@@ -781,8 +821,7 @@ def create_app(
                 log.exception("gateway: reading a text stream's first message failed")
                 error = gateway_failed()
             await websocket.send_json({"type": "error", **error.body()})
-            # 1013: try again later; 1011: the server failed
-            await websocket.close(code={"server_busy": 1013, "server_error": 1011}.get(error.kind, 1000))
+            await websocket.close(code=close_code(error))
             return
         with open_limit.slot():
             await speak(piece, end, options)
