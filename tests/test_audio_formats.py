@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import io
+import sys
 
 import numpy as np
 import soundfile
 
-from voxtriton.serving.audio_formats import SAMPLE_RATE, new_encoder, pcm16, streaming_wav_header
+from voxtriton.serving.audio_formats import SAMPLE_RATE, OpusEncoder, new_encoder, pcm16, streaming_wav_header
 
 FRAME = 1920  # samples per codec frame at 12.5 Hz
 
@@ -66,3 +68,17 @@ def test_mp3_streams_every_chunk_and_decodes_to_the_audio_after_the_encoders_del
     assert rate == SAMPLE_RATE and delay < 0.1 * SAMPLE_RATE and len(audio) - 0.03 * SAMPLE_RATE < kept
     assert np.corrcoef(samples[delay:], audio[:kept])[0, 1] > 0.95
     assert len(stream) < len(pcm16(audio)) / 5
+
+
+def test_an_abandoned_opus_encoder_is_collected_without_an_error(monkeypatch):
+    """A stream that ended early leaves its encoder unfinished, possibly in a reference cycle with
+    the SoundFile and its buffer: the collector may finalise the buffer first, and libsndfile's last
+    page must still have somewhere to go."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    encoder = OpusEncoder()
+    encoder.encode(np.zeros(SAMPLE_RATE, np.float32))
+    encoder.cycle = encoder
+    del encoder
+    gc.collect()
+    assert unraisable == []

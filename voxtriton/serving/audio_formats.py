@@ -66,6 +66,14 @@ class PcmEncoder:
         return b""
 
 
+class _OggBuffer(io.BytesIO):
+    """The encoder's output. An abandoned encoder is collected with its SoundFile, in any order: the
+    buffer must not close itself first, as libsndfile writes its last page when the SoundFile goes."""
+
+    def __del__(self):
+        pass
+
+
 class OpusEncoder:
     """Ogg Opus through libsndfile, writing into memory; `encode` returns what a chunk added.
     libsndfile releases the GIL while it encodes (a few ms per second of audio), so the gateway runs
@@ -74,7 +82,7 @@ class OpusEncoder:
     blocking = True
 
     def __init__(self):
-        self.buffer = io.BytesIO()
+        self.buffer = _OggBuffer()
         self.sent = 0
         self.file = soundfile.SoundFile(
             self.buffer, mode="w", samplerate=SAMPLE_RATE, channels=1, format="OGG", subtype="OPUS"
