@@ -48,3 +48,22 @@ def test_an_output_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path
         assert speak("-o", str(output), "--server", f"127.0.0.1:{free_port()}") == 2
         assert capsys.readouterr().err == f"error: -o/--output: {str(output)!r} is not a regular file\n"
         assert output.exists()
+
+
+def test_a_server_address_with_a_scheme_is_refused_naming_the_option(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    assert speak("-o", str(out), "--server", "http://127.0.0.1:8001") == 2
+    assert capsys.readouterr().err == (
+        "error: --server: Triton's gRPC address as HOST:PORT, without a scheme, got 'http://127.0.0.1:8001'\n"
+    )
+    assert not out.exists()
+
+
+def test_a_model_still_loading_is_told_apart_from_a_server_that_is_not_there():
+    loading = cli.connection_hint("Request for unknown model: 'tts' has no available versions", "h:1")
+    assert (
+        loading
+        == "\n(the server at h:1 has not loaded its tts model yet: wait for `voxtriton serve`'s ready)"
+    )
+    assert "gRPC port, 8001 by default" in cli.connection_hint("failed to connect to all addresses", "h:1")
+    assert cli.connection_hint("text: must be a non-empty string", "h:1") == ""

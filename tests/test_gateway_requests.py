@@ -108,6 +108,8 @@ def test_server_errors_become_short_sentences():
     )
     stopping = error_from_server(SHUTTING_DOWN)
     assert (stopping.status, stopping.kind) == (503, "shutting_down")
+    loading = error_from_server("Request for unknown model: 'tts' has no available versions")
+    assert (loading.status, loading.kind) == (503, "service_unavailable")
     field = error_from_server("text: too long: more than 512 tokens")
     assert (field.status, field.param, field.message) == (
         400,

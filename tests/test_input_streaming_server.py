@@ -387,7 +387,7 @@ def test_the_client_command_speaks_stdin_as_it_comes(server, tmp_path):
     output = tmp_path / "lines.wav"
     command = [sys.executable, "-m", "voxtriton_client.cli", "speak", "-", "-o", str(output)]
     completed = subprocess.run(
-        command + ["--server", server.grpc_url, "--max-frames", "12", "--seed", "3"],
+        command + ["--server", server.grpc_url, "--max-frames", "12", "--ignore-eos", "--seed", "3"],
         input="Hello there,\nthis came on a second line.\n",
         capture_output=True,
         text=True,

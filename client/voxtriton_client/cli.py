@@ -21,6 +21,12 @@ def speak(args: argparse.Namespace) -> int:
         # rewritten at the end, and a failed synthesis removes its file
         print(f"error: -o/--output: {args.output!r} is not a regular file", file=sys.stderr)
         return 2
+    if "://" in args.server:
+        print(
+            f"error: --server: Triton's gRPC address as HOST:PORT, without a scheme, got {args.server!r}",
+            file=sys.stderr,
+        )
+        return 2
     reference = None
     if args.reference_audio is not None:
         try:
@@ -38,6 +44,7 @@ def speak(args: argparse.Namespace) -> int:
         instruct=args.instruct,
         seed=args.seed,
         max_frames=args.max_frames,
+        ignore_eos=args.ignore_eos or None,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -80,7 +87,14 @@ def speak(args: argparse.Namespace) -> int:
 
 def connection_hint(error: str, server: str) -> str:
     if "failed to connect" in error or "Connection refused" in error:
-        return f"\n(no Triton server answers at {server}: start one with `voxtriton serve`, or pass --server)"
+        return (
+            f"\n(no Triton server answers at {server}: start one with `voxtriton serve`, or pass --server "
+            "with Triton's gRPC port, 8001 by default, not its HTTP port or the gateway's)"
+        )
+    if "has no available versions" in error:
+        return (
+            f"\n(the server at {server} has not loaded its tts model yet: wait for `voxtriton serve`'s ready)"
+        )
     return ""
 
 
@@ -107,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         "--max-frames",
         type=int,
         help="most frames to generate, 12.5 a second (a random-weight model rarely stops by itself)",
+    )
+    say.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate --max-frames frames whatever the model samples (a fixed length, for tests)",
     )
     say.add_argument("--temperature", type=float)
     say.add_argument("--top-p", type=float)

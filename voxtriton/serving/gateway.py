@@ -414,6 +414,8 @@ def error_from_server(message: str) -> SpeechError:
         return SpeechError(503, "The voxtriton server is busy; retry shortly.", kind="server_busy")
     if message.startswith("server shutting down"):
         return SpeechError(503, "The voxtriton server is shutting down; retry shortly.", kind="shutting_down")
+    if message.startswith("Request for unknown model"):  # Triton's, while tts loads or after it unloaded
+        return unreachable()
     field_name = message.split(":", 1)[0]
     if field_name == "reference_audio":  # not a gateway field: a Base model was given no voice
         return SpeechError(
