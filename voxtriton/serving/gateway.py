@@ -189,12 +189,12 @@ class LimitOpen:
 
 
 def close_code(error: SpeechError | None) -> int:
-    """A text stream's WebSocket close code for how it ended: 1013 (try again later) when the server
-    or the gateway was busy, shutting down or not up, 1011 when it failed, 1000 otherwise (done, or
-    a bad field)."""
-    if error is not None and error.kind in ("server_busy", "shutting_down", "service_unavailable"):
-        return 1013
-    return 1011 if error is not None and error.kind == "server_error" else 1000
+    """A text stream's WebSocket close code for how it ended, as its status says: 1013 (try again
+    later) for a 503 (busy, shutting down, no server: what HTTP's Retry-After marks), 1011 for
+    another 5xx (a failure), 1000 otherwise (done, or a bad field)."""
+    if error is None or error.status < 500:
+        return 1000
+    return 1013 if error.status == 503 else 1011
 
 
 def unreachable() -> SpeechError:
