@@ -263,11 +263,19 @@ def test_the_gateway_serves_behind_the_same_proxy(proxy):
 def test_a_killed_server_ends_its_streams_and_new_ones_go_to_the_other(proxy):
     """Last in this module: it kills the first server."""
     envoy, url, http, first, second = proxy
-    streams = [Listener(url), Listener(url)]
+    # the streams of the tests above have ended on both sides of the proxy
+    envoy.wait_until(
+        lambda hosts: all(status["rq_active"] == 0 for status in hosts.values()),
+        "no stream in flight",
+        timeout=10,
+    )
+    streams = []
     try:
-        for stream in streams:
-            stream.wait_for_chunks(2)
-        assert first.metrics()["voxtriton_active_streams"] == 1  # one stream on each server
+        for _ in range(2):  # one at a time, each once the previous one streams: one on each server
+            streams.append(Listener(url))
+            streams[-1].wait_for_chunks(2)
+        for server in (first, second):  # the gauge is published a moment after the chunk went out
+            wait_for_metric(server, "voxtriton_active_streams", lambda active: active == 1, timeout=5)
         served_before = second.metrics()[SERVED]
         killed_at = time.monotonic()
         os.killpg(first.process.pid, signal.SIGKILL)  # tritonserver and its stubs, no goodbye
