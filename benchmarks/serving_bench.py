@@ -10,6 +10,10 @@ HTTP to any OpenAI-compatible streaming speech endpoint.
     # another server, already running (the harness starts nothing): the same workload over HTTP
     python benchmarks/serving_bench.py --target openai --url http://HOST:PORT --model NAME --voice ryan \
         --length-field max_new_tokens --extra-body '{"task_type": "CustomVoice"}' --rates 2,4 --out results/y
+    # scaling: goodput of one GPU alone, then of 8 (one server each) behind Envoy, rates per server,
+    # the load from 8 client processes; results.md gives the fleet's goodput per GPU against linear
+    python benchmarks/serving_bench.py --checkpoint DIR --policies 'voxserve@0,voxserve*8' --goodput \
+        --rates-per-server --rate-low 90 --rate-high 130 --proxy envoy --client-processes 8 --out results/s
     # closed loop: N concurrent streams at all times (lane behaviour at 8, 32, 128 streams)
     python benchmarks/serving_bench.py --checkpoint DIR --concurrency 8,32,128 --out results/x
     # CPU smoke test (tiny random checkpoint, under a minute): what the test suite runs
@@ -38,19 +42,30 @@ import asyncio
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import random
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from voxtriton.bench.fleet import TERMINATION, Fleet, GaugeSampler, hardware, settled_metrics
 from voxtriton.bench.goodput import same_rate, search_goodput
+from voxtriton.bench.proxy import proxy_use
 from voxtriton.bench.server_metrics import server_side
 from voxtriton.bench.summary import TTFA_TARGET_S, summarize, verdicts
 from voxtriton.bench.targets import GATEWAY_EXTRA_BODY, Endpoint, parse_extra_body
-from voxtriton.bench.workload import Progress, VoiceMix, closed_loop, one_request, open_loop
+from voxtriton.bench.workload import (
+    Progress,
+    VoiceMix,
+    client_ready,
+    closed_loop,
+    one_request,
+    open_loop,
+    sharded_open_loop,
+)
 
 # Goodput definition -> the key of a probe's verdict on it (summary.verdicts)
 RULES = {"strict": "meets", "attainment": "attains"}
@@ -62,6 +77,7 @@ def measure(args, fleet: Fleet | Endpoint, label: str, run) -> dict:
     cannot read (an Endpoint)."""
     metered = bool(fleet.servers)
     before = settled_metrics(fleet) if metered else None  # the last probe's updates applied, as `after`'s are
+    proxy_before = fleet.proxy_sample()
     # No garbage collection while a probe runs: a full collection over hundreds of streams' objects
     # stalls the client's event loop, which would delay chunks and show as stalls the server did not cause.
     gc.collect()
@@ -79,6 +95,7 @@ def measure(args, fleet: Fleet | Endpoint, label: str, run) -> dict:
             before, settled_metrics(fleet), time.monotonic() - started, len(fleet.servers)
         )
         summary["server"]["gauges"] = gauges.summary()
+    summary["proxy"] = proxy_use(proxy_before, fleet.proxy_sample(), time.monotonic() - started)
     # Another busy process on the host slows the server's Python threads; the 1-minute load average
     # (this server and client included, overlapping the previous probe) makes that visible.
     summary["host_load_1min"], summary["host_cpus"] = (
@@ -131,20 +148,14 @@ def open_loop_probe(
 ) -> dict:
     """One measured open-loop probe: arrivals at `rate` for `duration` seconds, with the run's burstiness,
     utterance lengths and speaker; `seed` picks the arrivals."""
+    load = (fleet.make_target, rate, duration, args.burstiness, (args.min_seconds, args.max_seconds), seed)
+    if args.client_pool is None:
+        return measure(args, fleet, label, lambda: open_loop(*load, args.speaker, progress))
     return measure(
         args,
         fleet,
         label,
-        lambda: open_loop(
-            fleet.make_target,
-            rate,
-            duration,
-            args.burstiness,
-            (args.min_seconds, args.max_seconds),
-            seed,
-            args.speaker,
-            progress,
-        ),
+        lambda: sharded_open_loop(args.client_pool, args.client_processes, *load, args.speaker),
     )
 
 
@@ -152,7 +163,7 @@ def warm_up_load(args, fleet: Fleet | Endpoint, policy: str) -> dict:
     """`--warm-up-load` seconds of arrivals at the lowest rate the run measures, not counted as a probe,
     for a fresh server whose first load may behave unlike later ones; what the warm-up saw is recorded.
     Its arrivals (seed - 1) are none of the probes' (seed + repeat)."""
-    rate = min(args.rates) if args.rates else args.rate_low
+    rate = (min(args.rates) if args.rates else args.rate_low) * rate_scale(args, fleet)
     summary = open_loop_probe(
         args, fleet, f"{policy} warm-up {rate:g}/s", rate, args.warm_up_load, args.seed - 1
     )
@@ -164,7 +175,8 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
     results so far after each probe."""
     fleet = endpoint(args) if args.target == "openai" else Fleet(args, spec)
     policy = fleet.label
-    out: dict = {"policy": policy, "target": args.target, "rates": [], "concurrency": []}
+    out: dict = {"policy": policy, "target": args.target, "servers": len(fleet.servers), "rates": []}
+    out["concurrency"] = []
     try:
         fleet.start()
         check_serves(args, fleet)
@@ -172,7 +184,7 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
         if args.warm_up_load:
             out["warm_up"] = warm_up_load(args, fleet, policy)
         seconds = (args.min_seconds, args.max_seconds)
-        for rate in args.rates:
+        for rate in (rate * rate_scale(args, fleet) for rate in args.rates):
             for repeat in range(args.repeats):
                 label = f"{policy} {rate:g}/s" + (f" #{repeat + 1}" if args.repeats > 1 else "")
                 progress = Progress(label, args.duration)
@@ -212,6 +224,11 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
     return out
 
 
+def rate_scale(args, fleet: Fleet | Endpoint) -> int:
+    """--rates-per-server: the rates asked for are each server's, so N servers are probed at N times them."""
+    return max(1, len(fleet.servers)) if args.rates_per_server else 1
+
+
 def endpoint(args) -> Endpoint:
     return Endpoint(
         args.url, args.model, args.extra_body, args.length_field, args.seed_field, args.label or "openai"
@@ -246,7 +263,8 @@ def find_goodput(
         def trial(rate):  # passes when every repeat does (`all` stops at the first that fails)
             return all(probe(rate, repeat)[RULES[rule]] for repeat in range(args.repeats))
 
-        rate, note = search_goodput(trial, args.rate_low, args.rate_high, args.bisection_steps)
+        low, high = (bound * rate_scale(args, fleet) for bound in (args.rate_low, args.rate_high))
+        rate, note = search_goodput(trial, low, high, args.bisection_steps)
         found[rule] = {"goodput": rate, **({"note": note} if note else {})}
     return found
 
@@ -301,6 +319,7 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
                     f"{row['host_load_1min']} ({row['host_cpus']}) |"
                 )
         lines.append("")
+        lines += load_path(results, meta)
     if any(r["concurrency"] for r in results):
         lines += [
             "| policy | streams | done | TTFA p90 ms | stalled | frame step ms (mean batch) | "
@@ -329,6 +348,34 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
     plot(results, out)
     if echo:
         print("\n".join(lines))
+
+
+def load_path(results: list[dict], meta: dict) -> list[str]:
+    """What stood between the client and the servers in each open-loop probe, where the run had more
+    than the harness's one process: the client's event-loop lag, and Envoy's CPU and balance."""
+    if meta.get("client_processes", 1) == 1 and not meta.get("proxy"):
+        return []
+    probes = []
+    for r in results:
+        for row in r["rates"]:
+            proxy = row.get("proxy")
+            through = (
+                f", Envoy {proxy['cpu_cores']} cores, streams per server "
+                f"{'/'.join(map(str, proxy['streams_per_server']))}"
+                if proxy
+                else ""
+            )
+            probes.append(f"{r['policy']} {row['rate']:g}/s: lag {row['client_loop_lag_p99_ms']}{through}")
+    return [
+        f"Load path: {meta.get('client_processes', 1)} client process(es)"
+        + (f", Envoy ({meta['proxy_threads']} worker threads) in front" if meta.get("proxy") else "")
+        + "; per probe, the client's event-loop lag p99 ms over all its processes"
+        + (" and what Envoy used" if meta.get("proxy") else "")
+        + ": "
+        + "; ".join(probes)
+        + ".",
+        "",
+    ]
 
 
 def write_whole(path: Path, text: str) -> None:
@@ -360,12 +407,33 @@ def goodput_table(results: list[dict]) -> list[str]:
             if rule == "strict":
                 listeners = max((t["listeners_peak"] for t in at if t[verdict]), default=None)
         lines.append(f"| {r['policy']} | {' | '.join(cells)} | {_count(listeners)} | {'; '.join(notes)} |")
+    lines += scaling(results, best)
+    fleets = {r["policy"] for r in results if r.get("servers", 0) > 1}  # compared by `scaling`, not here
     for rule in RULES:
         ours = best.get((rule, "voxserve"))
-        baselines = [g for (kind, policy), g in best.items() if kind == rule and policy != "voxserve"]
+        baselines = [
+            g for (kind, policy), g in best.items() if kind == rule and policy not in fleets | {"voxserve"}
+        ]
         if ours is not None and baselines and max(baselines) > 0:
             lines += ["", f"{rule}: voxserve / best baseline = {ours / max(baselines):.2f}x"]
     return lines + [""]
+
+
+def scaling(results: list[dict], best: dict) -> list[str]:
+    """Each fleet of several servers against the same policy's one server in the same run: its
+    goodput per server, as a fraction of linear scaling, by each definition."""
+    lines = []
+    for rule in RULES:
+        alone = {r["policy"]: best.get((rule, r["policy"])) for r in results if r.get("servers") == 1}
+        for r in results:
+            found, servers = best.get((rule, r["policy"])), r.get("servers", 0)
+            base = alone.get(r["policy"].split(" x")[0])
+            if servers > 1 and found is not None and base:
+                lines.append(
+                    f"{rule}: {r['policy']}: {found / servers:.2f} req/s per server, "
+                    f"{found / (servers * base):.3f}x linear (one server alone: {base:.2f})"
+                )
+    return [""] + lines if lines else []
 
 
 def server_cells(server: dict | None) -> str:
@@ -579,6 +647,26 @@ def main() -> None:
         "ends this many frames after its text, so the last word to the last audio is what the server "
         "adds (a random-weight model does not end an utterance where its text does)",
     )
+    parser.add_argument(
+        "--proxy",
+        choices=["envoy"],
+        help="the load goes through Envoy, configured as deploy/envoy/ configures it (least request, "
+        "health checks), to the servers of each POLICY*N; without it the harness routes least-loaded",
+    )
+    parser.add_argument("--proxy-threads", type=int, default=2, help="--proxy envoy: Envoy's worker threads")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="open-loop probes come from this many client processes, each with its share of the rate "
+        "and arrivals of its own: the streams of several GPUs outrun one Python event loop",
+    )
+    parser.add_argument(
+        "--rates-per-server",
+        action="store_true",
+        help="--rates, --rate-low and --rate-high are per server: POLICY*N is probed at N times them "
+        "(a scaling run: one server and N, one command, one search range)",
+    )
     parser.add_argument("--speaker", "--voice", help="the voice (the request's speaker)")
     parser.add_argument(
         "--voice-mix",
@@ -621,6 +709,10 @@ def main() -> None:
         args.duration, args.min_seconds, args.max_seconds, args.max_streams = 6.0, 1.0, 2.0, 16
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.client_processes < 1 or args.proxy_threads < 1:
+        parser.error("--client-processes and --proxy-threads must be at least 1")
+    if args.proxy and args.target == "openai":
+        parser.error("--proxy puts Envoy in front of the servers the harness starts: for --target triton")
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.goodput_rules = [rule for rule in args.goodput_rules.split(",") if rule]
@@ -659,19 +751,37 @@ def main() -> None:
         "text_tail_frames": args.text_tail_frames,  # None: lengths U(utterance_seconds)
         "voice": args.speaker.default if isinstance(args.speaker, VoiceMix) else args.speaker,
         "voice_mix": args.voice_mix or None,
+        "client_processes": args.client_processes,
+        "proxy": args.proxy,
+        "proxy_threads": args.proxy_threads if args.proxy else None,
     }
     # A run cut short (`timeout` sends SIGTERM) still stops its servers, MPS daemons and Python stubs
     # (run_policy's `finally`), which would otherwise hold the GPU beside the next run's server, and
     # keeps every probe it finished: the outputs are rewritten after each one.
     TERMINATION.install()
     results: list[dict] = []
-    for policy in args.policies.split(","):
+    with client_pool(args.client_processes) as args.client_pool:
+        for policy in args.policies.split(","):
 
-        def probed(partial: dict, finished: list[dict] = list(results)) -> None:
-            write_outputs(args, finished + [partial], meta, echo=False)
+            def probed(partial: dict, finished: list[dict] = list(results)) -> None:
+                write_outputs(args, finished + [partial], meta, echo=False)
 
-        results.append(run_policy(args, policy, probed))
-        write_outputs(args, results, meta)
+            results.append(run_policy(args, policy, probed))
+            write_outputs(args, results, meta)
+
+
+@contextlib.contextmanager
+def client_pool(processes: int):
+    """The client processes of --client-processes, started (and their imports done) before any
+    probe; None for one process: the harness's own."""
+    if processes == 1:
+        yield None
+        return
+    # spawn: gRPC's channels of this process do not survive a fork
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        if len(set(pool.map(client_ready, range(processes)))) != processes:
+            raise SystemExit(f"--client-processes {processes}: fewer processes started")
+        yield pool
 
 
 if __name__ == "__main__":

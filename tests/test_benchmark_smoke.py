@@ -15,7 +15,7 @@ import pytest
 from server_helpers import live_processes
 
 from voxtriton.bench.targets import TritonTarget
-from voxtriton.bench.workload import one_request
+from voxtriton.bench.workload import arrivals, one_request
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,37 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     warm_up = policy["warm_up"]  # at the lowest rate, kept apart from the probes
     assert warm_up["rate"] == 1 and warm_up["seconds"] == 2 and warm_up["requests"] >= 1
     assert warm_up["completed"] == warm_up["requests"]
+
+
+def test_a_scaling_run_probes_a_fleet_behind_envoy_from_several_client_processes(tmp_path, tiny_checkpoint):
+    """One server alone, then two behind Envoy (deploy/envoy's configuration), at rates per server,
+    the load from two client processes: every arrival of both processes' schedules is served, through
+    Envoy, to both servers."""
+    out = tmp_path / "bench"
+    command = [sys.executable, str(ROOT / "benchmarks" / "serving_bench.py"), "--smoke"]
+    command += ["--checkpoint", str(tiny_checkpoint), "--warm-up-load", "0", "--out", str(out)]
+    command += ["--policies", "voxserve@0,voxserve*2", "--rates-per-server", "--proxy", "envoy"]
+    command += ["--proxy-threads", "1", "--client-processes", "2", "--keep-logs"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert (results["meta"]["client_processes"], results["meta"]["proxy"]) == (2, "envoy")
+    alone, fleet = results["policies"]
+    assert (alone["policy"], alone["servers"]) == ("voxserve", 1)
+    assert (fleet["policy"], fleet["servers"]) == ("voxserve x2 GPUs behind Envoy", 2)
+    [one], [two] = alone["rates"], fleet["rates"]
+    assert (one["rate"], two["rate"]) == (1, 2) and one["proxy"] is None  # one server: no proxy
+    # each process sends its own arrivals at half the rate (seeds "0/0" and "0/1"), all of them served
+    for row in (one, two):
+        schedules = [list(arrivals(row["rate"] / 2, 6.0, 1.0, f"0/{index}")) for index in range(2)]
+        assert row["requests"] == sum(map(len, schedules)) and row["completed"] == row["requests"]
+    # Envoy carried every stream of the probe, to both servers
+    streams = two["proxy"]["streams_per_server"]
+    assert sum(streams) == two["requests"] and min(streams) >= 1 and two["proxy"]["cpu_cores"] > 0
+    assert two["server"]["chunks"]["urgent"] >= two["completed"]  # counted on the servers, summed
+    assert (out / "envoy_voxserve.log").exists()
+    report = (out / "results.md").read_text()
+    assert "Load path: 2 client process(es), Envoy (1 worker threads) in front" in report
 
 
 def test_a_run_cut_short_keeps_its_finished_probes_and_stops_its_server(tmp_path, tiny_checkpoint):

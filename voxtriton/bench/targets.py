@@ -14,6 +14,7 @@ from typing import Callable
 from voxtriton_client import simulate_playback
 
 from voxtriton.bench.summary import LANES, MIN_AUDIO_FRACTION, RequestResult
+from voxtriton.models.text import TextTokenizer
 from voxtriton.serving.gateway import Backend
 
 FRAME_RATE = 12.5  # codec frames per second of audio
@@ -60,6 +61,23 @@ def played(
         asked_s,
         text_end_to_audio_end_s,
     )
+
+
+class TextFrames:
+    """A request's length from its text: one frame per text id (the interleaved layout reads one a
+    frame) and `tail` more. Picklable, so client processes can take it; each loads the tokenizer once."""
+
+    def __init__(self, checkpoint: str, tail: int):
+        self.checkpoint, self.tail = checkpoint, tail
+        self._tokenizer = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokenizer": None}
+
+    def __call__(self, text: str) -> int:
+        if self._tokenizer is None:
+            self._tokenizer = TextTokenizer(self.checkpoint)
+        return len(self._tokenizer.encode(text)) + self.tail
 
 
 async def words_at(text: str, rate: float):
@@ -139,6 +157,9 @@ class Endpoint:
 
     def stop(self, logs) -> None:
         pass
+
+    def proxy_sample(self) -> None:  # no proxy of the harness's in front of it
+        return None
 
     def make_target(self) -> OpenAITarget:
         return OpenAITarget(self)

@@ -4,10 +4,14 @@ target (voxtriton over gRPC or an OpenAI-compatible endpoint: voxtriton.bench.ta
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
+import os
 import random
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from voxtriton.bench.summary import RequestResult
@@ -124,7 +128,73 @@ async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 
         samples.append(time.perf_counter() - start - interval)
 
 
+def arrivals(rate: float, duration: float, burstiness: float, seed: int | str):
+    """An open loop's requests: (seconds from its start, the request's own random generator), with
+    gaps from a Gamma distribution of mean 1/rate and shape 1/burstiness**2, for `duration` seconds."""
+    rng = random.Random(seed)
+    shape = 1.0 / burstiness**2
+    at = 0.0
+    while at < duration:
+        yield at, random.Random(rng.random())
+        at += rng.gammavariate(shape, 1.0 / (rate * shape))
+
+
 async def open_loop(
+    make_target: Callable,
+    rate: float,
+    duration: float,
+    burstiness: float,
+    seconds_range,
+    seed: int | str,
+    speaker: str | VoiceMix | None,
+    progress: Progress | None = None,
+    start_at: float | None = None,
+) -> tuple[list[RequestResult], list[float]]:
+    """The requests of `arrivals(...)` from `start_at` (a time.perf_counter() instant; now by default)."""
+    lag: list[float] = []
+    stop = asyncio.Event()
+    client = make_target()  # made in this event loop, which its connections belong to
+    try:
+        lag_task = asyncio.create_task(loop_lag(lag, stop))
+        tasks = []
+        start = time.perf_counter() if start_at is None else start_at
+        for at, arrival in arrivals(rate, duration, burstiness, seed):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(
+                asyncio.create_task(one_request(client, arrival, seconds_range, speaker, sent=start + at))
+            )
+            if progress:
+                progress.update(at, f"{len(tasks)} sent")
+        results = await asyncio.gather(*tasks)
+        stop.set()
+        await lag_task
+    finally:
+        await client.close()
+    return list(results), lag
+
+
+def open_loop_shard(*arguments, start_at: float) -> tuple[list[RequestResult], list[float]]:
+    """`open_loop(*arguments)` in a client process of its own, without garbage collection (as the
+    harness runs a probe in its own process)."""
+    gc.collect()
+    gc.disable()
+    try:
+        return asyncio.run(open_loop(*arguments, start_at=start_at))
+    finally:
+        gc.enable()
+
+
+def client_ready(_: int) -> int:
+    """A client process has started and imported the load generator: its pid."""
+    time.sleep(0.5)  # held, so that each of the pool's processes takes one
+    return os.getpid()
+
+
+async def sharded_open_loop(
+    pool: Executor,
+    processes: int,
     make_target: Callable,
     rate: float,
     duration: float,
@@ -132,37 +202,33 @@ async def open_loop(
     seconds_range,
     seed: int,
     speaker: str | VoiceMix | None,
-    progress: Progress | None = None,
 ) -> tuple[list[RequestResult], list[float]]:
-    rng = random.Random(seed)
-    shape = 1.0 / burstiness**2
-    lag: list[float] = []
-    stop = asyncio.Event()
-    client = make_target()  # made in this event loop, which its connections belong to
-    try:
-        lag_task = asyncio.create_task(loop_lag(lag, stop))
-        tasks = []
-        start = time.perf_counter()
-        next_at = 0.0
-        while next_at < duration:
-            delay = start + next_at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            arrival = random.Random(rng.random())
-            tasks.append(
-                asyncio.create_task(
-                    one_request(client, arrival, seconds_range, speaker, sent=start + next_at)
-                )
-            )
-            if progress:
-                progress.update(next_at, f"{len(tasks)} sent")
-            next_at += rng.gammavariate(shape, 1.0 / (rate * shape))
-        results = await asyncio.gather(*tasks)
-        stop.set()
-        await lag_task
-    finally:
-        await client.close()
-    return list(results), lag
+    """The open loop from `processes` client processes of `pool` at once, each with arrivals at
+    `rate / processes` of its own (the sum of independent Poisson processes is one at `rate`; with
+    burstiness, the merged arrivals are less bursty than one process's), and the same start. One
+    Python process cannot keep up with the thousands of streams of several GPUs; its event-loop lag
+    would show. Returns the requests of all, and every process's lag samples."""
+    start_at = time.perf_counter() + 1.0  # all begin together, once the arguments have reached them
+    loop = asyncio.get_running_loop()
+    shards = [
+        loop.run_in_executor(
+            pool,
+            functools.partial(open_loop_shard, start_at=start_at),
+            make_target,
+            rate / processes,
+            duration,
+            burstiness,
+            seconds_range,
+            f"{seed}/{index}",  # a shard's own arrivals, the same in every run of this seed
+            speaker,
+        )
+        for index in range(processes)
+    ]
+    results, lag = [], []
+    for shard_results, shard_lag in await asyncio.gather(*shards):
+        results += shard_results
+        lag += shard_lag
+    return results, lag
 
 
 async def closed_loop(
