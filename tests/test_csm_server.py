@@ -118,7 +118,7 @@ def test_same_seed_gives_the_same_codes_and_another_seed_others(client):
     [
         ("language", "english", "language: CSM takes no language"),
         ("instruct", "Speak softly.", "instruct: CSM takes no style instruction"),
-        ("speaker", "ryan", "speaker: 'ryan' is not a speaker id"),
+        ("speaker", "ryan", "speaker: unknown voice 'ryan': not a speaker id"),
     ],
 )
 def test_fields_csm_does_not_take_are_refused_naming_them(server, client, field, value, message):
@@ -229,7 +229,7 @@ def test_reference_audio_is_a_context_turn_with_the_in_process_engines_codes(
         (dict(reference_audio="silent", reference_text=CONTEXT_TEXT), "reference_audio: is silent"),
         (
             dict(reference_audio="recording", reference_text=CONTEXT_TEXT, speaker="anna"),
-            "speaker: 'anna' is not a speaker id",
+            "speaker: unknown voice 'anna': not a speaker id",
         ),
     ],
     ids=["no-text", "no-audio", "not-audio", "short", "silent", "named-speaker"],
@@ -287,7 +287,8 @@ def test_the_gateway_registers_a_csm_voice_that_speaks_as_its_context_turn(
     code, _, payload = fetch(urllib.request.Request(f"{gateway}/v1/audio/voices/anna", method="DELETE"))
     assert code == 200 and json.loads(payload) == {"name": "anna", "deleted": True}
     synthesis = client.synthesize(TEXT, speaker="anna", max_frames=3)
-    assert synthesis.error is not None and "speaker: 'anna' is not a speaker id" in synthesis.error
+    assert synthesis.error is not None
+    assert "speaker: unknown voice 'anna': not a speaker id" in synthesis.error
     assert "nor a registered voice; registered: none" in synthesis.error
     assert get(gateway, "/v1/audio/voices")[2]["data"] == speakers
 

@@ -31,8 +31,13 @@ TEXT = "The gateway speaks with a registered voice."
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_base_checkpoint, tmp_path_factory):
-    voices = tmp_path_factory.mktemp("gateway-voices")
+def voices(tmp_path_factory):
+    """The directory the server reads voices from and the stack's gateway registers them in."""
+    return tmp_path_factory.mktemp("gateway-voices")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_base_checkpoint, voices):
     with start_server(tiny_base_checkpoint, parameters={"tts": {"voices_dir": str(voices)}}) as server:
         gateway, url = start_gateway(
             server.grpc_url, tiny_base_checkpoint, extra=("--voices-dir", str(voices))
@@ -152,22 +157,50 @@ def test_a_name_is_registered_once_unless_replaced(stack):
     assert delete(url, "twice")[0] == 200
 
 
-def test_a_gateway_registers_at_most_max_voices(stack, tiny_base_checkpoint, tmp_path):
+def registered(url: str) -> list[str]:
+    return [voice["name"] for voice in get(url, "/v1/audio/voices")[2]["data"] if not voice.get("speaker")]
+
+
+def test_a_gateway_registers_at_most_max_voices(stack, voices, tiny_base_checkpoint):
     """--max-voices bounds the voices directory as the servers' max_voices does; a replacement and a
     registration after a deletion still pass."""
-    _, server = stack
+    shared, server = stack
+    room = len(registered(shared)) + 1  # the voices other tests left, and one more
     gateway, url = start_gateway(
-        server.grpc_url, tiny_base_checkpoint, extra=("--voices-dir", str(tmp_path), "--max-voices", "1")
+        server.grpc_url, tiny_base_checkpoint, extra=("--voices-dir", str(voices), "--max-voices", str(room))
     )
     try:
         recording = audio_file(reference_audio(1.0, seed=2))
         assert post(url, registration("first", recording), "/v1/audio/voices")[0] == 201
         status, _, payload = post(url, registration("second", recording), "/v1/audio/voices")
         error = json.loads(payload)["error"]
-        assert (status, error["param"]) == (400, "name") and "full (1 voices)" in error["message"]
+        assert (status, error["param"]) == (400, "name") and f"full ({room} voices)" in error["message"]
         assert post(url, registration("first", recording, replace=True), "/v1/audio/voices")[0] == 201
         assert delete(url, "first")[0] == 200
         assert post(url, registration("second", recording), "/v1/audio/voices")[0] == 201
+        assert delete(url, "second")[0] == 200
+    finally:
+        stop_gateway(gateway)
+
+
+def test_a_gateway_writing_where_the_server_does_not_read_says_so_and_keeps_nothing(
+    stack, tiny_base_checkpoint, tmp_path
+):
+    """A gateway whose --voices-dir is not the server's voices_dir (or on another host, sharing
+    none): a registration would be a voice that every request then finds unknown. It is refused with
+    the reason, the voice is not kept, and the gateway goes on serving."""
+    _, server = stack
+    gateway, url = start_gateway(server.grpc_url, tiny_base_checkpoint, extra=("--voices-dir", str(tmp_path)))
+    try:
+        status, _, payload = post(
+            url, registration("elsewhere", audio_file(reference_audio(1.0, seed=3))), "/v1/audio/voices"
+        )
+        error = json.loads(payload)["error"]
+        assert (status, error["type"]) == (500, "server_error"), payload
+        assert f"registers in {tmp_path}" in error["message"] and "was not kept" in error["message"]
+        assert "elsewhere" not in registered(url) and not list(tmp_path.rglob("*elsewhere*"))
+        body = {"model": "tts", "input": "Still here.", "voice": "ryan", "max_frames": 4, "ignore_eos": True}
+        assert post(url, body)[0] in (200, 400)  # served or refused for its voice, not broken
     finally:
         stop_gateway(gateway)
 

@@ -40,6 +40,7 @@ from ..models.families import load_family
 from .audio_formats import MEDIA_TYPES, check_encoders, new_encoder
 from .gateway_voices import BODY_TIMEOUT_S, add_voice_routes, read_body
 from .settings import TTSSettings, default_checkpoint_dir, voices_dir
+from .voices import UNKNOWN_VOICE
 
 log = logging.getLogger("voxtriton.gateway")
 
@@ -611,8 +612,18 @@ def create_app(
         except InferenceServerException:  # it went down since
             raise unreachable() from None
 
+    async def server_finds(voice: str) -> bool | None:
+        """One frame in `voice`: False when the server answers that it knows no such voice."""
+        try:
+            synthesis = await backend.synthesize("Hello.", speaker=voice, max_frames=1, ignore_eos=True)
+        except BackendUnreachable:
+            return None
+        if synthesis.error is None:
+            return True
+        return False if UNKNOWN_VOICE in synthesis.error else None
+
     voice_store = add_voice_routes(
-        app, served_checkpoint, voices_dir(voices), max_voices, SpeechError, body_timeout_s
+        app, served_checkpoint, server_finds, voices_dir(voices), max_voices, SpeechError, body_timeout_s
     )
 
     async def model_card() -> dict:

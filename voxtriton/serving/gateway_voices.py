@@ -60,10 +60,17 @@ VOICE_FIELDS = ("name", "audio", "text", "replace")
 
 
 def add_voice_routes(
-    app, served_checkpoint, voices_directory: Path, max_voices: int, error_type, body_timeout_s: float
+    app,
+    served_checkpoint,
+    server_finds,
+    voices_directory: Path,
+    max_voices: int,
+    error_type,
+    body_timeout_s: float,
 ):
-    """served_checkpoint: async () -> the checkpoint directory; max_voices: as the servers'
-    `max_voices`; error_type: the gateway's SpeechError; body_timeout_s: as `read_body`'s.
+    """served_checkpoint: async () -> the checkpoint directory; server_finds: async (name) -> whether
+    the server finds that voice (None: it could not tell); max_voices: as the servers' `max_voices`;
+    error_type: the gateway's SpeechError; body_timeout_s: as `read_body`'s.
     Returns `store_of(family)`: the voice store of a checkpoint, one per checkpoint for the gateway's
     life, so a listing reads only the voice files that changed since the last (in a worker thread:
     never on the event loop)."""
@@ -111,9 +118,21 @@ def add_voice_routes(
             )
         registrations += 1
         try:
-            return await register(request, family)
+            described = await register(request, family)
         finally:
             registrations -= 1
+        # A voice written where no server reads it would answer 201 here and "unknown voice" at every
+        # use: the directories differ, or the gateway's host shares none with the servers'.
+        if await server_finds(described["name"]) is False:
+            await asyncio.to_thread(store_of(family).delete, described["name"])
+            raise error_type(
+                500,
+                f"the server does not find the voices this gateway registers in {voices_directory}: give "
+                "the gateway --voices-dir as the servers' voices_dir, on a directory they share; "
+                f"{described['name']!r} was not kept",
+                kind="server_error",
+            )
+        return described
 
     async def register(request, family: ModelFamily) -> dict:
         directory, store = family.checkpoint, store_of(family)

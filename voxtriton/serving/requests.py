@@ -16,7 +16,7 @@ from ..models.family import ModelFamily, SamplingDefaults
 from ..models.text import PromptBuilder, PromptHead
 from ..models.voice import Voice
 from .settings import TTSSettings
-from .voices import MAX_TRANSCRIPT_BYTES, VoiceStore
+from .voices import MAX_TRANSCRIPT_BYTES, UNKNOWN_VOICE, VoiceStore
 
 STRING_INPUTS = ("text", "speaker", "language", "instruct", "reference_text")
 BYTES_INPUTS = ("reference_audio",)  # a recording's file bytes, decoded by the voice encoder
@@ -98,7 +98,7 @@ class RequestParser:
         voice = self.voices.find(name.lower()) if self.voices is not None else None
         if voice is None:
             known = ", ".join(self.voices.names()) if self.voices is not None else ""
-            raise RequestError("speaker", f"unknown voice {name!r}; registered: {known or 'none'}")
+            raise RequestError("speaker", f"{UNKNOWN_VOICE} {name!r}; registered: {known or 'none'}")
         return voice
 
     def _whole_text(self, inputs: dict[str, np.ndarray]) -> str:
@@ -237,8 +237,8 @@ class CsmRequestParser:
             registered = ", ".join(self.voices.names()) or "none"
             raise RequestError(
                 "speaker",
-                f"{name!r} is not a speaker id (a non-negative integer such as 0 or 1) nor a registered "
-                f"voice; registered: {registered}",
+                f"{UNKNOWN_VOICE} {name!r}: not a speaker id (a non-negative integer such as 0 or 1) "
+                f"nor a registered voice; registered: {registered}",
             )
         return voice
 

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 MAX_TRANSCRIPT_BYTES = 4096
+# The start of a server's error for a voice its directory does not hold (the gateway looks for it).
+UNKNOWN_VOICE = "unknown voice"
 
 
 def check_name(name: str, field: str = "name") -> str:
