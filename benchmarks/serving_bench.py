@@ -319,7 +319,6 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
                     f"{row['host_load_1min']} ({row['host_cpus']}) |"
                 )
         lines.append("")
-        lines += load_path(results, meta)
     if any(r["concurrency"] for r in results):
         lines += [
             "| policy | streams | done | TTFA p90 ms | stalled | frame step ms (mean batch) | "
@@ -344,6 +343,7 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
     searched = [r for r in results if any(rule in r.get("goodput", {}) for rule in RULES)]
     if searched:
         lines += goodput_table(searched)
+    lines += load_path(results, meta)
     write_whole(out / "results.md", "\n".join(lines) + "\n")
     plot(results, out)
     if echo:
@@ -351,13 +351,14 @@ def write_outputs(args, results: list[dict], meta: dict, echo: bool = True) -> N
 
 
 def load_path(results: list[dict], meta: dict) -> list[str]:
-    """What stood between the client and the servers in each open-loop probe, where the run had more
-    than the harness's one process: the client's event-loop lag, and Envoy's CPU and balance."""
+    """What stood between the client and the servers in each open-loop probe (fixed rates, then the
+    goodput searches'), where the run had more than the harness's one process: the client's
+    event-loop lag, and Envoy's CPU and balance."""
     if meta.get("client_processes", 1) == 1 and not meta.get("proxy"):
         return []
     probes = []
     for r in results:
-        for row in r["rates"]:
+        for row in r["rates"] + r.get("goodput", {}).get("trials", []):
             proxy = row.get("proxy")
             through = (
                 f", Envoy {proxy['cpu_cores']} cores, streams per server "
