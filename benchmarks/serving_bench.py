@@ -42,25 +42,23 @@ import asyncio
 import contextlib
 import gc
 import json
-import multiprocessing
 import os
 import random
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from voxtriton.bench.fleet import TERMINATION, Fleet, GaugeSampler, hardware, settled_metrics
 from voxtriton.bench.goodput import same_rate, search_goodput
-from voxtriton.bench.proxy import proxy_use
+from voxtriton.bench.proxy import envoy_binary, proxy_use
 from voxtriton.bench.server_metrics import server_side
 from voxtriton.bench.summary import TTFA_TARGET_S, summarize, verdicts
 from voxtriton.bench.targets import GATEWAY_EXTRA_BODY, Endpoint, parse_extra_body
 from voxtriton.bench.workload import (
     Progress,
     VoiceMix,
-    client_ready,
+    client_processes,
     closed_loop,
     one_request,
     open_loop,
@@ -133,8 +131,12 @@ def check_serves(args, fleet: Fleet | Endpoint) -> None:
 
 
 def warm_up(args, fleet: Fleet | Endpoint) -> None:
-    rate = 2.0 * max(1, len(fleet.servers))
-    asyncio.run(open_loop(fleet.make_target, rate, 2.0, 1.0, (1.0, 2.0), 999, args.speaker))
+    """2 s of light load, not measured: from every client process (their connections, tokenizers)."""
+    load = (fleet.make_target, 2.0 * max(1, len(fleet.servers)), 2.0, 1.0, (1.0, 2.0), 999, args.speaker)
+    if args.client_pool is None:
+        asyncio.run(open_loop(*load))
+    else:
+        asyncio.run(sharded_open_loop(args.client_pool, args.client_processes, *load))
 
 
 def open_loop_probe(
@@ -176,7 +178,7 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
     fleet = endpoint(args) if args.target == "openai" else Fleet(args, spec)
     policy = fleet.label
     out: dict = {"policy": policy, "target": args.target, "servers": len(fleet.servers), "rates": []}
-    out["concurrency"] = []
+    out["proxy"], out["concurrency"] = fleet.proxy_ports is not None, []
     try:
         fleet.start()
         check_serves(args, fleet)
@@ -361,7 +363,8 @@ def load_path(results: list[dict], meta: dict) -> list[str]:
         for row in r["rates"] + r.get("goodput", {}).get("trials", []):
             proxy = row.get("proxy")
             through = (
-                f", Envoy {proxy['cpu_cores']} cores, streams per server "
+                f", Envoy {proxy['cpu_cores']} cores (busiest thread {proxy['busiest_thread']}), "
+                "streams per server "
                 f"{'/'.join(map(str, proxy['streams_per_server']))}"
                 if proxy
                 else ""
@@ -408,8 +411,9 @@ def goodput_table(results: list[dict]) -> list[str]:
             if rule == "strict":
                 listeners = max((t["listeners_peak"] for t in at if t[verdict]), default=None)
         lines.append(f"| {r['policy']} | {' | '.join(cells)} | {_count(listeners)} | {'; '.join(notes)} |")
-    lines += scaling(results, best)
-    fleets = {r["policy"] for r in results if r.get("servers", 0) > 1}  # compared by `scaling`, not here
+    lines += scaling(results)
+    # fleets (several servers, or behind the proxy) are compared by `scaling`, not as baselines
+    fleets = {r["policy"] for r in results if r.get("servers", 0) > 1 or r.get("proxy")}
     for rule in RULES:
         ours = best.get((rule, "voxserve"))
         baselines = [
@@ -420,20 +424,36 @@ def goodput_table(results: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def scaling(results: list[dict], best: dict) -> list[str]:
-    """Each fleet of several servers against the same policy's one server in the same run: its
-    goodput per server, as a fraction of linear scaling, by each definition."""
+def scaling(results: list[dict]) -> list[str]:
+    """Each fleet of several servers against the same policy's one server alone (reached directly) in
+    the same run: its goodput per server, as a fraction of linear scaling, by each definition. A
+    search that ended at a bound of its range found a bound, not a goodput: then no ratio."""
     lines = []
     for rule in RULES:
-        alone = {r["policy"]: best.get((rule, r["policy"])) for r in results if r.get("servers") == 1}
+        alone = {
+            r["policy"]: r["goodput"].get(rule)
+            for r in results
+            if r.get("servers") == 1 and not r.get("proxy")
+        }
         for r in results:
-            found, servers = best.get((rule, r["policy"])), r.get("servers", 0)
+            found, servers = r["goodput"].get(rule), r.get("servers", 0)
             base = alone.get(r["policy"].split(" x")[0])
-            if servers > 1 and found is not None and base:
-                lines.append(
-                    f"{rule}: {r['policy']}: {found / servers:.2f} req/s per server, "
-                    f"{found / (servers * base):.3f}x linear (one server alone: {base:.2f})"
-                )
+            if servers < 2 or not found or not base:
+                continue
+            notes = [
+                f"{whose} search: {side['note']}"
+                for whose, side in (("the fleet's", found), ("one server's", base))
+                if "note" in side
+            ]
+            ratio = (
+                f"no ratio ({'; '.join(notes)})"
+                if notes
+                else f"{found['goodput'] / (servers * base['goodput']):.2f}x linear"
+            )
+            lines.append(
+                f"{rule}: {r['policy']}: {found['goodput'] / servers:.2f} req/s per server, {ratio} "
+                f"(one server alone: {base['goodput']:.2f})"
+            )
     return [""] + lines if lines else []
 
 
@@ -660,7 +680,8 @@ def main() -> None:
         type=int,
         default=1,
         help="open-loop probes come from this many client processes, each with its share of the rate "
-        "and arrivals of its own: the streams of several GPUs outrun one Python event loop",
+        "and arrivals of its own: the streams of several GPUs outrun one Python event loop (with "
+        "--burstiness above 1 the merged arrivals are less bursty than one process's)",
     )
     parser.add_argument(
         "--rates-per-server",
@@ -714,6 +735,11 @@ def main() -> None:
         parser.error("--client-processes and --proxy-threads must be at least 1")
     if args.proxy and args.target == "openai":
         parser.error("--proxy puts Envoy in front of the servers the harness starts: for --target triton")
+    if args.proxy:
+        try:
+            envoy_binary()  # now, not after the searches that run without it
+        except RuntimeError as error:
+            parser.error(f"--proxy envoy: {error}")
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.goodput_rules = [rule for rule in args.goodput_rules.split(",") if rule]
@@ -761,7 +787,7 @@ def main() -> None:
     # keeps every probe it finished: the outputs are rewritten after each one.
     TERMINATION.install()
     results: list[dict] = []
-    with client_pool(args.client_processes) as args.client_pool:
+    with client_processes(args.client_processes) as args.client_pool:
         for policy in args.policies.split(","):
 
             def probed(partial: dict, finished: list[dict] = list(results)) -> None:
@@ -769,20 +795,6 @@ def main() -> None:
 
             results.append(run_policy(args, policy, probed))
             write_outputs(args, results, meta)
-
-
-@contextlib.contextmanager
-def client_pool(processes: int):
-    """The client processes of --client-processes, started (and their imports done) before any
-    probe; None for one process: the harness's own."""
-    if processes == 1:
-        yield None
-        return
-    # spawn: gRPC's channels of this process do not survive a fork
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        if len(set(pool.map(client_ready, range(processes)))) != processes:
-            raise SystemExit(f"--client-processes {processes}: fewer processes started")
-        yield pool
 
 
 if __name__ == "__main__":

@@ -109,9 +109,10 @@ def test_a_scaling_run_probes_a_fleet_behind_envoy_from_several_client_processes
         assert row["requests"] == sum(map(len, schedules)) and row["completed"] == row["requests"]
     # Envoy carried every stream of the probe, to both servers
     streams = two["proxy"]["streams_per_server"]
-    assert sum(streams) == two["requests"] and min(streams) >= 1 and two["proxy"]["cpu_cores"] > 0
+    assert sum(streams) == two["requests"] and min(streams) >= 1
+    assert 0 <= two["proxy"]["busiest_thread"] <= two["proxy"]["cpu_cores"]  # 10 ms ticks: maybe 0
     assert two["server"]["chunks"]["urgent"] >= two["completed"]  # counted on the servers, summed
-    assert (out / "envoy_voxserve.log").exists()
+    assert (out / "envoy_voxserve_x2.log").exists()
     report = (out / "results.md").read_text()
     assert "Load path: 2 client process(es), Envoy (1 worker threads) in front" in report
 

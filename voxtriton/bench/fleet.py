@@ -99,13 +99,15 @@ class Fleet:
         )
 
     def proxy_sample(self) -> dict | None:
-        """Envoy's CPU time so far and the streams it has sent each server, to difference over a probe."""
+        """Envoy's CPU time so far per thread and the streams it has sent each server (in GPU order),
+        to difference over a probe."""
         if self.proxy is None:
             return None
         hosts = self.proxy.hosts()
+        addresses = [f"{server.local_host}:{server.grpc_port}" for server in self.servers]
         return {
-            "cpu_s": self.proxy.cpu_seconds(),
-            "streams": [hosts[address]["rq_total"] for address in sorted(hosts)],
+            "thread_cpu_s": self.proxy.thread_cpu_seconds(),
+            "streams": [hosts[address]["rq_total"] for address in addresses],
         }
 
     def metrics(self) -> dict[str, float]:
@@ -121,7 +123,7 @@ class Fleet:
             self.proxy.stop()
             if logs:
                 logs.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(self.proxy.log, logs / f"envoy_{self.policy}.log")
+                shutil.copyfile(self.proxy.log, logs / f"envoy_{self.policy}_x{len(self.servers)}.log")
         for index, server in enumerate(self.servers):
             server.stop()
             if logs and server.log_file.exists():

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from voxtriton.launch.server import die_with_parent
+
 ENVOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "envoy"
 
 
@@ -57,7 +59,9 @@ class Envoy:
         # base-id keeps its shared memory apart from any other Envoy on the machine
         command += ["--log-level", "warn", "--base-id", str(admin_port)]
         with self.log.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
 
     def hosts(self) -> dict[str, dict]:
         """The triton cluster's servers by 'host:port', with their stats and health flags."""
@@ -88,10 +92,18 @@ class Envoy:
             time.sleep(0.2)
         raise AssertionError(f"Envoy: {what} not within {timeout} s; hosts: {self.hosts()}")
 
-    def cpu_seconds(self) -> float:
-        """User and system CPU time of all Envoy's threads so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    def thread_cpu_seconds(self) -> dict[int, float]:
+        """User and system CPU time of each of Envoy's threads so far, by thread id (Linux /proc):
+        its worker threads each serve the connections given to them, so one can be saturated while
+        the others idle."""
+        found = {}
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # a thread that ended since the listing
+                continue
+            found[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return found
 
     def stop(self) -> None:
         self.process.terminate()
@@ -111,10 +123,13 @@ def healthy(status: dict) -> bool:
 
 def proxy_use(before: dict | None, after: dict | None, seconds: float) -> dict | None:
     """What a probe asked of the proxy, from `Fleet.proxy_sample()` before and after it: the CPU
-    cores Envoy kept busy on average, and the streams it sent each server (its balance)."""
+    cores Envoy kept busy on average, the share of its busiest thread (1.0: a saturated worker),
+    and the streams it sent each server (its balance)."""
     if before is None or after is None:
         return None
+    used = {tid: cpu - before["thread_cpu_s"].get(tid, 0.0) for tid, cpu in after["thread_cpu_s"].items()}
     return {
-        "cpu_cores": round((after["cpu_s"] - before["cpu_s"]) / seconds, 3),
+        "cpu_cores": round(sum(used.values()) / seconds, 3),
+        "busiest_thread": round(max(used.values(), default=0.0) / seconds, 3),
         "streams_per_server": [a - b for a, b in zip(after["streams"], before["streams"])],
     }

@@ -5,6 +5,7 @@ accounting, so the figures of either path mean the same thing."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
@@ -63,21 +64,28 @@ def played(
     )
 
 
+@functools.cache
+def tokenizer_of(checkpoint: str) -> TextTokenizer:
+    return TextTokenizer(checkpoint)
+
+
 class TextFrames:
     """A request's length from its text: one frame per text id (the interleaved layout reads one a
-    frame) and `tail` more. Picklable, so client processes can take it; each loads the tokenizer once."""
+    frame) and `tail` more. Picklable, so client processes can take it: a process loads the
+    tokenizer once, when the first probe's arguments reach it (before its arrivals start)."""
 
     def __init__(self, checkpoint: str, tail: int):
         self.checkpoint, self.tail = checkpoint, tail
-        self._tokenizer = None
+        self.tokenizer = tokenizer_of(checkpoint)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokenizer": None}
+        return {"checkpoint": self.checkpoint, "tail": self.tail}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["checkpoint"], state["tail"])
 
     def __call__(self, text: str) -> int:
-        if self._tokenizer is None:
-            self._tokenizer = TextTokenizer(self.checkpoint)
-        return len(self._tokenizer.encode(text)) + self.tail
+        return len(self.tokenizer.encode(text)) + self.tail
 
 
 async def words_at(text: str, rate: float):
@@ -151,6 +159,7 @@ class Endpoint:
     seed_field: str = "seed"
     label: str = "openai"
     servers = ()
+    proxy_ports = None  # none of the harness's
 
     def start(self) -> None:
         pass

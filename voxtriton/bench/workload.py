@@ -4,14 +4,16 @@ target (voxtriton over gRPC or an OpenAI-compatible endpoint: voxtriton.bench.ta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
+import multiprocessing
 import os
 import random
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 
 from voxtriton.bench.summary import RequestResult
@@ -186,10 +188,34 @@ def open_loop_shard(*arguments, start_at: float) -> tuple[list[RequestResult], l
         gc.enable()
 
 
-def client_ready(_: int) -> int:
-    """A client process has started and imported the load generator: its pid."""
-    time.sleep(0.5)  # held, so that each of the pool's processes takes one
+_all_started = None  # a client process's barrier with the others of its pool
+
+
+def _join(barrier) -> None:
+    global _all_started
+    _all_started = barrier
+
+
+def _started(_: int) -> int:
+    _all_started.wait(timeout=300)  # each task waits for all the others: one task per process
     return os.getpid()
+
+
+@contextlib.contextmanager
+def client_processes(count: int):
+    """`count` client processes for `sharded_open_loop`, each started and its imports done before
+    this yields them; None for one (the harness's own process). Spawned, not forked: gRPC's channels
+    do not survive a fork."""
+    if count == 1:
+        yield None
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        count, mp_context=context, initializer=_join, initargs=(context.Barrier(count),)
+    ) as pool:
+        pids = set(pool.map(_started, range(count)))
+        assert len(pids) == count, f"{len(pids)} client processes of {count}"
+        yield pool
 
 
 async def sharded_open_loop(
