@@ -183,26 +183,32 @@ def test_a_gateway_registers_at_most_max_voices(stack, voices, tiny_base_checkpo
         stop_gateway(gateway)
 
 
-def test_a_gateway_writing_where_the_server_does_not_read_says_so_and_keeps_nothing(
-    stack, tiny_base_checkpoint, tmp_path
+def test_a_gateway_writing_where_the_server_does_not_read_says_so_and_registers_nothing(
+    stack, voices, tiny_base_checkpoint, tmp_path
 ):
     """A gateway whose --voices-dir is not the server's voices_dir (or on another host, sharing
     none): a registration would be a voice that every request then finds unknown. It is refused with
-    the reason, the voice is not kept, and the gateway goes on serving."""
-    _, server = stack
+    the reason and nothing is written, also when the server already has a voice of that name (the
+    question is whether the server reads this gateway's files, not the name), and the gateway goes
+    on serving."""
+    shared, server = stack
+    recording = audio_file(reference_audio(1.0, seed=3))
+    assert post(shared, registration("both", recording), "/v1/audio/voices")[0] == 201
     gateway, url = start_gateway(server.grpc_url, tiny_base_checkpoint, extra=("--voices-dir", str(tmp_path)))
     try:
-        status, _, payload = post(
-            url, registration("elsewhere", audio_file(reference_audio(1.0, seed=3))), "/v1/audio/voices"
-        )
-        error = json.loads(payload)["error"]
-        assert (status, error["type"]) == (500, "server_error"), payload
-        assert f"registers in {tmp_path}" in error["message"] and "was not kept" in error["message"]
-        assert "elsewhere" not in registered(url) and not list(tmp_path.rglob("*elsewhere*"))
-        body = {"model": "tts", "input": "Still here.", "voice": "ryan", "max_frames": 4, "ignore_eos": True}
-        assert post(url, body)[0] in (200, 400)  # served or refused for its voice, not broken
+        for name, fields in (("elsewhere", {}), ("both", {"replace": True})):
+            status, _, payload = post(url, registration(name, recording, **fields), "/v1/audio/voices")
+            error = json.loads(payload)["error"]
+            assert (status, error["type"]) == (500, "server_error"), payload
+            assert f"writes in {tmp_path}" in error["message"], error
+            assert error["message"].endswith("nothing was registered"), error
+        assert registered(url) == [] and not list(tmp_path.iterdir())  # nor the probe left behind
+        assert (voices / "both.npz").exists()  # the server's own voice of that name, untouched
+        body = {"model": "tts", "input": "Still here.", "voice": "both", "max_frames": 4, "ignore_eos": True}
+        assert post(shared, body)[0] == 200  # and speaking, as before
     finally:
         stop_gateway(gateway)
+        delete(shared, "both")
 
 
 def wait_for_clone_status(page, start: str) -> str:

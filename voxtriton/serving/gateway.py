@@ -613,10 +613,14 @@ def create_app(
             raise unreachable() from None
 
     async def server_finds(voice: str) -> bool | None:
-        """One frame in `voice`: False when the server answers that it knows no such voice."""
+        """One frame in `voice`: True when it comes, False when the server answers that it knows no
+        such voice, None when it cannot tell (busy, unreachable, or no answer within 10 s)."""
         try:
-            synthesis = await backend.synthesize("Hello.", speaker=voice, max_frames=1, ignore_eos=True)
-        except BackendUnreachable:
+            synthesis = await asyncio.wait_for(
+                backend.synthesize("Hello.", speaker=voice, max_frames=1, ignore_eos=True), 10.0
+            )
+        except Exception as error:  # any failure leaves the question open
+            log.warning("could not ask the server for voice %r: %r", voice, error)
             return None
         if synthesis.error is None:
             return True

@@ -18,13 +18,14 @@ import asyncio
 import base64
 import binascii
 import json
+import secrets
 from pathlib import Path
 
 from ..errors import RequestError, utf8
 from ..models.config import CheckpointError
 from ..models.families import load_family
 from ..models.family import ModelFamily
-from .voices import VoiceEncoder, VoiceStore, check_name, register_voice
+from .voices import VoiceEncoder, VoiceStore, check_name, encode_voice
 
 MAX_BODY_BYTES = 24 << 20  # a 16 MiB recording in base64, and the rest of the JSON
 # A request's whole body (the gateway's --body-timeout): one that never ends would hold its
@@ -118,21 +119,36 @@ def add_voice_routes(
             )
         registrations += 1
         try:
-            described = await register(request, family)
+            return await register(request, family)
         finally:
             registrations -= 1
-        # A voice written where no server reads it would answer 201 here and "unknown voice" at every
-        # use: the directories differ, or the gateway's host shares none with the servers'.
-        if await server_finds(described["name"]) is False:
-            await asyncio.to_thread(store_of(family).delete, described["name"])
+
+    shared = False  # a server has found a voice this gateway wrote
+
+    async def check_shared(store: VoiceStore, voice) -> None:
+        """A voice written where no server reads it would be a 201 here and "unknown voice" at every
+        use (the directories differ, or this host shares none with the servers'). Until a server has
+        found one, each registration first writes its voice under a name of its own, asks a server
+        for one frame in it and deletes it: only an answer that the server knows no such voice
+        refuses it (a server busy, unreachable or slow leaves the question open)."""
+        nonlocal shared
+        if shared:
+            return
+        probe = f"gateway-probe-{secrets.token_hex(8)}"
+        await asyncio.to_thread(store.add, probe, voice, counted=False)
+        try:
+            found = await server_finds(probe)
+        finally:
+            await asyncio.to_thread(store.delete, probe)
+        if found is False:
             raise error_type(
                 500,
-                f"the server does not find the voices this gateway registers in {voices_directory}: give "
+                f"the server does not find the voices this gateway writes in {voices_directory}: give "
                 "the gateway --voices-dir as the servers' voices_dir, on a directory they share; "
-                f"{described['name']!r} was not kept",
+                "nothing was registered",
                 kind="server_error",
             )
-        return described
+        shared = found is True
 
     async def register(request, family: ModelFamily) -> dict:
         directory, store = family.checkpoint, store_of(family)
@@ -170,9 +186,10 @@ def add_voice_routes(
             try:
                 if directory not in encoders:
                     encoders[directory] = await asyncio.to_thread(VoiceEncoder, family)
-                return await asyncio.to_thread(
-                    register_voice, store, encoders[directory], name, raw, text, body.get("replace", False)
-                )
+                voice = await asyncio.to_thread(encode_voice, encoders[directory], name, raw, text)
+                await check_shared(store, voice)
+                await asyncio.to_thread(store.add, name, voice, replace=body.get("replace", False))
+                return await asyncio.to_thread(store.describe, name)
             except RequestError as error:
                 raise refused(error) from None
 

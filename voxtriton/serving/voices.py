@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 MAX_TRANSCRIPT_BYTES = 4096
-# The start of a server's error for a voice its directory does not hold (the gateway looks for it).
+# In a server's error for a voice its directory does not hold (a gateway looks for it).
 UNKNOWN_VOICE = "unknown voice"
 
 
@@ -269,6 +269,12 @@ def register_voice(
     replace: bool = False,
 ) -> dict:
     """Encode a recording (file bytes) once and store it as `name`; returns its description."""
+    store.add(name, encode_voice(encoder, name, audio, text), replace=replace)
+    return store.describe(name)
+
+
+def encode_voice(encoder: VoiceEncoder, name: str, audio: bytes, text: str | None) -> Voice:
+    """The voice a registration as `name` stores: its fields checked, the recording encoded."""
     check_name(name)
     text = (text or "").strip() or None
     if text is not None and len(utf8(text, "text")) > MAX_TRANSCRIPT_BYTES:
@@ -277,9 +283,7 @@ def register_voice(
         raise RequestError("text", "is required: CSM's voice is a context turn, the recording and its words")
     if encoder.context_turn and name.isdecimal():
         raise RequestError("name", f"{name!r} is a CSM speaker id; give a voice a name with a letter")
-    voice = encoder.encode([read_reference_audio(audio, "audio")], [text])[0]
-    store.add(name, voice, replace=replace)
-    return store.describe(name)
+    return encoder.encode([read_reference_audio(audio, "audio")], [text])[0]
 
 
 def _exists(name: str) -> RequestError:
@@ -318,13 +322,14 @@ class VoiceStore:
                     registered[path.stem] = path.stat().st_mtime_ns
         return sorted(registered, key=registered.get, reverse=True)
 
-    def add(self, name: str, voice: Voice, replace: bool = False) -> None:
+    def add(self, name: str, voice: Voice, replace: bool = False, counted: bool = True) -> None:
+        """counted=False: a voice held for a moment (a gateway's probe), past `max_voices` too."""
         path = self._path(name)
         self._check(name, voice)
         exists = path.exists()
         if exists and not replace:
             raise _exists(name)
-        if not exists and len(self.names()) >= self.max_voices:
+        if counted and not exists and len(self.names()) >= self.max_voices:
             raise RequestError("name", f"the voices directory is full ({self.max_voices} voices)")
         self.directory.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
