@@ -229,7 +229,7 @@ def test_reference_audio_is_a_context_turn_with_the_in_process_engines_codes(
         (dict(reference_audio="silent", reference_text=CONTEXT_TEXT), "reference_audio: is silent"),
         (
             dict(reference_audio="recording", reference_text=CONTEXT_TEXT, speaker="anna"),
-            "speaker: unknown voice 'anna': not a speaker id",
+            "speaker: 'anna' is not a speaker id",
         ),
     ],
     ids=["no-text", "no-audio", "not-audio", "short", "silent", "named-speaker"],
