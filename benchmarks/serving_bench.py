@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import random
@@ -63,6 +62,7 @@ from voxtriton.bench.workload import (
     one_request,
     open_loop,
     sharded_open_loop,
+    without_gc,
 )
 
 # Goodput definition -> the key of a probe's verdict on it (summary.verdicts)
@@ -76,16 +76,10 @@ def measure(args, fleet: Fleet | Endpoint, label: str, run) -> dict:
     metered = bool(fleet.servers)
     before = settled_metrics(fleet) if metered else None  # the last probe's updates applied, as `after`'s are
     proxy_before = fleet.proxy_sample()
-    # No garbage collection while a probe runs: a full collection over hundreds of streams' objects
-    # stalls the client's event loop, which would delay chunks and show as stalls the server did not cause.
-    gc.collect()
-    gc.disable()
-    started = time.monotonic()
-    try:
+    with without_gc():
+        started = time.monotonic()
         with GaugeSampler(fleet) if metered else contextlib.nullcontext() as gauges:
             results, lag = asyncio.run(run())
-    finally:
-        gc.enable()
     summary = summarize(results, lag)
     summary["server"] = None
     if metered:
@@ -132,11 +126,8 @@ def check_serves(args, fleet: Fleet | Endpoint) -> None:
 
 def warm_up(args, fleet: Fleet | Endpoint) -> None:
     """2 s of light load, not measured: from every client process (their connections, tokenizers)."""
-    load = (fleet.make_target, 2.0 * max(1, len(fleet.servers)), 2.0, 1.0, (1.0, 2.0), 999, args.speaker)
-    if args.client_pool is None:
-        asyncio.run(open_loop(*load))
-    else:
-        asyncio.run(sharded_open_loop(args.client_pool, args.client_processes, *load))
+    rate = 2.0 * max(1, len(fleet.servers))
+    asyncio.run(load_from_clients(args, fleet.make_target, rate, 2.0, 1.0, (1.0, 2.0), 999))
 
 
 def open_loop_probe(
@@ -151,14 +142,16 @@ def open_loop_probe(
     """One measured open-loop probe: arrivals at `rate` for `duration` seconds, with the run's burstiness,
     utterance lengths and speaker; `seed` picks the arrivals."""
     load = (fleet.make_target, rate, duration, args.burstiness, (args.min_seconds, args.max_seconds), seed)
+    return measure(args, fleet, label, lambda: load_from_clients(args, *load, progress=progress))
+
+
+def load_from_clients(args, make_target, rate, duration, burstiness, seconds_range, seed, progress=None):
+    """The open loop with the run's speaker, from the harness's process or its --client-processes
+    (where a progress bar has no arrivals to show)."""
+    load = (make_target, rate, duration, burstiness, seconds_range, seed, args.speaker)
     if args.client_pool is None:
-        return measure(args, fleet, label, lambda: open_loop(*load, args.speaker, progress))
-    return measure(
-        args,
-        fleet,
-        label,
-        lambda: sharded_open_loop(args.client_pool, args.client_processes, *load, args.speaker),
-    )
+        return open_loop(*load, progress)
+    return sharded_open_loop(args.client_pool, args.client_processes, *load)
 
 
 def warm_up_load(args, fleet: Fleet | Endpoint, policy: str) -> dict:
@@ -177,8 +170,14 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
     results so far after each probe."""
     fleet = endpoint(args) if args.target == "openai" else Fleet(args, spec)
     policy = fleet.label
-    out: dict = {"policy": policy, "target": args.target, "servers": len(fleet.servers), "rates": []}
-    out["proxy"], out["concurrency"] = fleet.proxy_ports is not None, []
+    out: dict = {
+        "policy": policy,
+        "target": args.target,
+        "servers": len(fleet.servers),
+        "proxy": fleet.proxy_ports is not None,
+        "rates": [],
+        "concurrency": [],
+    }
     try:
         fleet.start()
         check_serves(args, fleet)

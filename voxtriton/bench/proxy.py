@@ -46,7 +46,7 @@ def render_config(
 
 class Envoy:
     """Envoy running a config file, with its admin port on loopback: `hosts()` is its per-server view
-    (stats and health), `cpu_seconds()` the CPU time it has used."""
+    (stats and health), `thread_cpu_seconds()` the CPU time each of its threads has used."""
 
     def __init__(self, config: Path | dict, admin_port: int, workdir: Path, concurrency: int = 1):
         if isinstance(config, dict):

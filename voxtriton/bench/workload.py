@@ -177,15 +177,22 @@ async def open_loop(
     return list(results), lag
 
 
-def open_loop_shard(*arguments, start_at: float) -> tuple[list[RequestResult], list[float]]:
-    """`open_loop(*arguments)` in a client process of its own, without garbage collection (as the
-    harness runs a probe in its own process)."""
+@contextlib.contextmanager
+def without_gc():
+    """No garbage collection while a probe runs: a full collection over hundreds of streams' objects
+    stalls the client's event loop, which would delay chunks and show as stalls the server did not cause."""
     gc.collect()
     gc.disable()
     try:
-        return asyncio.run(open_loop(*arguments, start_at=start_at))
+        yield
     finally:
         gc.enable()
+
+
+def open_loop_shard(*arguments, start_at: float) -> tuple[list[RequestResult], list[float]]:
+    """`open_loop(*arguments)` in a client process of its own, as the harness runs one in its own."""
+    with without_gc():
+        return asyncio.run(open_loop(*arguments, start_at=start_at))
 
 
 _all_started = None  # a client process's barrier with the others of its pool
