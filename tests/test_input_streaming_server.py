@@ -260,8 +260,10 @@ def test_bad_sequences_get_clear_errors_and_the_server_keeps_serving(server, cli
 
 
 def test_a_stream_whose_text_stops_ends_after_the_idle_time(server, client):
+    # seeded, and no end of speech: unseeded, the random weights could end the utterance before the
+    # text stops, and the stream would complete instead of timing out
     synthesis = client.synthesize_text_stream(
-        slowly(["Hello there, this stream goes ", "silent"], IDLE_S * 3)
+        slowly(["Hello there, this stream goes ", "silent"], IDLE_S * 3), **OPTIONS
     )
     assert synthesis.error is not None and "text_idle_timeout_s" in synthesis.error
     # Empty pieces do not keep a sequence whose text stopped open.
