@@ -103,9 +103,10 @@ def test_a_scaling_run_probes_a_fleet_behind_envoy_from_several_client_processes
     assert (fleet["policy"], fleet["servers"]) == ("voxserve x2 GPUs behind Envoy", 2)
     [one], [two] = alone["rates"], fleet["rates"]
     assert (one["rate"], two["rate"]) == (1, 2) and one["proxy"] is None  # one server: no proxy
-    # each process sends its own arrivals at half the rate (seeds "0/0" and "0/1"), all of them served
+    # each process sends its own arrivals at half the rate (seeds "0/0" and "0/1"; only the first's
+    # first at the start), all of them served
     for row in (one, two):
-        schedules = [list(arrivals(row["rate"] / 2, 6.0, 1.0, f"0/{index}")) for index in range(2)]
+        schedules = [list(arrivals(row["rate"] / 2, 6.0, 1.0, f"0/{i}", i == 0)) for i in range(2)]
         assert row["requests"] == sum(map(len, schedules)) and row["completed"] == row["requests"]
     # Envoy carried every stream of the probe, to both servers
     streams = two["proxy"]["streams_per_server"]

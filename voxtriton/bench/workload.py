@@ -130,15 +130,21 @@ async def loop_lag(samples: list[float], stop: asyncio.Event, interval: float = 
         samples.append(time.perf_counter() - start - interval)
 
 
-def arrivals(rate: float, duration: float, burstiness: float, seed: int | str):
+def arrivals(rate: float, duration: float, burstiness: float, seed: int | str, first_at_start: bool = True):
     """An open loop's requests: (seconds from its start, the request's own random generator), with
-    gaps from a Gamma distribution of mean 1/rate and shape 1/burstiness**2, for `duration` seconds."""
+    gaps from a Gamma distribution of mean 1/rate and shape 1/burstiness**2, for `duration` seconds.
+    The first arrives at the start, or one gap after it where `first_at_start` is False (the shards
+    of one open loop but the first: K shards would otherwise send K requests at once)."""
     rng = random.Random(seed)
     shape = 1.0 / burstiness**2
-    at = 0.0
+
+    def gap() -> float:
+        return rng.gammavariate(shape, 1.0 / (rate * shape))
+
+    at = 0.0 if first_at_start else gap()
     while at < duration:
         yield at, random.Random(rng.random())
-        at += rng.gammavariate(shape, 1.0 / (rate * shape))
+        at += gap()
 
 
 async def open_loop(
@@ -151,6 +157,7 @@ async def open_loop(
     speaker: str | VoiceMix | None,
     progress: Progress | None = None,
     start_at: float | None = None,
+    first_at_start: bool = True,
 ) -> tuple[list[RequestResult], list[float]]:
     """The requests of `arrivals(...)` from `start_at` (a time.perf_counter() instant; now by default)."""
     lag: list[float] = []
@@ -160,7 +167,7 @@ async def open_loop(
         lag_task = asyncio.create_task(loop_lag(lag, stop))
         tasks = []
         start = time.perf_counter() if start_at is None else start_at
-        for at, arrival in arrivals(rate, duration, burstiness, seed):
+        for at, arrival in arrivals(rate, duration, burstiness, seed, first_at_start):
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -189,10 +196,10 @@ def without_gc():
         gc.enable()
 
 
-def open_loop_shard(*arguments, start_at: float) -> tuple[list[RequestResult], list[float]]:
-    """`open_loop(*arguments)` in a client process of its own, as the harness runs one in its own."""
+def open_loop_shard(*arguments, **keywords) -> tuple[list[RequestResult], list[float]]:
+    """`open_loop(...)` in a client process of its own, as the harness runs one in its own."""
     with without_gc():
-        return asyncio.run(open_loop(*arguments, start_at=start_at))
+        return asyncio.run(open_loop(*arguments, **keywords))
 
 
 _all_started = None  # a client process's barrier with the others of its pool
@@ -238,7 +245,8 @@ async def sharded_open_loop(
 ) -> tuple[list[RequestResult], list[float]]:
     """The open loop from `processes` client processes of `pool` at once, each with arrivals at
     `rate / processes` of its own (the sum of independent Poisson processes is one at `rate`; with
-    burstiness, the merged arrivals are less bursty than one process's), and the same start. One
+    burstiness, the merged arrivals are less bursty than one process's), and the same start (only the
+    first process's first arrival at it). One
     Python process cannot keep up with the thousands of streams of several GPUs; its event-loop lag
     would show. Returns the requests of all, and every process's lag samples."""
     start_at = time.perf_counter() + 1.0  # all begin together, once the arguments have reached them
@@ -246,7 +254,7 @@ async def sharded_open_loop(
     shards = [
         loop.run_in_executor(
             pool,
-            functools.partial(open_loop_shard, start_at=start_at),
+            functools.partial(open_loop_shard, start_at=start_at, first_at_start=index == 0),
             make_target,
             rate / processes,
             duration,
