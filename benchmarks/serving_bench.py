@@ -174,6 +174,7 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
         "policy": policy,
         "target": args.target,
         "servers": len(fleet.servers),
+        "gpus": fleet.gpus,
         "proxy": fleet.proxy_ports is not None,
         "rates": [],
         "concurrency": [],
@@ -411,8 +412,8 @@ def goodput_table(results: list[dict]) -> list[str]:
                 listeners = max((t["listeners_peak"] for t in at if t[verdict]), default=None)
         lines.append(f"| {r['policy']} | {' | '.join(cells)} | {_count(listeners)} | {'; '.join(notes)} |")
     lines += scaling(results)
-    # fleets (several servers, or behind the proxy) are compared by `scaling`, not as baselines
-    fleets = {r["policy"] for r in results if r.get("servers", 0) > 1 or r.get("proxy")}
+    # fleets (several GPUs, or behind the proxy) are compared by `scaling`, not as baselines
+    fleets = {r["policy"] for r in results if gpus_of(r) > 1 or r.get("proxy")}
     for rule in RULES:
         ours = best.get((rule, "voxserve"))
         baselines = [
@@ -423,35 +424,41 @@ def goodput_table(results: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def gpus_of(result: dict) -> int:
+    """The GPUs a policy's result ran on (results written before `gpus` was recorded: its servers)."""
+    return result.get("gpus", result.get("servers", 0))
+
+
 def scaling(results: list[dict]) -> list[str]:
-    """Each fleet of several servers against the same policy's one server alone (reached directly) in
-    the same run: its goodput per server, as a fraction of linear scaling, by each definition. A
-    search that ended at a bound of its range found a bound, not a goodput: then no ratio."""
+    """Each result on several GPUs (a fleet of servers, or one server whose codec models have a GPU
+    of their own) against one GPU alone, reached directly, in the same run: the same policy's server,
+    else voxserve's. Its goodput per GPU, as a fraction of linear scaling, by each definition. A search
+    that ended at a bound of its range found a bound, not a goodput: then no ratio."""
     lines = []
     for rule in RULES:
         alone = {
-            r["policy"]: r["goodput"].get(rule)
-            for r in results
-            if r.get("servers") == 1 and not r.get("proxy")
+            r["policy"]: r["goodput"].get(rule) for r in results if gpus_of(r) == 1 and not r.get("proxy")
         }
         for r in results:
-            found, servers = r["goodput"].get(rule), r.get("servers", 0)
-            base = alone.get(r["policy"].split(" x")[0])
-            if servers < 2 or not found or not base:
+            found, gpus = r["goodput"].get(rule), gpus_of(r)
+            reference = r["policy"].split(" x")[0]
+            reference = reference if reference in alone else "voxserve"
+            base = alone.get(reference)
+            if gpus < 2 or not found or not base:
                 continue
             notes = [
                 f"{whose} search: {side['note']}"
-                for whose, side in (("the fleet's", found), ("one server's", base))
+                for whose, side in ((f"the {gpus} GPUs'", found), ("one GPU's", base))
                 if "note" in side
             ]
             ratio = (
                 f"no ratio ({'; '.join(notes)})"
                 if notes
-                else f"{found['goodput'] / (servers * base['goodput']):.2f}x linear"
+                else f"{found['goodput'] / (gpus * base['goodput']):.2f}x linear"
             )
             lines.append(
-                f"{rule}: {r['policy']}: {found['goodput'] / servers:.2f} req/s per server, {ratio} "
-                f"(one server alone: {base['goodput']:.2f})"
+                f"{rule}: {r['policy']}: {found['goodput'] / gpus:.2f} req/s per GPU, {ratio} "
+                f"({reference} on one GPU: {base['goodput']:.2f})"
             )
     return [""] + lines if lines else []
 

@@ -164,37 +164,44 @@ def test_one_search_per_definition_reuses_the_probes(monkeypatch, tmp_path):
     assert row in (tmp_path / "results.md").read_text()
 
 
-def test_a_fleet_is_given_per_server_against_one_server_alone_not_as_a_baseline(tmp_path):
-    """A scaling run (one server, then 8 behind the proxy): the fleet's goodput per server as a
-    fraction of linear, by each definition; the baseline ratio compares single servers only."""
+def test_a_fleet_is_given_per_gpu_against_one_gpu_alone_not_as_a_baseline(tmp_path):
+    """A scaling run (one server, then 8 behind the proxy, and `disaggregated` on two GPUs): each
+    result on several GPUs per GPU as a fraction of linear, by each definition, against its policy on
+    one GPU, else voxserve's; the baseline ratio compares results on one GPU only."""
     spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def searched(policy, servers, strict, attainment):
+    def searched(policy, gpus, strict, attainment):
         trials = [
             {"rate": strict, "meets": True, "attains": True, "listeners_peak": 10},
             {"rate": attainment, "meets": False, "attains": True, "listeners_peak": 12},
         ]
         found = {"trials": trials, "strict": {"goodput": strict}, "attainment": {"goodput": attainment}}
-        return {"policy": policy, "servers": servers, "rates": [], "concurrency": [], "goodput": found}
+        servers = 1 if policy.startswith("disaggregated") else gpus
+        result = {"policy": policy, "servers": servers, "gpus": gpus, "goodput": found}
+        return result | {"rates": [], "concurrency": []}
 
     results = [
         searched("voxserve", 1, 100.0, 110.0),
         searched("concurrent", 1, 80.0, 88.0),
         searched("voxserve x8 GPUs behind Envoy", 8, 760.0, 880.0),
+        searched("disaggregated on 2 GPUs", 2, 120.0, 130.0),
     ]
     lines = bench.goodput_table(results)
     fleet = "voxserve x8 GPUs behind Envoy"
-    assert f"strict: {fleet}: 95.00 req/s per server, 0.95x linear (one server alone: 100.00)" in lines
-    assert f"attainment: {fleet}: 110.00 req/s per server, 1.00x linear (one server alone: 110.00)" in lines
-    assert "strict: voxserve / best baseline = 1.25x" in lines  # concurrent, not the fleet
+    assert f"strict: {fleet}: 95.00 req/s per GPU, 0.95x linear (voxserve on one GPU: 100.00)" in lines
+    assert f"attainment: {fleet}: 110.00 req/s per GPU, 1.00x linear (voxserve on one GPU: 110.00)" in lines
+    assert (
+        "strict: disaggregated on 2 GPUs: 60.00 req/s per GPU, 0.60x linear (voxserve on one GPU: 100.00)"
+    ) in lines
+    assert "strict: voxserve / best baseline = 1.25x" in lines  # concurrent, not the fleets
     # A search that ended at its range's top found a bound: no ratio, and the reason
     results[2]["goodput"]["strict"]["note"] = "target met at --rate-high; raise it"
     lines = bench.goodput_table(results)
     assert (
-        f"strict: {fleet}: 95.00 req/s per server, no ratio (the fleet's search: target met at "
-        "--rate-high; raise it) (one server alone: 100.00)"
+        f"strict: {fleet}: 95.00 req/s per GPU, no ratio (the 8 GPUs' search: target met at "
+        "--rate-high; raise it) (voxserve on one GPU: 100.00)"
     ) in lines
     # The probes of a goodput-only run (no fixed rates) are listed with what the load path used
     meta = {"date": "d", "command": "c", "hardware": "h", "checkpoint": "k", "client_processes": 2}

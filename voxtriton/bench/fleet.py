@@ -54,6 +54,9 @@ class Fleet:
             )
             for gpu in gpus
         ]
+        self.gpus = sum(server.gpus for server in self.servers)
+        if not count and self.gpus > 1:  # one server whose codec models have a GPU of their own
+            self.label += f" on {self.gpus} GPUs"
         self.proxy: Envoy | None = None
         self.proxy_ports: tuple[int, int] | None = None
         self.proxy_threads = args.proxy_threads

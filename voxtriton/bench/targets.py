@@ -159,6 +159,7 @@ class Endpoint:
     seed_field: str = "seed"
     label: str = "openai"
     servers = ()
+    gpus = 0  # unknown
     proxy_ports = None  # none of the harness's
 
     def start(self) -> None:

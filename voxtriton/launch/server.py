@@ -92,6 +92,8 @@ class TritonServer:
         try:
             overrides = model_overrides(checkpoint, policy, gpus, {**parameters, "tts": tts})
             self.repository = render_repository(repository, self.workdir / "models", overrides)
+            # the GPUs it computes on: two where its policy gave the codec models the second
+            self.gpus = 2 if overrides.get(CODEC_MODELS[0], {}).get("device") == "cuda:1" else 1
         except BaseException:
             self.cleanup()
             raise
