@@ -233,20 +233,46 @@ def test_a_stop_told_to_give_up_kills_a_server_that_has_not_exited(tiny_checkpoi
 @pytest.mark.parametrize(
     "visible, expected", [(None, 2), ("1", 1), ("0,1", 2), ("", 0), ("-1", 0), ("0,1,2,3", 2)]
 )
-def test_gpu_count_honours_cuda_visible_devices(tmp_path, monkeypatch, visible, expected):
+def test_gpu_count_honours_cuda_visible_devices(two_gpus, monkeypatch, visible, expected):
     """A stand-in nvidia-smi lists two GPUs; CUDA_VISIBLE_DEVICES limits what the server may use
     (the disaggregated policy puts its codec on a second GPU only when it may use one)."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_count() == expected
+
+
+@pytest.fixture
+def two_gpus(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH that lists two GPUs."""
     fake = tmp_path / "nvidia-smi"
     fake.write_text(
         "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n"
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
+
+
+@pytest.mark.server  # builds a TritonServer: needs the tritonserver install
+@pytest.mark.parametrize(
+    "policy, gpu, visible, expected",
+    [("disaggregated", None, None, 2), ("disaggregated", None, "1", 1), ("disaggregated", 0, None, 1)]
+    + [("voxserve", None, None, 1)],
+)
+def test_a_server_counts_the_gpus_it_computes_on(two_gpus, monkeypatch, policy, gpu, visible, expected):
+    """Two GPUs visible: disaggregated's codec models take the second, so its server runs on two (what
+    the benchmarks count per GPU); one visible or the server pinned to one, it runs on one."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert gpu_count() == expected
+    server = TritonServer(policy=policy, gpu=gpu, use_mps=False)
+    try:
+        lane = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
+        assert server.gpus == expected
+        assert ('key: "device" value: { string_value: "cuda:1" }' in lane) == (expected == 2)
+    finally:
+        server.cleanup()
 
 
 def codec_configs(parameters: dict | None = None) -> tuple[str, str]:

@@ -93,7 +93,8 @@ class TritonServer:
             overrides = model_overrides(checkpoint, policy, gpus, {**parameters, "tts": tts})
             self.repository = render_repository(repository, self.workdir / "models", overrides)
             # the GPUs it computes on: two where its policy gave the codec models the second
-            self.gpus = 2 if overrides.get(CODEC_MODELS[0], {}).get("device") == "cuda:1" else 1
+            codec_devices = {overrides.get(model, {}).get("device") for model in CODEC_MODELS}
+            self.gpus = 2 if "cuda:1" in codec_devices else 1
         except BaseException:
             self.cleanup()
             raise
