@@ -14,7 +14,8 @@
 #   TRITONSERVER  the tritonserver binary (default: found as `voxtriton serve` finds it)
 #   T      time limit of each step in seconds (270)
 #   WORDS  words-a-second rates, comma-separated (20,10); TAIL frames after the text's last id (12)
-#   RATES  open-loop arrival rates (30,60); D seconds of arrivals per run (20); P more arguments
+#   RATES  open-loop arrival rates (30,60; empty: no open loop); D seconds of arrivals per run (20);
+#          P more arguments
 #   PRESET the model size (1.7b)
 #   TRACE=1 each one-stream run's server writes a chunk trace, and input_single_W/ gets its report
 #          (trace_report.json; its last_chunks split the last word to the last audio)
@@ -37,5 +38,8 @@ for words in ${WORDS//,/ }; do
     $PY benchmarks/chunk_trace_report.py $trace > $OUT/input_single_$words/trace_report.json && rm -f $trace
   fi
 done
-run timeout ${T:-270} $PY benchmarks/serving_bench.py $COMMON --text-rate ${WORDS%%,*} \
-  --rates ${RATES:-30,60} --out $OUT/input_load
+RATES=${RATES-30,60}
+if [ -n "$RATES" ]; then
+  run timeout ${T:-270} $PY benchmarks/serving_bench.py $COMMON --text-rate ${WORDS%%,*} \
+    --rates $RATES --out $OUT/input_load
+fi
