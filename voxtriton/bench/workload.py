@@ -246,9 +246,9 @@ async def sharded_open_loop(
     """The open loop from `processes` client processes of `pool` at once, each with arrivals at
     `rate / processes` of its own (the sum of independent Poisson processes is one at `rate`; with
     burstiness, the merged arrivals are less bursty than one process's), and the same start (only the
-    first process's first arrival at it). One
-    Python process cannot keep up with the thousands of streams of several GPUs; its event-loop lag
-    would show. Returns the requests of all, and every process's lag samples."""
+    first process's first arrival at it). One Python process cannot keep up with the thousands of
+    streams of several GPUs; its event-loop lag would show. Returns the requests of all, and every
+    process's lag samples."""
     start_at = time.perf_counter() + 1.0  # all begin together, once the arguments have reached them
     loop = asyncio.get_running_loop()
     shards = [
