@@ -413,7 +413,7 @@ def goodput_table(results: list[dict]) -> list[str]:
         lines.append(f"| {r['policy']} | {' | '.join(cells)} | {_count(listeners)} | {'; '.join(notes)} |")
     lines += scaling(results)
     # fleets (several GPUs, or behind the proxy) are compared by `scaling`, not as baselines
-    fleets = {r["policy"] for r in results if gpus_of(r) > 1 or r.get("proxy")}
+    fleets = {r["policy"] for r in results if r.get("gpus", 0) > 1 or r.get("proxy")}
     for rule in RULES:
         ours = best.get((rule, "voxserve"))
         baselines = [
@@ -424,11 +424,6 @@ def goodput_table(results: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def gpus_of(result: dict) -> int:
-    """The GPUs a policy's result ran on (results written before `gpus` was recorded: its servers)."""
-    return result.get("gpus", result.get("servers", 0))
-
-
 def scaling(results: list[dict]) -> list[str]:
     """Each result on several GPUs (a fleet of servers, or one server whose codec models have a GPU
     of their own) against one GPU alone, reached directly, in the same run: the same policy's server,
@@ -437,10 +432,12 @@ def scaling(results: list[dict]) -> list[str]:
     lines = []
     for rule in RULES:
         alone = {
-            r["policy"]: r["goodput"].get(rule) for r in results if gpus_of(r) == 1 and not r.get("proxy")
+            r["policy"]: r["goodput"].get(rule)
+            for r in results
+            if r.get("gpus", 0) == 1 and not r.get("proxy")
         }
         for r in results:
-            found, gpus = r["goodput"].get(rule), gpus_of(r)
+            found, gpus = r["goodput"].get(rule), r.get("gpus", 0)
             reference = r["policy"].split(" x")[0]
             reference = reference if reference in alone else "voxserve"
             base = alone.get(reference)

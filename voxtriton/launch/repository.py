@@ -13,6 +13,7 @@ from ..serving.settings import codec_graph_shapes
 # Package data in a wheel; in a source checkout a link to the top-level model_repository/.
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 CODEC_MODELS = {"codec_urgent": URGENT, "codec_background": BACKGROUND}  # model: the tts lane it serves
+SECOND_GPU = "cuda:1"  # where a policy with `codec_on_second_gpu` puts the codec models
 
 
 def _parameter_pattern(key: str) -> re.Pattern:
@@ -70,7 +71,7 @@ def model_overrides(
     if second_gpu:
         if gpus >= 2:  # the codec lanes get the second GPU to themselves
             for model in CODEC_MODELS:
-                overrides.setdefault(model, {}).update(device="cuda:1", sm_count="0")
+                overrides.setdefault(model, {}).update(device=SECOND_GPU, sm_count="0")
         else:
             print(f"voxtriton: policy {policy!r} needs two GPUs; the codec stays on the backbone's device")
     for model, values in parameters.items():

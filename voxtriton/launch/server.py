@@ -20,7 +20,7 @@ from typing import Callable
 
 from ..serving.drain import done_marker
 from .gpus import MPSDaemon, gpu_count, pinned_device
-from .repository import CODEC_MODELS, REPOSITORY, model_overrides, render_repository
+from .repository import CODEC_MODELS, REPOSITORY, SECOND_GPU, model_overrides, render_repository
 from .tritonserver import find_tritonserver
 
 # A glog error line: "E1204 15:50:13.689261 16080 model_lifecycle.cc:642] message".
@@ -94,7 +94,7 @@ class TritonServer:
             self.repository = render_repository(repository, self.workdir / "models", overrides)
             # the GPUs it computes on: two where its policy gave the codec models the second
             codec_devices = {overrides.get(model, {}).get("device") for model in CODEC_MODELS}
-            self.gpus = 2 if "cuda:1" in codec_devices else 1
+            self.gpus = 2 if SECOND_GPU in codec_devices else 1
         except BaseException:
             self.cleanup()
             raise
