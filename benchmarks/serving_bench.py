@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -126,7 +127,7 @@ def check_serves(args, fleet: Fleet | Endpoint) -> None:
 
 def warm_up(args, fleet: Fleet | Endpoint) -> None:
     """2 s of light load, not measured: from every client process (their connections, tokenizers)."""
-    rate = 2.0 * max(1, len(fleet.servers))
+    rate = 2.0 * width(fleet)
     asyncio.run(load_from_clients(args, fleet.make_target, rate, 2.0, 1.0, (1.0, 2.0), 999))
 
 
@@ -226,14 +227,20 @@ def run_policy(args, spec: str, probed: Callable[[dict], None] = lambda out: Non
     return out
 
 
+def width(fleet: Fleet | Endpoint) -> int:
+    """How many share the load: the servers the harness started, else the endpoint's GPUs (if known)."""
+    return max(1, len(fleet.servers) or fleet.gpus)
+
+
 def rate_scale(args, fleet: Fleet | Endpoint) -> int:
     """--rates-per-server: the rates asked for are each server's, so N servers are probed at N times them."""
-    return max(1, len(fleet.servers)) if args.rates_per_server else 1
+    return width(fleet) if args.rates_per_server else 1
 
 
 def endpoint(args) -> Endpoint:
+    label = (args.label or "openai") + (f" on {args.gpus} GPUs" if args.gpus > 1 else "")
     return Endpoint(
-        args.url, args.model, args.extra_body, args.length_field, args.seed_field, args.label or "openai"
+        args.url, args.model, args.extra_body, args.length_field, args.seed_field, label, args.gpus
     )
 
 
@@ -428,7 +435,8 @@ def scaling(results: list[dict]) -> list[str]:
     """Each result on several GPUs (a fleet of servers, or one server whose codec models have a GPU
     of their own) against one GPU alone, reached directly, in the same run: the same policy's server,
     else voxserve's. Its goodput per GPU, as a fraction of linear scaling, by each definition. A search
-    that ended at a bound of its range found a bound, not a goodput: then no ratio."""
+    that ended at a bound of its range found a bound, not a goodput: then no ratio; with no result on
+    one GPU in the run (an endpoint measured alone), per GPU only."""
     lines = []
     for rule in RULES:
         alone = {
@@ -438,10 +446,14 @@ def scaling(results: list[dict]) -> list[str]:
         }
         for r in results:
             found, gpus = r["goodput"].get(rule), r.get("gpus", 0)
-            reference = r["policy"].split(" x")[0]
+            reference = re.split(r" x\d| on \d", r["policy"])[0]
             reference = reference if reference in alone else "voxserve"
             base = alone.get(reference)
-            if gpus < 2 or not found or not base:
+            if gpus < 2 or not found:
+                continue
+            per_gpu = f"{rule}: {r['policy']}: {found['goodput'] / gpus:.2f} req/s per GPU"
+            if not base:
+                lines.append(f"{per_gpu} (no result on one GPU in this run)")
                 continue
             notes = [
                 f"{whose} search: {side['note']}"
@@ -453,10 +465,7 @@ def scaling(results: list[dict]) -> list[str]:
                 if notes
                 else f"{found['goodput'] / (gpus * base['goodput']):.2f}x linear"
             )
-            lines.append(
-                f"{rule}: {r['policy']}: {found['goodput'] / gpus:.2f} req/s per GPU, {ratio} "
-                f"({reference} on one GPU: {base['goodput']:.2f})"
-            )
+            lines.append(f"{per_gpu}, {ratio} ({reference} on one GPU: {base['goodput']:.2f})")
     return [""] + lines if lines else []
 
 
@@ -606,6 +615,13 @@ def main() -> None:
         help="--target openai: the request field for its sampling seed ('' sends none)",
     )
     parser.add_argument("--label", help="--target openai: the system's name in the results (default openai)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="--target openai: the GPUs the endpoint computes on (default: not known); on several, its "
+        "goodput is also given per GPU, and --rates-per-server takes each rate per GPU",
+    )
     parser.add_argument("--checkpoint")
     parser.add_argument(
         "--policies",
@@ -689,8 +705,8 @@ def main() -> None:
     parser.add_argument(
         "--rates-per-server",
         action="store_true",
-        help="--rates, --rate-low and --rate-high are per server: POLICY*N is probed at N times them "
-        "(a scaling run: one server and N, one command, one search range)",
+        help="--rates, --rate-low and --rate-high are per server: POLICY*N is probed at N times them, "
+        "an endpoint on --gpus N too (a scaling run: one server and N, one command, one search range)",
     )
     parser.add_argument("--speaker", "--voice", help="the voice (the request's speaker)")
     parser.add_argument(
@@ -738,6 +754,11 @@ def main() -> None:
         parser.error("--client-processes and --proxy-threads must be at least 1")
     if args.proxy and args.target == "openai":
         parser.error("--proxy puts Envoy in front of the servers the harness starts: for --target triton")
+    if args.gpus < 0 or (args.gpus and args.target != "openai"):
+        parser.error(
+            f"--gpus: an endpoint's GPU count (--target openai), at least 0, got {args.gpus}; "
+            "voxtriton's servers count theirs (POLICY*N for N GPUs)"
+        )
     if args.proxy:
         try:
             envoy_binary()  # now, not after the searches that run without it

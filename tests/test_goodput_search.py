@@ -196,6 +196,14 @@ def test_a_fleet_is_given_per_gpu_against_one_gpu_alone_not_as_a_baseline(tmp_pa
         "strict: disaggregated on 2 GPUs: 60.00 req/s per GPU, 0.60x linear (voxserve on one GPU: 100.00)"
     ) in lines
     assert "strict: voxserve / best baseline = 1.25x" in lines  # concurrent, not the fleets
+    # A peer's endpoint on 2 GPUs: against the same peer on one GPU in the run, else per GPU alone
+    peer = searched("vllm-omni on 2 GPUs", 2, 5.0, 6.0)
+    lines = bench.goodput_table([searched("vllm-omni", 1, 3.0, 4.0), peer])
+    assert (
+        "strict: vllm-omni on 2 GPUs: 2.50 req/s per GPU, 0.83x linear (vllm-omni on one GPU: 3.00)" in lines
+    )
+    lines = bench.goodput_table([peer])
+    assert "attainment: vllm-omni on 2 GPUs: 3.00 req/s per GPU (no result on one GPU in this run)" in lines
     # A search that ended at its range's top found a bound: no ratio, and the reason
     results[2]["goodput"]["strict"]["note"] = "target met at --rate-high; raise it"
     lines = bench.goodput_table(results)

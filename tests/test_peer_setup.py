@@ -30,7 +30,7 @@ def shipped_shape() -> dict:
         "async_chunk": True,
         "connectors": {"connector_of_shared_memory": {"name": "SharedMemoryConnector", "extra": extra}},
         "stages": [
-            {"stage_id": 0, "max_num_seqs": 64, "gpu_memory_utilization": 0.3},
+            {"stage_id": 0, "max_num_seqs": 64, "gpu_memory_utilization": 0.3, "devices": "0"},
             {"stage_id": 1, "max_num_seqs": 64, "gpu_memory_utilization": 0.3, "enforce_eager": False},
         ],
     }
@@ -61,17 +61,38 @@ def test_the_deploy_config_gets_every_setting_where_it_lives():
     assert found == {"max_num_batched": 0}
 
 
+def test_replicas_copy_both_stages_onto_each_gpu():
+    """--replicas 4: every stage runs 4 copies from its one-GPU template (devices "0", also where the
+    file leaves it out), which vLLM-Omni offsets to GPUs 0-3; a stage spread over several GPUs has
+    no one-GPU template, and the error names it."""
+    config = tune_deploy().replicated(shipped_shape(), 4)
+    assert [(s["devices"], s["num_replicas"]) for s in config["stages"]] == [("0", 4), ("0", 4)]
+    spread = shipped_shape()
+    spread["stages"][1]["devices"] = "0,1"
+    with pytest.raises(ValueError, match="stage 1: devices '0,1' spans several GPUs"):
+        tune_deploy().replicated(spread, 2)
+
+
 @pytest.mark.parametrize("script", ["install.sh", "serve.sh", "bench.sh", "../compare.sh"])
 def test_the_scripts_parse(script):
     completed = subprocess.run(["bash", "-n", str(PEER / script)], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
 
 
-def test_bench_sh_gives_serving_bench_a_command_line_it_accepts(tmp_path):
+@pytest.mark.parametrize("gpus, label", [("1", "vllm-omni-i8"), ("2", "vllm-omni-i8 on 2 GPUs")])
+def test_bench_sh_gives_serving_bench_a_command_line_it_accepts(tmp_path, gpus, label):
     """Against a port where nothing listens: serving_bench takes every argument bench.sh builds (the
-    extra body's JSON included) and stops at its test request, measuring nothing."""
+    extra body's JSON included; a server on several GPUs named so) and stops at its test request,
+    measuring nothing."""
     port = free_port()
-    env = {**os.environ, "PY": sys.executable, "PORT": str(port), "OUT": str(tmp_path), "W": "0"}
+    env = {
+        **os.environ,
+        "PY": sys.executable,
+        "PORT": str(port),
+        "OUT": str(tmp_path),
+        "W": "0",
+        "GPUS": gpus,
+    }
     completed = subprocess.run(
         ["bash", str(PEER / "bench.sh"), str(tmp_path), "rates", "2,3"],
         capture_output=True,
@@ -80,5 +101,5 @@ def test_bench_sh_gives_serving_bench_a_command_line_it_accepts(tmp_path):
         env=env,
     )
     assert completed.returncode == 1, completed.stderr[-2000:]
-    assert f"vllm-omni-i8 at http://127.0.0.1:{port} did not serve a test request" in completed.stderr
+    assert f"{label} at http://127.0.0.1:{port} did not serve a test request" in completed.stderr
     assert not list(tmp_path.glob("*/results.json"))

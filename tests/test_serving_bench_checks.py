@@ -84,6 +84,8 @@ def test_the_openai_target_refuses_incomplete_or_malformed_options(tmp_path, mon
         (["--checkpoint", "x", "--goodput-rules", "strict,loose"], "--goodput-rules: loose"),
         (["--checkpoint", "x", "--text-tail-frames", "4"], "--text-tail-frames: 0 or more frames, with"),
         (["--checkpoint", "x", "--text-rate", "20", "--text-tail-frames", "-1"], "--text-tail-frames: 0 or"),
+        (["--checkpoint", "x", "--gpus", "2"], "--gpus: an endpoint's GPU count (--target openai)"),
+        (["--target", "openai", "--url", "http://x", "--model", "m", "--gpus", "-1"], "at least 0, got -1"),
     ):
         monkeypatch.setattr(sys, "argv", ["serving_bench.py", "--out", str(tmp_path), *options])
         with pytest.raises(SystemExit) as exit:

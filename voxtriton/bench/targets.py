@@ -158,8 +158,8 @@ class Endpoint:
     length_field: str = "max_frames"
     seed_field: str = "seed"
     label: str = "openai"
+    gpus: int = 0  # the GPUs it computes on, as its user says (0: not known)
     servers = ()
-    gpus = 0  # unknown
     proxy_ports = None  # none of the harness's
 
     def start(self) -> None:

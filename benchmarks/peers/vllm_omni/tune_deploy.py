@@ -1,7 +1,7 @@
 """Write vLLM-Omni's Qwen3-TTS deploy config with the settings to measure it at its best.
 
     python tune_deploy.py OUT.yaml [--initial-chunk 8] [--ramp 4,4,8,16,25] [--max-num-seqs 256]
-        [--codec-max-num-seqs N] [--gpu-memory 0.45]
+        [--codec-max-num-seqs N] [--gpu-memory 0.45] [--replicas N]
 
 Starts from the deploy/qwen3_tts.yaml that ships in the installed vllm_omni package (talker stage,
 code2wav stage, shared-memory connector) and sets, wherever the file has them: the first audio
@@ -11,6 +11,10 @@ stage batches (max_num_seqs; --codec-max-num-seqs for the code2wav stage alone) 
 share of each stage (gpu_memory_utilization; both stages share one GPU, so at most about 0.45 each).
 CUDA graphs stay on (enforce_eager false wherever the file sets it). A setting the file lacks is an
 error, not a silent no-op: the installed version may name it differently.
+
+--replicas N runs N copies of each stage, replica r on GPU r (vLLM-Omni's num_replicas, with each
+stage's one-GPU `devices` as the template it offsets by r): one server, one replica of both stages
+per GPU, its head balancing requests across them.
 """
 
 from __future__ import annotations
@@ -45,6 +49,20 @@ def tuned(config, settings: dict, ramp: list[int] | None) -> tuple[object, dict]
     return config, found
 
 
+def replicated(config: dict, replicas: int) -> dict:
+    """`config` with every stage run as `replicas` copies, one per GPU. Each stage must sit on one
+    GPU (`devices` one index, or unset: GPU 0), the template vLLM-Omni offsets per replica."""
+    for stage in config["stages"]:
+        devices = str(stage.get("devices", "0"))
+        if "," in devices:
+            raise ValueError(
+                f"stage {stage['stage_id']}: devices {devices!r} spans several GPUs; --replicas "
+                "takes a one-GPU stage to copy onto each GPU"
+            )
+        stage["devices"], stage["num_replicas"] = devices, replicas
+    return config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -53,6 +71,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="streams each stage batches")
     parser.add_argument("--codec-max-num-seqs", type=int, help="streams the code2wav stage (1) batches")
     parser.add_argument("--gpu-memory", type=float, default=0.45, help="GPU memory share of each stage")
+    parser.add_argument("--replicas", type=int, default=1, help="copies of both stages, one per GPU")
     args = parser.parse_args()
     import vllm_omni  # the installed package's own deploy config is the starting point
 
@@ -72,6 +91,11 @@ def main() -> None:
     if args.codec_max_num_seqs:
         [codec] = [stage for stage in config["stages"] if stage["stage_id"] == 1]
         codec["max_num_seqs"] = args.codec_max_num_seqs
+    if args.replicas > 1:
+        try:
+            config = replicated(config, args.replicas)
+        except ValueError as error:
+            raise SystemExit(f"{source}: {error}") from None
     args.out.write_text(yaml.safe_dump(config, sort_keys=False))
     print(
         f"{args.out}: from {source}; set " + ", ".join(f"{key} in {n} place(s)" for key, n in found.items())
