@@ -7,7 +7,8 @@ to a stricter figure (the highest rate passed in most of its probes) and the low
 Probes within 0.5% of each other count as one rate (a bisection's 22.5497 and a fixed 22.55).
 Each is given by both goodput definitions: strict (p90 TTFA <= 200 ms, no stalled or failed
 request) and SLO attainment (at least 99% of requests start within 200 ms and never stall; probes
-of runs from before the harness counted it are left out of that table).
+of runs from before the harness counted it are left out of that table). A system whose GPUs are
+known (voxtriton's servers, an endpoint run with --gpus) is also given per GPU.
 
     python benchmarks/merge_goodput.py --out benchmarks/results/goodput_h200 DIR [DIR ...]
 """
@@ -33,7 +34,11 @@ def main() -> None:
     for row in rows:
         groups.setdefault((row["model"], row["policy"]), []).append(row)
     summary = {
-        f"{model} {policy}": {"strict": goodput(group), "attainment": goodput(group, "attained")}
+        f"{model} {policy}": {
+            "gpus": max((row["gpus"] or 0 for row in group), default=0) or None,
+            "strict": goodput(group),
+            "attainment": goodput(group, "attained"),
+        }
         for (model, policy), group in sorted(groups.items())
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -42,14 +47,14 @@ def main() -> None:
     for definition, title in (("strict", "goodput"), ("attainment", "SLO-attainment goodput")):
         lines += [
             f"| model | policy | {title} (req/s) | probes passed at it | passed in most probes (req/s) "
-            "| lowest failing rate | peak listeners at goodput |",
-            "|---|---|---|---|---|---|---|",
+            "| lowest failing rate | peak listeners at goodput | per GPU (req/s) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {key.split()[0]} | {key.split()[1]} | {_rate(value['goodput'])} | {_cell(value['passes'])} | "
+            f"| {' | '.join(key.split(' ', 1))} | {_rate(value['goodput'])} | {_cell(value['passes'])} | "
             f"{_rate(value['goodput_most'])} | {_rate(value['lowest_failed'])} | "
-            f"{_cell(value['listeners_peak'])} |"
-            for key, value in ((key, both[definition]) for key, both in summary.items())
+            f"{_cell(value['listeners_peak'])} | {_per_gpu(value['goodput'], both['gpus'])} |"
+            for key, both, value in ((key, both, both[definition]) for key, both in summary.items())
         ]
         lines.append("")
     lines += [
@@ -70,6 +75,11 @@ def main() -> None:
 
 def _rate(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.2f}"
+
+
+def _per_gpu(rate: float | None, gpus: int | None) -> str:
+    """The goodput per GPU; "-" where there is none, or the system's GPU count is not known."""
+    return "-" if rate is None or not gpus else f"{rate / gpus:.2f}"
 
 
 def _cell(value) -> str:

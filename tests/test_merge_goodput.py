@@ -78,16 +78,17 @@ def test_merging_runs_writes_the_tables_with_or_without_matplotlib(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr
     table = (out / "results.md").read_text()
-    assert "| 1.7b | concurrent | 80.00 | 1 of 2 | 76.00 | 80.00 | 900 |" in table
+    assert "| 1.7b | concurrent | 80.00 | 1 of 2 | 76.00 | 80.00 | 900 | - |" in table  # GPUs not known
     # (runs from before the harness counted SLO attainment: "-" there, and no attainment goodput)
     assert "| 1.7b | concurrent | b | 84.00 | no | - | 14 / 1600 | 150.0 | 20.0 |" in table
-    assert "| 1.7b | concurrent | - | - | - | - | - |" in table
+    assert "| 1.7b | concurrent | - | - | - | - | - | - |" in table
     assert (out / "ttfa_stalls_vs_rate.png").exists() or "matplotlib not installed" in completed.stderr
 
 
 def test_both_definitions_for_a_system_without_server_metrics(tmp_path):
     """A run of an OpenAI-compatible endpoint (no server-side metrics: `server` is None): one stalled
-    request in 200 fails the strict goodput and keeps the SLO attainment (199 of 200 >= 99%)."""
+    request in 200 fails the strict goodput and keeps the SLO attainment (199 of 200 >= 99%). The
+    same endpoint on 2 GPUs (--gpus 2), its rates twice as high, is also given per GPU."""
 
     def trial(rate, stalled, attained, p90):
         return {
@@ -112,9 +113,23 @@ def test_both_definitions_for_a_system_without_server_metrics(tmp_path):
     (run / "results.json").write_text(
         json.dumps({"meta": meta, "policies": [{"policy": "vllm-omni", "rates": trials}]})
     )
+    pair = tmp_path / "peer_2gpus"
+    pair.mkdir()
+    doubled = [
+        trial(2 * t["rate"], t["stalled_requests"], t["slo_attained"], t["ttfa_p90_ms"]) for t in trials
+    ]
+    entry = {"policy": "vllm-omni on 2 GPUs", "gpus": 2, "rates": doubled}
+    (pair / "results.json").write_text(json.dumps({"meta": meta, "policies": [entry]}))
     out = tmp_path / "merged"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "merge_goodput.py"), "--out", str(out), str(run)],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "merge_goodput.py"),
+            "--out",
+            str(out),
+            str(run),
+            str(pair),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -126,3 +141,5 @@ def test_both_definitions_for_a_system_without_server_metrics(tmp_path):
     assert merged["attainment"]["lowest_failed"] == 4
     table = (out / "results.md").read_text()
     assert "| 1.7b | vllm-omni | peer | 3.00 | no | yes (99.5%) | 1 / 200 | 170.0 | - |" in table
+    assert "| 1.7b | vllm-omni on 2 GPUs | 4.00 | 1 of 1 | 4.00 | 6.00 | 30 | 2.00 |" in table
+    assert "| 1.7b | vllm-omni on 2 GPUs | 6.00 | 1 of 1 | 6.00 | 8.00 | 30 | 3.00 |" in table

@@ -45,6 +45,7 @@ def probes(run: Path) -> list[dict]:
                 {
                     "model": model,
                     "policy": entry["policy"],
+                    "gpus": entry.get("gpus") or None,  # None: not known (an endpoint, an older run)
                     "run": run.name,
                     "rate": trial["rate"],
                     "passed": meets_target(trial),
