@@ -18,7 +18,7 @@ from voxtriton_client import TTSClient
 
 from voxtriton.launch.gpus import gpu_count
 from voxtriton.launch.repository import REPOSITORY, render_repository, set_parameter
-from voxtriton.launch.serve import first_request_hint
+from voxtriton.launch.serve import first_request_hint, parse_params
 from voxtriton.launch.server import TritonServer, free_port
 
 
@@ -85,7 +85,8 @@ def test_a_pinned_gpu_outside_cuda_visible_devices_is_refused(monkeypatch):
 
 @pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 def test_background_partition_is_one_setting():
-    """tts:background_sms and codec_background:sm_count size the same SMs: either sets both."""
+    """tts:background_sms and codec_background:sm_count size the same SMs: either sets both. A policy
+    no server has is refused before anything starts."""
     for given in ({"tts": {"background_sms": "48"}}, {"codec_background": {"sm_count": "48"}}):
         server = TritonServer(policy="voxserve", parameters=given, use_mps=False)
         try:
@@ -106,6 +107,9 @@ def test_background_partition_is_one_setting():
         assert 'key: "sm_count" value: { string_value: "48" }' not in lane
     finally:
         server.cleanup()
+    with pytest.raises(SystemExit, match="tts:scheduler_policy: policy must be one of voxserve, "):
+        TritonServer(parameters={"tts": {"scheduler_policy": "fastest"}}, use_mps=False)
+    assert set(Path(tempfile.gettempdir()).glob("voxtriton-*")) <= workdirs
 
 
 @pytest.mark.server  # builds a TritonServer: needs the tritonserver install
@@ -258,15 +262,19 @@ def two_gpus(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "policy, gpu, visible, expected",
     [("disaggregated", None, None, 2), ("disaggregated", None, "1", 1), ("disaggregated", 0, None, 1)]
-    + [("voxserve", None, None, 1)],
+    + [("voxserve", None, None, 1), ("tts:scheduler_policy=disaggregated", None, None, 2)],
 )
 def test_a_server_counts_the_gpus_it_computes_on(two_gpus, monkeypatch, policy, gpu, visible, expected):
     """Two GPUs visible: disaggregated's codec models take the second, so its server runs on two (what
-    the benchmarks count per GPU); one visible or the server pinned to one, it runs on one."""
+    the benchmarks count per GPU); one visible or the server pinned to one, it runs on one. The policy
+    set as a tts parameter places the codec models as `--policy` does."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if visible is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    server = TritonServer(policy=policy, gpu=gpu, use_mps=False)
+    parameters = parse_params([policy]) if "=" in policy else None
+    server = TritonServer(
+        policy=None if parameters else policy, parameters=parameters, gpu=gpu, use_mps=False
+    )
     try:
         lane = (server.repository / "codec_urgent" / "config.pbtxt").read_text()
         assert server.gpus == expected

@@ -58,8 +58,13 @@ def render_repository(source: Path, target: Path, overrides: dict[str, dict[str,
 def model_overrides(
     checkpoint: str | None, policy: str | None, gpus: int, parameters: dict[str, dict[str, str]]
 ) -> dict[str, dict[str, str]]:
-    """Parameters per model of one server: its checkpoint, its policy on `gpus` GPUs, then `parameters`."""
-    second_gpu = bool(policy) and get_policy(policy).codec_on_second_gpu
+    """Parameters per model of one server: its checkpoint, its policy on `gpus` GPUs, then `parameters`.
+    A policy set as `tts:scheduler_policy` is the server's policy too, codec placement included."""
+    policy = parameters.get("tts", {}).get("scheduler_policy") or policy
+    try:
+        second_gpu = bool(policy) and get_policy(policy).codec_on_second_gpu
+    except ValueError as error:
+        raise SystemExit(f"voxtriton: tts:scheduler_policy: {error}") from None
     if not second_gpu:  # with a GPU of their own, the codec lanes need no partition
         parameters = align_background_partition(parameters)
     parameters = codec_graphs_for_the_scheduler(parameters)
