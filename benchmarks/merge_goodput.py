@@ -34,15 +34,16 @@ def main() -> None:
     for row in rows:
         groups.setdefault((row["model"], row["policy"]), []).append(row)
     summary = {
-        f"{model} {policy}": {
+        system: {
             "gpus": max((row["gpus"] or 0 for row in group), default=0) or None,
             "strict": goodput(group),
             "attainment": goodput(group, "attained"),
         }
-        for (model, policy), group in sorted(groups.items())
+        for system, group in sorted(groups.items())
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"goodput": summary, "probes": rows}, indent=1))
+    merged = {f"{model} {policy}": both for (model, policy), both in summary.items()}
+    (args.out / "results.json").write_text(json.dumps({"goodput": merged, "probes": rows}, indent=1))
     lines = []
     for definition, title in (("strict", "goodput"), ("attainment", "SLO-attainment goodput")):
         lines += [
@@ -51,10 +52,12 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {' | '.join(key.split(' ', 1))} | {_rate(value['goodput'])} | {_cell(value['passes'])} | "
+            f"| {model} | {policy} | {_rate(value['goodput'])} | {_cell(value['passes'])} | "
             f"{_rate(value['goodput_most'])} | {_rate(value['lowest_failed'])} | "
             f"{_cell(value['listeners_peak'])} | {_per_gpu(value['goodput'], both['gpus'])} |"
-            for key, both, value in ((key, both, both[definition]) for key, both in summary.items())
+            for (model, policy), both, value in (
+                (key, both, both[definition]) for key, both in summary.items()
+            )
         ]
         lines.append("")
     lines += [

@@ -446,7 +446,7 @@ def scaling(results: list[dict]) -> list[str]:
         }
         for r in results:
             found, gpus = r["goodput"].get(rule), r.get("gpus", 0)
-            reference = re.split(r" x\d| on \d", r["policy"])[0]
+            reference = re.split(r" (?:x\d+|on \d+) GPUs", r["policy"])[0]
             reference = reference if reference in alone else "voxserve"
             base = alone.get(reference)
             if gpus < 2 or not found:

@@ -178,7 +178,8 @@ def test_a_fleet_is_given_per_gpu_against_one_gpu_alone_not_as_a_baseline(tmp_pa
             {"rate": attainment, "meets": False, "attains": True, "listeners_peak": 12},
         ]
         found = {"trials": trials, "strict": {"goodput": strict}, "attainment": {"goodput": attainment}}
-        servers = 1 if policy.startswith("disaggregated") else gpus
+        # one server (disaggregated), one per GPU (a fleet), or none the harness started (an endpoint)
+        servers = 1 if policy.startswith("disaggregated") else 0 if policy.startswith("vllm") else gpus
         result = {"policy": policy, "servers": servers, "gpus": gpus, "goodput": found}
         return result | {"rates": [], "concurrency": []}
 

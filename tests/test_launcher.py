@@ -109,6 +109,10 @@ def test_background_partition_is_one_setting():
         server.cleanup()
     with pytest.raises(SystemExit, match="tts:scheduler_policy: policy must be one of voxserve, "):
         TritonServer(parameters={"tts": {"scheduler_policy": "fastest"}}, use_mps=False)
+    with pytest.raises(SystemExit, match="--policy: policy must be one of voxserve, "):
+        TritonServer(policy="fastest", use_mps=False)
+    with pytest.raises(SystemExit, match="--policy serial and tts:scheduler_policy=voxserve disagree"):
+        TritonServer(policy="serial", parameters={"tts": {"scheduler_policy": "voxserve"}}, use_mps=False)
     assert set(Path(tempfile.gettempdir()).glob("voxtriton-*")) <= workdirs
 
 

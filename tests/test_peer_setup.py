@@ -62,15 +62,20 @@ def test_the_deploy_config_gets_every_setting_where_it_lives():
 
 
 def test_replicas_copy_both_stages_onto_each_gpu():
-    """--replicas 4: every stage runs 4 copies from its one-GPU template (devices "0", also where the
-    file leaves it out), which vLLM-Omni offsets to GPUs 0-3; a stage spread over several GPUs has
-    no one-GPU template, and the error names it."""
+    """--replicas 4: every stage runs 4 copies from its template on GPU 0 (devices "0", also where the
+    file leaves it out), which vLLM-Omni offsets to GPUs 0-3. A stage elsewhere or over several GPUs
+    is no such template (vLLM-Omni refuses offsets past its tensor-parallel size), and the error
+    names it; so is a count below 1."""
     config = tune_deploy().replicated(shipped_shape(), 4)
     assert [(s["devices"], s["num_replicas"]) for s in config["stages"]] == [("0", 4), ("0", 4)]
-    spread = shipped_shape()
-    spread["stages"][1]["devices"] = "0,1"
-    with pytest.raises(ValueError, match="stage 1: devices '0,1' spans several GPUs"):
-        tune_deploy().replicated(spread, 2)
+    for devices, tensor_parallel in (("0,1", 1), ("1", 1), ("0", 2)):
+        placed = shipped_shape()
+        placed["stages"][1].update(devices=devices, tensor_parallel_size=tensor_parallel)
+        message = f"stage 1: devices '{devices}', tensor_parallel_size {tensor_parallel}; --replicas copies"
+        with pytest.raises(ValueError, match=message):
+            tune_deploy().replicated(placed, 2)
+    with pytest.raises(ValueError, match="--replicas must be at least 1, got 0"):
+        tune_deploy().replicated(shipped_shape(), 0)
 
 
 @pytest.mark.parametrize("script", ["install.sh", "serve.sh", "bench.sh", "../compare.sh"])

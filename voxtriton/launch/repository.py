@@ -60,11 +60,15 @@ def model_overrides(
 ) -> dict[str, dict[str, str]]:
     """Parameters per model of one server: its checkpoint, its policy on `gpus` GPUs, then `parameters`.
     A policy set as `tts:scheduler_policy` is the server's policy too, codec placement included."""
-    policy = parameters.get("tts", {}).get("scheduler_policy") or policy
+    given = parameters.get("tts", {}).get("scheduler_policy")
+    if given and policy and given != policy:
+        raise SystemExit(f"voxtriton: --policy {policy} and tts:scheduler_policy={given} disagree; set one")
+    source = "tts:scheduler_policy" if given else "--policy"
+    policy = given or policy
     try:
         second_gpu = bool(policy) and get_policy(policy).codec_on_second_gpu
     except ValueError as error:
-        raise SystemExit(f"voxtriton: tts:scheduler_policy: {error}") from None
+        raise SystemExit(f"voxtriton: {source}: {error}") from None
     if not second_gpu:  # with a GPU of their own, the codec lanes need no partition
         parameters = align_background_partition(parameters)
     parameters = codec_graphs_for_the_scheduler(parameters)

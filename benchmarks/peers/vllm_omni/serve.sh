@@ -6,7 +6,7 @@
 #   4,4,8,16,25: sizes of the first chunks, overriding INITIAL)  SEQS (256: streams each stage
 #   batches)  CODEC_SEQS (unset: as SEQS)  GPU_MEM (0.45: memory share of each of the two stages)
 #   REPLICAS (1: copies of both stages, one per GPU, GPUs 0..REPLICAS-1 of those visible; the server
-#   sends each request to the replica with the shortest queue)
+#   deals requests to them in turn)
 #   LOG (/tmp/vllm-omni-PORT.log)  READY_TIMEOUT (900 s: two stages and their CUDA graphs)
 # The server runs in the background and outlives this script; stop it with: kill -- -$(cat $LOG.pid)
 set -euo pipefail
@@ -23,14 +23,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRAC
 "$VENV/bin/python" "$HERE/tune_deploy.py" "$DEPLOY" --initial-chunk "${INITIAL:-8}" \
   ${RAMP:+--ramp "$RAMP"} --max-num-seqs "${SEQS:-256}" ${CODEC_SEQS:+--codec-max-num-seqs "$CODEC_SEQS"} \
   --gpu-memory "${GPU_MEM:-0.45}" --replicas "${REPLICAS:-1}"
-BALANCE=()
-[ "${REPLICAS:-1}" -gt 1 ] && BALANCE=(--omni-lb-policy least-queue-length)
 
 # The CLI's entry point, called by module: the same whether or not pip installed a console script.
 setsid "$VENV/bin/python" -c \
   'import sys; from vllm_omni.entrypoints.cli.main import main; sys.argv[0] = "vllm-omni"; sys.exit(main())' \
   serve "$CK" --omni --trust-remote-code --port "$PORT" --deploy-config "$DEPLOY" \
-  --stage-init-timeout "${READY_TIMEOUT:-900}" "${BALANCE[@]}" > "$LOG" 2>&1 < /dev/null &
+  --stage-init-timeout "${READY_TIMEOUT:-900}" > "$LOG" 2>&1 < /dev/null &
 echo $! > "$LOG.pid"
 echo "vLLM-Omni starting (pid $(cat "$LOG.pid"), log $LOG, deploy config $DEPLOY)"
 for ((waited = 0; waited < ${READY_TIMEOUT:-900}; waited += 2)); do

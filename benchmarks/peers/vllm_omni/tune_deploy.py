@@ -50,14 +50,17 @@ def tuned(config, settings: dict, ramp: list[int] | None) -> tuple[object, dict]
 
 
 def replicated(config: dict, replicas: int) -> dict:
-    """`config` with every stage run as `replicas` copies, one per GPU. Each stage must sit on one
-    GPU (`devices` one index, or unset: GPU 0), the template vLLM-Omni offsets per replica."""
+    """`config` with every stage run as `replicas` copies, one per GPU. Each stage must sit on GPU 0
+    alone (`devices` "0" or unset, no tensor parallelism): the template vLLM-Omni offsets to GPU r for
+    replica r."""
+    if replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {replicas}")
     for stage in config["stages"]:
         devices = str(stage.get("devices", "0"))
-        if "," in devices:
+        if devices != "0" or stage.get("tensor_parallel_size", 1) != 1:
             raise ValueError(
-                f"stage {stage['stage_id']}: devices {devices!r} spans several GPUs; --replicas "
-                "takes a one-GPU stage to copy onto each GPU"
+                f"stage {stage['stage_id']}: devices {devices!r}, tensor_parallel_size "
+                f"{stage.get('tensor_parallel_size', 1)}; --replicas copies a stage on GPU 0 alone"
             )
         stage["devices"], stage["num_replicas"] = devices, replicas
     return config
@@ -91,7 +94,7 @@ def main() -> None:
     if args.codec_max_num_seqs:
         [codec] = [stage for stage in config["stages"] if stage["stage_id"] == 1]
         codec["max_num_seqs"] = args.codec_max_num_seqs
-    if args.replicas > 1:
+    if args.replicas != 1:
         try:
             config = replicated(config, args.replicas)
         except ValueError as error:
