@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from voxtriton.launch.server import TritonServer
 from voxtriton.models.loader import load_codec
 from voxtriton.serving.codec_service import CodecService
+from voxtriton.serving.pool_files import published_path, remove_orphans
 from voxtriton.serving.settings import CodecSettings
 from voxtriton.serving.state_pool import CodecStatePool, PrimedStates, attach
 
@@ -51,6 +55,55 @@ def test_nothing_attaches_once_the_pool_is_closed(pool):
         [sys.executable, "-c", ATTACH_FROM_STDIN], input=handle, capture_output=True, timeout=120
     )
     assert failed.returncode != 0 and b"published no codec state pool" in failed.stderr
+
+
+def test_files_no_live_process_holds_are_removed_and_held_ones_kept(tmp_path, monkeypatch):
+    """A pool's owner holds its files while it lives, so only a dead owner's are orphans: one whose
+    process ended without closing it loses both files to the next sweep; a live one keeps its own."""
+    monkeypatch.setenv("VOXTRITON_CACHE", str(tmp_path / "cache"))
+    make_and_leave = (
+        "import os; from voxtriton.serving.state_pool import CodecStatePool; "
+        "pool = CodecStatePool(rows=1, state_size=8, device='cpu', publish_for=os.getpid()); "
+        "print(pool.handle.decode()); os._exit(0)"  # no close(), as a killed process
+    )
+    left = subprocess.run(
+        [sys.executable, "-c", make_and_leave], capture_output=True, check=True, timeout=120
+    )
+    orphan, orphan_handle = Path(json.loads(left.stdout)["path"]), published_path_of(tmp_path, left)
+    live = CodecStatePool(rows=1, state_size=8, device="cpu", publish_for=os.getpid())
+    try:
+        assert not orphan.exists() and not orphan_handle.exists()  # the new pool swept them
+        assert remove_orphans() == []  # the live pool's are held
+        assert Path(json.loads(live.handle)["path"]).exists() and published_path(os.getpid()).exists()
+    finally:
+        live.close()
+    assert not Path(json.loads(live.handle)["path"]).exists() and not published_path(os.getpid()).exists()
+
+
+def published_path_of(tmp_path: Path, completed: subprocess.CompletedProcess) -> Path:
+    """The handle file the process that printed a pool's handle published (the only one left)."""
+    [handle] = [path for path in (tmp_path / "cache" / "state-pools").glob("*.json")]
+    assert handle.read_bytes().decode() == completed.stdout.decode().strip()
+    return handle
+
+
+@pytest.mark.server  # starts a tritonserver
+def test_a_killed_server_leaves_no_codec_state_pool_behind(tiny_checkpoint, tmp_path, monkeypatch):
+    """A server killed with its model processes (nothing unloads, nothing removes its files) leaves
+    its pool file in shared memory and its published handle; stopping it removes both."""
+    monkeypatch.setenv("VOXTRITON_CACHE", str(tmp_path / "cache"))
+    server = TritonServer(checkpoint=str(tiny_checkpoint), use_mps=False)
+    try:
+        server.start()
+        published = published_path(server.process.pid)
+        pool_file = Path(json.loads(published.read_bytes())["path"])
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        assert published.exists() and pool_file.exists()
+    finally:
+        server.stop()
+        server.cleanup()
+    assert not published.exists() and not pool_file.exists()
 
 
 def test_chunks_decoded_through_the_pool_equal_one_whole_decode(tiny_checkpoint):

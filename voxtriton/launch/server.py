@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..serving.drain import done_marker
+from ..serving.pool_files import remove_orphans
 from .gpus import MPSDaemon, gpu_count, pinned_device
 from .repository import CODEC_MODELS, REPOSITORY, SECOND_GPU, model_overrides, render_repository
 from .tritonserver import find_tritonserver
@@ -264,7 +265,8 @@ class TritonServer:
 
     def stop(self, grace: float = 20.0, give_up: Callable[[], bool] = lambda: False) -> None:
         """SIGTERM (Triton unloads its models: the Python stubs end and free their shared memory),
-        then a kill after `grace` seconds, or as soon as `give_up()` says so."""
+        then a kill after `grace` seconds, or as soon as `give_up()` says so; then the codec state
+        pool files of model processes killed before they could remove them."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -277,6 +279,8 @@ class TritonServer:
             except ProcessLookupError:
                 pass
             process.wait()
+            wait_for_group_exit(process.pid, 5.0)  # a killed stub lets go of its files as it exits
+            remove_orphans()
         if self.mps is not None:
             self.mps.stop()
 
@@ -294,3 +298,14 @@ class TritonServer:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.cleanup()
+
+
+def wait_for_group_exit(group: int, timeout: float) -> None:
+    """Until no process of the group is left (or, unreaped, only exited ones), at most `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)

@@ -16,13 +16,14 @@ voice's next streams start from a copy instead of another codec call.
 The handle arrives as a model input, and clients can call the codec models too: a codec process
 only attaches the handle that the `tts` model of its own server published in a private file
 (keyed by the tritonserver process id), so a forged handle is refused before anything is opened.
+The pool's files outlive a process killed before it could remove them only until the next pool is
+made (`pool_files`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -30,15 +31,10 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from .settings import cache_dir
+from .pool_files import create_held, new_pool_file, published_path, remove_orphans
 
-_FILE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 _attached: tuple[bytes, torch.Tensor] | None = None  # (handle, pool): the latest genuine one
 _attach_lock = threading.Lock()
-
-
-def published_path(server_pid: int) -> Path:
-    return cache_dir() / "state-pools" / f"{server_pid}.json"
 
 
 class CodecStatePool:
@@ -52,8 +48,10 @@ class CodecStatePool:
     ):
         device = torch.device(device)
         self.rows, self.state_size = rows, state_size
+        remove_orphans()  # of servers killed before their pools were closed
         self._path: Path | None = None
         self._published: Path | None = None
+        self._holds: list[int] = []  # descriptors holding this pool's files while the process lives
         if device.type == "cuda":
             self.tensor = torch.zeros(rows, state_size, device=device)
             # What torch.multiprocessing sends for a CUDA tensor, as plain data.
@@ -72,36 +70,31 @@ class CodecStatePool:
                 "event_sync": bool(event_sync),
             }
         else:
-            descriptor, name = tempfile.mkstemp(prefix="voxtriton-codec-state-", dir=_FILE_DIR)
-            os.close(descriptor)
-            self._path = Path(name)
-            self.tensor = _map_file(name, rows, state_size)
-            description = {"kind": "file", "path": name}
+            self._path, hold = new_pool_file()
+            self._holds.append(hold)
+            self.tensor = _map_file(str(self._path), rows, state_size)
+            description = {"kind": "file", "path": str(self._path)}
         self.handle = json.dumps({"rows": rows, "state_size": state_size, **description}).encode()
         if publish_for is not None:
             self._published = published_path(publish_for)
             self._published.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            staging = self._published.with_suffix(f".{os.getpid()}.tmp")
-            descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(self.handle)
-            os.replace(staging, self._published)
+            self._holds.append(create_held(self._published, self.handle))
 
     def handle_tensor(self) -> torch.Tensor:
         """The handle as a uint8 tensor, to send as a BLS input."""
         return torch.frombuffer(bytearray(self.handle), dtype=torch.uint8)
 
     def close(self) -> None:
-        if self._published is not None:
-            try:
-                if self._published.read_bytes() == self.handle:
-                    self._published.unlink()
-            except OSError:
-                pass
-            self._published = None
+        """Remove this pool's files (its handle only while it is the one published: a reloaded model
+        publishes its new pool's in its place) and let go of them."""
+        if self._published is not None and _read(self._published) == self.handle:
+            self._published.unlink(missing_ok=True)
         if self._path is not None:
             self._path.unlink(missing_ok=True)
-            self._path = None
+        for hold in self._holds:
+            os.close(hold)
+        self._published = self._path = None
+        self._holds = []
 
 
 class PrimedStates:
@@ -146,6 +139,13 @@ class PrimedStates:
     def _wait(self) -> None:
         if self.pool.device.type == "cuda":
             torch.cuda.current_stream(self.pool.device).synchronize()
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _map_file(path: str, rows: int, state_size: int) -> torch.Tensor:
