@@ -738,11 +738,10 @@ def main() -> None:
     if args.smoke and args.target == "openai":
         parser.error("--smoke starts a server: it is for --target triton")
     if args.smoke:
-        import tempfile
+        from voxtriton.serving.runtime import ensure_checkpoint
 
-        from voxtriton.models.random_checkpoint import make_checkpoint
-
-        args.checkpoint = args.checkpoint or str(make_checkpoint("tiny", Path(tempfile.mkdtemp()) / "tiny"))
+        # the default tiny checkpoint `voxtriton serve` makes and caches, made now if it is not yet
+        args.checkpoint = str(ensure_checkpoint(args.checkpoint or ""))
         args.policies, args.rates = (
             args.policies if args.policies != "voxserve,concurrent,serial" else "voxserve",
             "1",
