@@ -208,6 +208,63 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
         np.testing.assert_array_equal(result[name], alone[name])
 
 
+def run_timed(engine, arrivals: dict[int, list[Request]]):
+    """`run`, also returning the step that returned each request's first frame."""
+    codes, first_step, step = {}, {}, 0
+    while engine.has_work or any(s >= step for s in arrivals):
+        for request in arrivals.get(step, []):
+            engine.add(request)
+        for output in engine.step():
+            first_step.setdefault(output.request.request_id, step)
+            codes.setdefault(output.request.request_id, []).append(output.codes)
+        step += 1
+    return {k: np.stack(v) for k, v in codes.items()}, first_step
+
+
+def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_codes(setup, overlap):
+    """With `first_frame_rows`, a request's first frame comes back from the step that launched it
+    (read before the talker advances), so with overlap one step sooner; every code, length and end
+    is what the engine gives without it. Above `first_frame_rows` rows, first frames wait as usual."""
+
+    def arrivals():
+        return {
+            0: [make_request(setup, 0, 7), make_request(setup, 1, 1)],  # r1: its first frame is its last
+            2: [make_request(setup, 2, 5)],
+            4: [make_request(setup, 3, 6), make_request(setup, 4, 3)],
+        }
+
+    usual, usual_first = run_timed(new_engine(setup, rows=4, overlap=overlap), arrivals())
+    engine = new_engine(setup, rows=4, overlap=overlap)
+    engine.first_frame_rows = 4
+    early, early_first = run_timed(engine, arrivals())
+    assert usual.keys() == early.keys() == {f"r{i}" for i in range(5)}
+    for name, codes in usual.items():
+        np.testing.assert_array_equal(early[name], codes)
+    assert early_first == {"r0": 0, "r1": 0, "r2": 2, "r3": 4, "r4": 4}
+    assert usual_first == {name: step + overlap for name, step in early_first.items()}
+    assert engine.running == [] and not engine.has_work
+
+    engine = new_engine(setup, rows=4, overlap=overlap)
+    engine.first_frame_rows = 1  # two rows run from the start: never at most one
+    assert run_timed(engine, arrivals())[1] == usual_first
+
+
+def test_an_early_first_frame_is_followed_by_the_official_end_of_speech(setup, tiny_checkpoint, overlap):
+    """A talker that always prefers end-of-speech, first frames early: still two frames, the second
+    ending the request."""
+    config, _, prompts = setup
+    backbone = load_backbone(tiny_checkpoint, config)
+    backbone.talker.codec_head.register_forward_hook(
+        lambda module, args, logits: logits.index_fill(-1, torch.tensor([config.talker.codec_eos_id]), 100.0)
+    )
+    runner = ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64)
+    engine = Engine(runner, max_running=2, overlap=overlap, first_frame_rows=2)
+    params = GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=30)
+    request = Request("eager", prompts.build("Stop soon.", "ryan"), params)
+    codes, first_step = run_timed(engine, {0: [request]})
+    assert (request.finish_reason, len(codes["eager"]), first_step) == ("eos", 2, {"eager": 0})
+
+
 def test_prompts_padded_to_prefill_buckets_get_the_codes_of_exact_shapes(setup, overlap):
     """The padded prefill (static buffers, scratch cache, groups of the largest batch bucket: what
     the GPU replays as graphs) must not change a request's codes, also when it joins a running batch."""

@@ -45,10 +45,12 @@ def generate(
     texts=TEXTS,
     when_ready=lambda: None,
     prompt_for=lambda prompts, text: prompts.build(text, "ryan"),
+    first_frame_rows: int = 0,
 ) -> dict[str, np.ndarray]:
     """A request per text through the engine, the first three admitted at step 0 (rows 0-2), the
     rest at step 2; `when_ready` is called once the graphs are captured, before the first admission.
-    `prompt_for(prompt builder, text)` makes each request's prompt."""
+    `prompt_for(prompt builder, text)` makes each request's prompt; `first_frame_rows` the engine's
+    (and the graphs' split steps)."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -63,12 +65,13 @@ def generate(
         batch_sizes=[1, 2, 4, 8], spans=[128, 512], prefill_batch_sizes=[1, 2], prefill_lengths=[16, 32]
     )
     if graphs:
-        runner.capture_graphs(**buckets)
+        runner.capture_graphs(**buckets, first_frame_rows=first_frame_rows)
         # (1 or 2 requests) x (16 or 32 positions).
         assert len(runner.prefill_graphs) == 4 and len(runner.admission_graphs) == 4
+        assert bool(runner.split_graphs) == bool(first_frame_rows)
     else:
         runner.set_buckets(**buckets)
-    engine = Engine(runner, max_running=8, overlap=overlap)
+    engine = Engine(runner, max_running=8, overlap=overlap, first_frame_rows=first_frame_rows)
     when_ready()
     requests = [
         Request(
@@ -100,6 +103,17 @@ def test_cuda_graphs_give_the_eager_codes(tiny_checkpoint, overlap):
     while a step is in flight."""
     eager = generate(tiny_checkpoint, graphs=False)
     graphed = generate(tiny_checkpoint, graphs=True, overlap=overlap)
+    assert eager.keys() == graphed.keys() and len(eager) == 5
+    for name in eager:
+        np.testing.assert_array_equal(graphed[name], eager[name])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_first_frames_read_between_the_steps_two_graphs_give_the_eager_codes(tiny_checkpoint, overlap):
+    """The frame step captured in two parts (batches up to 4 rows: the first three requests' first
+    frames come early, the last two's, at 5 rows, do not), against eager steps without the split."""
+    eager = generate(tiny_checkpoint, graphs=False)
+    graphed = generate(tiny_checkpoint, graphs=True, overlap=overlap, first_frame_rows=4)
     assert eager.keys() == graphed.keys() and len(eager) == 5
     for name in eager:
         np.testing.assert_array_equal(graphed[name], eager[name])

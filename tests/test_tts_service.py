@@ -295,6 +295,30 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
         assert record["due"] >= previous["due"] + previous["frames"] * 0.08 - 1e-6
 
 
+@pytest.mark.parametrize("policy", ["concurrent", "serial"])
+def test_a_first_frame_returned_early_starts_a_one_frame_chunk_and_the_audio_stays_exact(
+    tiny_checkpoint, policy
+):
+    """The engine returns first frames before its step ends (`first_frame_rows`) and the scheduler
+    starts light streams with one frame: the stream gets 1, 2, 2, 4 frames and exactly the audio of
+    its whole decode."""
+    engine, parser, scheduler_config = engine_and_parser(
+        tiny_checkpoint, policy, chunk_schedule="2,2,4,4,8", single_frame_start_streams=2
+    )
+    engine.first_frame_rows = 2
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = InProcessLane(codec, pool.tensor)
+    service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
+    try:
+        sink = CollectingSink()
+        service.submit(parser.parse("r1", fixed_length(b"Early.", 9, seed=3)), sink)
+        assert sink.done.wait(120) and sink.errors == []
+    finally:
+        service.shutdown()
+    assert [int(info[2]) for info in sink.info] == [1, 2, 2, 4]
+    assert_audio_is_the_whole_decode(codec, sink, 9)
+
+
 class LaneThatHoldsItsFirstCallUntilASecondStarts:
     """Its first call waits until a second call starts, or 30 s pass; calls then decode one at a time,
     as Triton runs them at one codec instance."""

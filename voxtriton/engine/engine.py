@@ -15,6 +15,12 @@ like the interleaved layout, and when it has used every id it knows, it pauses i
 padding: it keeps its row, but its frame step is masked (its state stays as it was) and no frame
 comes back. It starts, and resumes from a pause, once `text_lookahead` ids wait ahead of it (or its
 text ended), so its codes are those of the same text sent whole, whatever the pieces' timing.
+
+First frames early: with `first_frame_rows` set and at most that many rows running, a step that
+holds a request's first frame (a family with `early_first_frames`) returns that frame as soon as
+the step has completed it, before the backbone advances, instead of with the step's other frames:
+a stream's first chunk of one frame leaves the backbone's time sooner. The host then waits for
+that part of the step it launched, so the bound keeps it to light load.
 """
 
 from __future__ import annotations
@@ -64,16 +70,29 @@ class _Launched:
     codes: torch.Tensor  # [len(requests), groups + 1] (see `ModelRunner.stash_codes`)
     ready: torch.cuda.Event | None
     events: tuple | None  # CUDA timing events: (before the prefill or None, before the decode, after it)
+    # First frames to return before the step ends: (their copy, its event, their rows); None: none.
+    first_frames: tuple[torch.Tensor, torch.cuda.Event | None, list[int]] | None = None
+    returned: frozenset[int] = frozenset()  # rows whose frame was returned early
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, max_running: int, overlap: bool = False, text_lookahead: int = 1):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_running: int,
+        overlap: bool = False,
+        text_lookahead: int = 1,
+        first_frame_rows: int = 0,
+    ):
+        """first_frame_rows: return first frames early while at most this many rows run (see the
+        module's docstring; 0: never, and for families without `early_first_frames`)."""
         if max_running > runner.max_rows:
             raise ValueError(f"max_running={max_running} exceeds the runner's {runner.max_rows} rows")
         if text_lookahead < 1:
             raise ValueError(f"text_lookahead must be at least 1, got {text_lookahead}")
         self.runner = runner
         self.text_lookahead = text_lookahead
+        self.first_frame_rows = first_frame_rows if runner.early_first_frames else 0
         self.holds: list[bool] = []  # per running row, what the runner was last told (`set_holds`)
         # Running requests whose text may still change their row: text still arriving, or paused.
         self.streaming: set[Request] = set()
@@ -219,6 +238,7 @@ class Engine:
         timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=generating)
         started, cpu_started = time.perf_counter(), time.thread_time()
         launched = self._launch(prefill_event if admitted else None, holds) if generating else None
+        firsts = self._first_frames(launched) if launched is not None and launched.first_frames else []
         if self.overlap:
             launched, self.in_flight = self.in_flight, launched
         if launched is not None:
@@ -226,14 +246,14 @@ class Engine:
         timing.decode_s, timing.decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
         if launched is None:
             self.last_timing = timing
-            return []
+            return firsts
         if launched.events:
             before_prefill, before_decode, after = launched.events
             timing.decode_device_s = before_decode.elapsed_time(after) / 1e3
             if before_prefill is not None:
                 timing.prefill_device_s = before_prefill.elapsed_time(before_decode) / 1e3
         self.last_timing = timing
-        return self._frames(launched, codes)
+        return self._frames(launched, codes) + firsts
 
     def _event(self) -> torch.cuda.Event | None:
         if not self._cuda:
@@ -246,14 +266,22 @@ class Engine:
         """Queue one frame step for rows 0..B-1 (paused ones masked) and the copy of its codes to the
         host."""
         span = max(r.position for r in self.running) + 1
-        before_decode = self._event()
-        codes = self.runner.decode(len(self.running), span)
-        after = self._event()
-        codes, ready = self.runner.stash_codes(codes)
         if True in holds:
             requests = [None if held else request for request, held in zip(self.running, holds)]
         else:
             requests = list(self.running)
+        first_rows = []
+        if 0 < len(self.running) <= self.first_frame_rows:
+            first_rows = [row for row, r in enumerate(requests) if r is not None and r.frames == 0]
+        before_decode = self._event()
+        first_frames = None
+        if first_rows:
+            codes, frames, frames_ready = self.runner.decode_with_first_frames(len(self.running), span)
+            first_frames = (frames, frames_ready, first_rows)
+        else:
+            codes = self.runner.decode(len(self.running), span)
+        after = self._event()
+        codes, ready = self.runner.stash_codes(codes)
         generating = [request for request in requests if request is not None]
         for request in generating:  # all first: a row's move copies its positions up to this frame
             request.frames += 1
@@ -261,13 +289,32 @@ class Engine:
             if request.frames >= request.params.max_frames:  # its last frame is in this step
                 self._leave_batch(request)
         events = (before_prefill, before_decode, after) if self._cuda else None
-        return _Launched(requests, codes, ready, events)
+        return _Launched(requests, codes, ready, events, first_frames)
+
+    def _first_frames(self, launched: _Launched) -> list[FrameOutput]:
+        """The first frames of the step just launched, once its first part is done (the rest of the
+        step runs on); the step's own return skips them (`_frames`)."""
+        frames, ready, rows = launched.first_frames
+        codes = self.runner.read_codes(frames, ready)
+        outputs, returned = [], set()
+        for row in rows:
+            request = launched.requests[row]
+            if request.cancelled:
+                continue  # `_frames` finishes it with the step
+            request.emitted += 1
+            reason = "max_frames" if request.emitted >= request.params.max_frames else None
+            outputs.append(FrameOutput(request, codes[row, :-1].copy(), reason))
+            returned.add(row)
+            if reason:  # its row was freed at launch
+                self._finish(request, reason)
+        launched.returned = frozenset(returned)
+        return outputs
 
     def _frames(self, launched: _Launched, codes: np.ndarray) -> list[FrameOutput]:
         """The frames of a finished step, for the requests that have not ended since its launch."""
         outputs = []
         for row, request in enumerate(launched.requests):
-            if request is None or request.status is Status.FINISHED:
+            if request is None or request.status is Status.FINISHED or row in launched.returned:
                 continue  # ended by end-of-speech in the step before, or cancelled: a frame past its end
             if request.cancelled:  # cancelled with its last frame in flight: nobody wants it
                 self._finish(request, "cancelled")

@@ -42,6 +42,10 @@ class FrameRunner:
     empty_end_marker: int | None = None
     pad_text_id: int  # what fills the trailing text of an admission's rows
     extra_width = 0  # the width of a family's extra prompt embeddings (`_extra_embeds`); 0: none
+    # A family whose frame step completes each row's frame (`_complete_frame_into_output`) before it
+    # advances the backbone (`_advance_into_output`), and whose first frame is never its request's
+    # last: the host may take first frames after the step's first part (`decode_with_first_frames`).
+    early_first_frames = False
 
     def __init__(
         self,
@@ -66,12 +70,16 @@ class FrameRunner:
         # for the frame step in flight (pinned memory would not, but aborts under a green context).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stashed_codes = [torch.zeros_like(self.step_output) for _ in range(2)]  # see `stash_codes`
+        self.first_frames = torch.zeros_like(self.step_output)  # see `decode_with_first_frames`
         self.stashes = 0
         self.prefill_stream = prefill_stream
         # Recorded on the compute stream once it has read a prefill's inputs and outputs, which the
         # next prefill overwrites.
         self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # The frame step in its two parts, per (batch bucket, span bucket) up to `split_batch`.
+        self.split_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
+        self.split_batch = 0
         self.move_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per attention-span bucket: see `move_row`
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Writing admitted requests' rows, per (requests, prompt-length bucket): see `_write_admitted`.
@@ -178,6 +186,7 @@ class FrameRunner:
         """CUDA graphs captured, by kind (for the server's log)."""
         return {
             "frame step": len(self.graphs),
+            "frame step in two parts": len(self.split_graphs),
             "row move": len(self.move_graphs),
             "prefill": len(self.prefill_graphs),
             "admission": len(self.admission_graphs),
@@ -190,10 +199,14 @@ class FrameRunner:
         spans: list[int],
         prefill_batch_sizes: list[int] = (),
         prefill_lengths: list[int] = (),
+        first_frame_rows: int = 0,
     ) -> None:
         """Capture the frame step for every (batch, span) bucket and the prefill for every (batch,
-        length) bucket. Run before any request is admitted."""
+        length) bucket, and, for a family with `early_first_frames`, the step in its two parts for the
+        batch buckets that hold up to `first_frame_rows` rows. Run before any request is admitted."""
         self.set_buckets(batch_sizes, spans, prefill_batch_sizes, prefill_lengths)
+        if self.early_first_frames and first_frame_rows > 0:
+            self.split_batch = self._bucket(first_frame_rows, self.batch_buckets)
         # Captures run their work on rows 0.. with placeholder inputs (and graph outputs never written):
         # the rows' state goes back to this afterwards.
         initial_rows = [tensor.clone() for tensor in self.state.tensors]
@@ -229,6 +242,11 @@ class FrameRunner:
                 self.state.reset(slice(0, batch))
                 graph, pool = self._capture(lambda: self._decode_into_output(batch, span), pool)
                 self.graphs[(batch, span)] = graph
+                if batch <= self.split_batch:
+                    self.state.reset(slice(0, batch))
+                    first, pool = self._capture(lambda: self._complete_frame_into_output(batch), pool)
+                    second, pool = self._capture(lambda: self._advance_into_output(batch, span), pool)
+                    self.split_graphs[(batch, span)] = (first, second)
             # Captured moving row 0 onto itself.
             self.move_graphs[span], pool = self._capture(lambda: self._move_row_by_index(span), pool)
         return pool
@@ -248,9 +266,7 @@ class FrameRunner:
         span: attention length, at least every row's position + 1. Both are padded to their buckets;
         padding rows compute throw-away frames.
         """
-        padded, span = self._bucket(batch, self.batch_buckets), self._bucket(span, self.span_buckets)
-        if padded > batch:
-            self.state.reset(slice(batch, padded))
+        padded, span = self._padded(batch, span)
         graph = self.graphs.get((padded, span))
         if graph is not None:
             graph.replay()
@@ -258,7 +274,50 @@ class FrameRunner:
             self._decode_into_output(padded, span)
         return self.step_output[:batch]
 
+    @torch.inference_mode()
+    def decode_with_first_frames(
+        self, batch: int, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """`decode` in its two parts (`early_first_frames`), with the frames [batch, codebooks + 1]
+        copied for the host between them: returns the step's output, that copy (its last column
+        means nothing) and an event for when the copy is there (None on a CPU). The host can read a
+        first frame while the backbone advances."""
+        padded, span = self._padded(batch, span)
+        graphs = self.split_graphs.get((padded, span))
+        if graphs is not None:
+            graphs[0].replay()
+        else:
+            self._complete_frame_into_output(padded)
+        frames = self.first_frames[:batch]
+        frames.copy_(self.step_output[:batch])
+        ready = None
+        if self.transfer_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        if graphs is not None:
+            graphs[1].replay()
+        else:
+            self._advance_into_output(padded, span)
+        return self.step_output[:batch], frames, ready
+
+    def _padded(self, batch: int, span: int) -> tuple[int, int]:
+        """A step's batch and span padded to their buckets (the padding rows reset)."""
+        padded, span = self._bucket(batch, self.batch_buckets), self._bucket(span, self.span_buckets)
+        if padded > batch:
+            self.state.reset(slice(batch, padded))
+        return padded, span
+
     def _decode_into_output(self, batch: int, span: int) -> None:
+        raise NotImplementedError
+
+    def _complete_frame_into_output(self, batch: int) -> None:
+        """`early_first_frames` families: the frame step's first part (each row's frame into
+        `step_output[:, :-1]`)."""
+        raise NotImplementedError
+
+    def _advance_into_output(self, batch: int, span: int) -> None:
+        """`early_first_frames` families: the frame step's second part (the backbone advanced, the
+        last column of `step_output`)."""
         raise NotImplementedError
 
     # -- prefills -------------------------------------------------------------------------------

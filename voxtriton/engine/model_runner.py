@@ -26,6 +26,8 @@ FP8_KV_CACHES = {"off": (False, False), "talker": (True, False), "on": (True, Tr
 
 
 class ModelRunner(FrameRunner):
+    early_first_frames = True
+
     def __init__(
         self,
         model: Qwen3TTSBackbone,
@@ -204,13 +206,16 @@ class ModelRunner(FrameRunner):
             self.prefill_extra = torch.zeros(batch, length, hidden, device=self.device, dtype=self.dtype)
 
     def _decode_into_output(self, batch: int, span: int) -> None:
-        rows, state = slice(0, batch), self.state
-        frames = state.frame_index[rows].clone()
-        hold = state.hold[rows].clone()
-        talker = self.talker
-        # Draw keys for the whole step at once: groups 1..15 complete this frame, group 0 starts the next.
-        groups = self.code_groups
-        keys = noise_keys(state.main.seeds[rows], frames[:, None] + (groups == 0), groups)
+        self._complete_frame_into_output(batch)
+        self._advance_into_output(batch, span)
+
+    def _complete_frame_into_output(self, batch: int) -> None:
+        """The frame step's first part: codebooks 1..15 of each row's frame (the code predictor), the
+        whole frame into `step_output[:, :-1]`. A first frame is never its request's last (the
+        official minimum of two frames), so it can go to the host now (`early_first_frames`)."""
+        rows, state, talker = slice(0, batch), self.state, self.talker
+        groups = self.code_groups  # group 0's key is unused here: it starts the next frame
+        keys = noise_keys(state.main.seeds[rows], state.frame_index[rows, None], groups)
         sub = state.sub[rows]
         residual = talker.code_predictor.predict_frame(
             state.past_hidden[rows],
@@ -218,7 +223,16 @@ class ModelRunner(FrameRunner):
             self.predictor_cache,
             lambda logits, group: sample(logits, sub, keys[:, group]),
         )
-        frame = torch.cat((state.last_code[rows, None], residual), dim=1)
+        self.step_output[rows, :-1] = torch.cat((state.last_code[rows, None], residual), dim=1)
+
+    def _advance_into_output(self, batch: int, span: int) -> None:
+        """The frame step's second part: the talker over each row's frame, and the next frame's
+        codebook 0 into `step_output[:, -1]` (end of speech ends the request)."""
+        rows, state, talker = slice(0, batch), self.state, self.talker
+        frames = state.frame_index[rows].clone()
+        hold = state.hold[rows].clone()
+        frame = self.step_output[rows, :-1]
+        key = noise_keys(state.main.seeds[rows], frames[:, None] + 1, self.code_groups[:1])[:, 0]
         text = state.trailing[rows].gather(1, frames.clamp(max=self.max_text_tokens)[:, None])[:, 0]
         embeds = (talker.frame_embeds(frame) + talker.text_embeds(text))[:, None]
         # A held row writes its KV entry at its next position too: its next real frame overwrites it.
@@ -227,9 +241,7 @@ class ModelRunner(FrameRunner):
         state.frame_index[rows] += advance
         state.position[rows] += advance
         state.past_hidden[rows] = torch.where(hold[:, None], state.past_hidden[rows], hidden)
-        code = self._sample_first_codebook(
-            talker.codec_head(hidden), rows, state.frame_index[rows], keys[:, 0], hold
-        )
+        logits = talker.codec_head(hidden)
+        code = self._sample_first_codebook(logits, rows, state.frame_index[rows], key, hold)
         state.last_code[rows] = torch.where(hold, state.last_code[rows], code)
-        self.step_output[rows, :-1] = frame
         self.step_output[rows, -1] = state.last_code[rows]

@@ -259,7 +259,9 @@ class TTSTritonModel:
             log.info("tts: FP8 KV cache (%s)", settings.fp8_kv_cache)
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
-                runner.capture_graphs(**settings.graph_buckets())
+                runner.capture_graphs(
+                    **settings.graph_buckets(), first_frame_rows=scheduler_config.single_frame_start_streams
+                )
             log.info("tts: captured CUDA graphs: %s", runner.graph_counts())
         state_size = family.codec_state_size()
         engine = Engine(
@@ -267,6 +269,8 @@ class TTSTritonModel:
             settings.max_streams,
             overlap=settings.engine_overlap and scheduler_config.rules.engine_overlap,
             text_lookahead=settings.text_lookahead,
+            # A stream that starts with a 1-frame chunk gets its frame before the backbone advances.
+            first_frame_rows=scheduler_config.single_frame_start_streams,
         )
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
         slots = codec_slots(
