@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # A 1-frame first chunk under light load (tts `scheduler_single_frame_start_streams`), in one command:
 #   bash benchmarks/gpu/run_first_chunk.sh
-# With the PRESET random checkpoint and voxserve, two servers one after the other, the setting at 0
-# (every stream starts with the schedule's first size) and at LIGHT streams (16, a GPU's default):
+# With the PRESET random checkpoint and voxserve, three servers one after the other: the setting at 0
+# (every stream starts with the schedule's first size), at LIGHT streams (16, a GPU's default) with
+# `early_first_frames` off (the first frame comes with its whole step), and at LIGHT with it on
+# (the default: the first frame comes before the talker advances):
 # 1. closed loop at each stream count of CONCURRENCY: TTFA and stalls where the setting starts
 #    streams with one frame (up to LIGHT open) and where it stops;
 # 2. open loop at RATES, REPEATS probes each: a load above LIGHT streams, where both should match.
-# Results: $OUT/first_chunk_off/ and $OUT/first_chunk_light/ (results.json, results.md); log in
+# Results: $OUT/first_chunk_off/, $OUT/first_chunk_light_whole_step/ and $OUT/first_chunk_light/
+# (results.json, results.md); log in
 # $OUT/log.txt. Settings, from the environment (see also common.sh):
 #   TRITONSERVER  the tritonserver binary (default: found as `voxtriton serve` finds it)
 #   LIGHT        the setting's stream count (16); CONCURRENCY (1,8,32,64); D seconds per run (15)
@@ -20,10 +23,11 @@ COMMON="--checkpoint $CKPTS/ck-$PRESET ${TRITONSERVER:+--tritonserver $TRITONSER
   --param tts:max_positions=512 --max-streams 512 --max-queued 256 --max-draining 768
   --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 --warm-up-load 5
   --duration ${D:-15} --repeats ${REPEATS:-2}"
-for name in off light; do
-  streams=0
-  [ $name = light ] && streams=${LIGHT:-16}
+for name in off light_whole_step light; do
+  streams=${LIGHT:-16} early=true
+  [ $name = off ] && streams=0
+  [ $name = light_whole_step ] && early=false
   run timeout ${T:-280} $PY benchmarks/serving_bench.py $COMMON \
-    --param tts:scheduler_single_frame_start_streams=$streams \
+    --param tts:scheduler_single_frame_start_streams=$streams --param tts:early_first_frames=$early \
     --concurrency ${CONCURRENCY:-1,8,32,64} --rates ${RATES:-100} --out $OUT/first_chunk_$name
 done

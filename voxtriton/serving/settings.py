@@ -147,6 +147,9 @@ class TTSSettings:
     # Launch each frame step before handling the previous one's frames, so the GPU does not wait
     # for the host's bookkeeping and admissions (not with the serial policy). See engine/engine.py.
     engine_overlap: bool = True
+    # While the scheduler starts streams with one frame (`scheduler_single_frame_start_streams`), take
+    # a stream's first frame before the talker advances, halfway through its step. See engine/engine.py.
+    early_first_frames: bool = True
     # Prefill prompts on a stream of their own, beside the frame step in flight (GPU; graph-sized prompts).
     prefill_overlap: bool = True
     graph_batch_sizes: str = "1,2,4,8,16,32,48,64,96,128,192,256"  # capped at max_streams

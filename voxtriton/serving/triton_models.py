@@ -257,11 +257,11 @@ class TTSTritonModel:
         )
         if fp8_kv:
             log.info("tts: FP8 KV cache (%s)", settings.fp8_kv_cache)
+        # A stream that starts with a 1-frame chunk gets its frame before the talker advances.
+        first_frame_rows = scheduler_config.single_frame_start_streams if settings.early_first_frames else 0
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
-                runner.capture_graphs(
-                    **settings.graph_buckets(), first_frame_rows=scheduler_config.single_frame_start_streams
-                )
+                runner.capture_graphs(**settings.graph_buckets(), first_frame_rows=first_frame_rows)
             log.info("tts: captured CUDA graphs: %s", runner.graph_counts())
         state_size = family.codec_state_size()
         engine = Engine(
@@ -269,8 +269,7 @@ class TTSTritonModel:
             settings.max_streams,
             overlap=settings.engine_overlap and scheduler_config.rules.engine_overlap,
             text_lookahead=settings.text_lookahead,
-            # A stream that starts with a 1-frame chunk gets its frame before the backbone advances.
-            first_frame_rows=scheduler_config.single_frame_start_streams,
+            first_frame_rows=first_frame_rows,
         )
         # Published for the codec processes of this tritonserver (the parent of every model's stub).
         slots = codec_slots(
