@@ -49,11 +49,12 @@ def overlap(request):
     return request.param
 
 
-def new_engine(setup, rows=8, overlap=False):
+def new_engine(setup, rows=8, overlap=False, first_frame_rows=0):
     return Engine(
         ModelRunner(setup[1], max_rows=rows, max_positions=512, max_text_tokens=64),
         max_running=rows,
         overlap=overlap,
+        first_frame_rows=first_frame_rows,
     )
 
 
@@ -221,10 +222,11 @@ def run_timed(engine, arrivals: dict[int, list[Request]]):
     return {k: np.stack(v) for k, v in codes.items()}, first_step
 
 
-def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_codes(setup, overlap):
-    """With `first_frame_rows`, a request's first frame comes back from the step that launched it
-    (read before the talker advances), so with overlap one step sooner; every code, length and end
-    is what the engine gives without it. Above `first_frame_rows` rows, first frames wait as usual."""
+def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_codes(setup):
+    """With overlap and `first_frame_rows`, a request's first frame comes back from the step that
+    launched it (read before the talker advances), one step sooner; every code, length and end is
+    what the engine gives without it. Above `first_frame_rows` rows, first frames wait as usual;
+    without overlap (a step's frames come back with it anyway) the setting is off."""
 
     def arrivals():
         return {
@@ -233,23 +235,49 @@ def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_co
             4: [make_request(setup, 3, 6), make_request(setup, 4, 3)],
         }
 
-    usual, usual_first = run_timed(new_engine(setup, rows=4, overlap=overlap), arrivals())
-    engine = new_engine(setup, rows=4, overlap=overlap)
-    engine.first_frame_rows = 4
+    usual, usual_first = run_timed(new_engine(setup, rows=4, overlap=True), arrivals())
+    engine = new_engine(setup, rows=4, overlap=True, first_frame_rows=4)
     early, early_first = run_timed(engine, arrivals())
     assert usual.keys() == early.keys() == {f"r{i}" for i in range(5)}
     for name, codes in usual.items():
         np.testing.assert_array_equal(early[name], codes)
     assert early_first == {"r0": 0, "r1": 0, "r2": 2, "r3": 4, "r4": 4}
-    assert usual_first == {name: step + overlap for name, step in early_first.items()}
+    assert usual_first == {name: step + 1 for name, step in early_first.items()}
     assert engine.running == [] and not engine.has_work
 
-    engine = new_engine(setup, rows=4, overlap=overlap)
-    engine.first_frame_rows = 1  # two rows run from the start: never at most one
-    assert run_timed(engine, arrivals())[1] == usual_first
+    # Two rows run from the start: never at most one.
+    assert (
+        run_timed(new_engine(setup, rows=4, overlap=True, first_frame_rows=1), arrivals())[1] == usual_first
+    )
+    assert new_engine(setup, rows=4, overlap=False, first_frame_rows=4).first_frame_rows == 0
 
 
-def test_an_early_first_frame_is_followed_by_the_official_end_of_speech(setup, tiny_checkpoint, overlap):
+def test_every_code_is_drawn_with_the_noise_of_its_frame_and_codebook(setup, monkeypatch):
+    """Each draw's noise is that of (seed, frame, codebook): codebook 0 of frame 0 at admission, then
+    per frame step codebooks 1..15 of its frame (the code predictor) and codebook 0 of the next (the
+    talker), whichever part of the step draws them."""
+    from voxtriton.engine import model_runner
+    from voxtriton.engine.sampling import fold_seed, noise_keys
+
+    drawn, sample = [], model_runner.sample
+
+    def recorded(logits, params, keys):
+        drawn.append(int(keys[0]))
+        return sample(logits, params, keys)
+
+    monkeypatch.setattr(model_runner, "sample", recorded)
+    request = make_request(setup, 0, frames=3)
+    run(new_engine(setup, rows=1), {0: [request]})
+    seed = torch.tensor([fold_seed(request.params.seed)])
+
+    def key(frame, group):
+        return int(noise_keys(seed, torch.tensor([[frame]]), torch.tensor([group]))[0, 0])
+
+    steps = [[key(frame, group) for group in range(1, 16)] + [key(frame + 1, 0)] for frame in range(3)]
+    assert drawn == [key(0, 0)] + [k for step in steps for k in step]
+
+
+def test_an_early_first_frame_is_followed_by_the_official_end_of_speech(setup, tiny_checkpoint):
     """A talker that always prefers end-of-speech, first frames early: still two frames, the second
     ending the request."""
     config, _, prompts = setup
@@ -258,7 +286,7 @@ def test_an_early_first_frame_is_followed_by_the_official_end_of_speech(setup, t
         lambda module, args, logits: logits.index_fill(-1, torch.tensor([config.talker.codec_eos_id]), 100.0)
     )
     runner = ModelRunner(backbone, max_rows=2, max_positions=256, max_text_tokens=64)
-    engine = Engine(runner, max_running=2, overlap=overlap, first_frame_rows=2)
+    engine = Engine(runner, max_running=2, overlap=True, first_frame_rows=2)
     params = GenerationParams.create(config.generation, 1000, temperature=0.0, max_frames=30)
     request = Request("eager", prompts.build("Stop soon.", "ryan"), params)
     codes, first_step = run_timed(engine, {0: [request]})

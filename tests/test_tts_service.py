@@ -74,15 +74,17 @@ def fixed_length(text: bytes, frames: int, **fields) -> dict:
 
 
 def engine_and_parser(
-    tiny_checkpoint, policy: str, **scheduler
+    tiny_checkpoint, policy: str, first_frame_rows: int = 0, **scheduler
 ) -> tuple[Engine, RequestParser, SchedulerConfig]:
     """The tiny backbone's engine with two rows, built as the tts model builds it (overlapped, except
-    under serial), a request parser and the scheduler's configuration."""
+    under serial; first frames early up to `first_frame_rows` rows), a request parser and the
+    scheduler's configuration."""
     config = load_config(tiny_checkpoint)
     settings = TTSSettings(checkpoint_dir=str(tiny_checkpoint), max_streams=2, max_positions=256)
     runner = ModelRunner(load_backbone(tiny_checkpoint, config), 2, 256, settings.max_text_tokens)
     parser = RequestParser(config, PromptBuilder(config, TextTokenizer(tiny_checkpoint)), settings)
-    return Engine(runner, 2, overlap=policy != "serial"), parser, SchedulerConfig(policy=policy, **scheduler)
+    engine = Engine(runner, 2, overlap=policy != "serial", first_frame_rows=first_frame_rows)
+    return engine, parser, SchedulerConfig(policy=policy, **scheduler)
 
 
 def cpu_codec(
@@ -299,13 +301,20 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
 def test_a_first_frame_returned_early_starts_a_one_frame_chunk_and_the_audio_stays_exact(
     tiny_checkpoint, policy
 ):
-    """The engine returns first frames before its step ends (`first_frame_rows`) and the scheduler
-    starts light streams with one frame: the stream gets 1, 2, 2, 4 frames and exactly the audio of
-    its whole decode."""
+    """The engine returns first frames before its step ends (`first_frame_rows`; with overlap, not
+    under serial) and the scheduler starts light streams with one frame: the stream gets 1, 2, 2, 4
+    frames and exactly the audio of its whole decode."""
     engine, parser, scheduler_config = engine_and_parser(
-        tiny_checkpoint, policy, chunk_schedule="2,2,4,4,8", single_frame_start_streams=2
+        tiny_checkpoint, policy, 2, chunk_schedule="2,2,4,4,8", single_frame_start_streams=2
     )
-    engine.first_frame_rows = 2
+    early, first_frames = [], engine._first_frames
+
+    def recorded(launched):
+        outputs = first_frames(launched)
+        early.extend(outputs)
+        return outputs
+
+    engine._first_frames = recorded
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
@@ -317,6 +326,7 @@ def test_a_first_frame_returned_early_starts_a_one_frame_chunk_and_the_audio_sta
         service.shutdown()
     assert [int(info[2]) for info in sink.info] == [1, 2, 2, 4]
     assert_audio_is_the_whole_decode(codec, sink, 9)
+    assert [output.request.request_id for output in early] == (["r1"] if policy == "concurrent" else [])
 
 
 class LaneThatHoldsItsFirstCallUntilASecondStarts:

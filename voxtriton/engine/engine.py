@@ -16,11 +16,14 @@ padding: it keeps its row, but its frame step is masked (its state stays as it w
 comes back. It starts, and resumes from a pause, once `text_lookahead` ids wait ahead of it (or its
 text ended), so its codes are those of the same text sent whole, whatever the pieces' timing.
 
-First frames early: with `first_frame_rows` set and at most that many rows running, a step that
-holds a request's first frame (a family with `early_first_frames`) returns that frame as soon as
-the step has completed it, before the backbone advances, instead of with the step's other frames:
-a stream's first chunk of one frame leaves the backbone's time sooner. The host then waits for
-that part of the step it launched, so the bound keeps it to light load.
+First frames early: with overlap, `first_frame_rows` set and at most that many rows running, a
+step that holds the first frame of a request whose text is whole (a family with
+`early_first_frames`) returns that frame as soon as the step has completed it, before the backbone
+advances, instead of with the next step's call: a stream that starts with a 1-frame chunk no
+longer waits for the talker's part of the step. The host then waits for that part of the step it
+launched before it returns the frames of the step before (a few ms later for the other streams,
+once per new stream), so the bound keeps it to light load. (Without overlap a step's frames come
+back with it anyway.)
 """
 
 from __future__ import annotations
@@ -85,14 +88,14 @@ class Engine:
         first_frame_rows: int = 0,
     ):
         """first_frame_rows: return first frames early while at most this many rows run (see the
-        module's docstring; 0: never, and for families without `early_first_frames`)."""
+        module's docstring; 0: never, and without overlap or `early_first_frames`)."""
         if max_running > runner.max_rows:
             raise ValueError(f"max_running={max_running} exceeds the runner's {runner.max_rows} rows")
         if text_lookahead < 1:
             raise ValueError(f"text_lookahead must be at least 1, got {text_lookahead}")
         self.runner = runner
         self.text_lookahead = text_lookahead
-        self.first_frame_rows = first_frame_rows if runner.early_first_frames else 0
+        self.first_frame_rows = first_frame_rows if runner.early_first_frames and overlap else 0
         self.holds: list[bool] = []  # per running row, what the runner was last told (`set_holds`)
         # Running requests whose text may still change their row: text still arriving, or paused.
         self.streaming: set[Request] = set()
@@ -272,7 +275,10 @@ class Engine:
             requests = list(self.running)
         first_rows = []
         if 0 < len(self.running) <= self.first_frame_rows:
-            first_rows = [row for row, r in enumerate(requests) if r is not None and r.frames == 0]
+            # An input stream starts with several frames: its first one alone is no use early.
+            first_rows = [
+                row for row, r in enumerate(requests) if r is not None and r.frames == 0 and not r.text_open
+            ]
         before_decode = self._event()
         first_frames = None
         if first_rows:

@@ -77,8 +77,10 @@ class FrameRunner:
         # next prefill overwrites.
         self.prefill_read = torch.cuda.Event() if prefill_stream is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        # The frame step in its two parts, per (batch bucket, span bucket) up to `split_batch`.
-        self.split_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
+        # The frame step in its two parts, for batch buckets up to `split_batch`: the first (which
+        # attends to no KV cache of any span) per batch bucket, the second per (batch, span) bucket.
+        self.first_part_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.second_part_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.split_batch = 0
         self.move_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # per attention-span bucket: see `move_row`
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -186,7 +188,8 @@ class FrameRunner:
         """CUDA graphs captured, by kind (for the server's log)."""
         return {
             "frame step": len(self.graphs),
-            "frame step in two parts": len(self.split_graphs),
+            "frame step's first part": len(self.first_part_graphs),
+            "frame step's second part": len(self.second_part_graphs),
             "row move": len(self.move_graphs),
             "prefill": len(self.prefill_graphs),
             "admission": len(self.admission_graphs),
@@ -244,9 +247,13 @@ class FrameRunner:
                 self.graphs[(batch, span)] = graph
                 if batch <= self.split_batch:
                     self.state.reset(slice(0, batch))
-                    first, pool = self._capture(lambda: self._complete_frame_into_output(batch), pool)
-                    second, pool = self._capture(lambda: self._advance_into_output(batch, span), pool)
-                    self.split_graphs[(batch, span)] = (first, second)
+                    if batch not in self.first_part_graphs:
+                        self.first_part_graphs[batch], pool = self._capture(
+                            lambda: self._complete_frame_into_output(batch), pool
+                        )
+                    self.second_part_graphs[(batch, span)], pool = self._capture(
+                        lambda: self._advance_into_output(batch, span), pool
+                    )
             # Captured moving row 0 onto itself.
             self.move_graphs[span], pool = self._capture(lambda: self._move_row_by_index(span), pool)
         return pool
@@ -283,9 +290,9 @@ class FrameRunner:
         means nothing) and an event for when the copy is there (None on a CPU). The host can read a
         first frame while the backbone advances."""
         padded, span = self._padded(batch, span)
-        graphs = self.split_graphs.get((padded, span))
-        if graphs is not None:
-            graphs[0].replay()
+        first, second = self.first_part_graphs.get(padded), self.second_part_graphs.get((padded, span))
+        if first is not None:
+            first.replay()
         else:
             self._complete_frame_into_output(padded)
         frames = self.first_frames[:batch]
@@ -294,8 +301,8 @@ class FrameRunner:
         if self.transfer_stream is not None:
             ready = torch.cuda.Event()
             ready.record()
-        if graphs is not None:
-            graphs[1].replay()
+        if second is not None:
+            second.replay()
         else:
             self._advance_into_output(padded, span)
         return self.step_output[:batch], frames, ready

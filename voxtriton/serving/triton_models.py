@@ -257,8 +257,10 @@ class TTSTritonModel:
         )
         if fp8_kv:
             log.info("tts: FP8 KV cache (%s)", settings.fp8_kv_cache)
+        overlap = settings.engine_overlap and scheduler_config.rules.engine_overlap
         # A stream that starts with a 1-frame chunk gets its frame before the talker advances.
         first_frame_rows = scheduler_config.single_frame_start_streams if settings.early_first_frames else 0
+        first_frame_rows = first_frame_rows if overlap else 0
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets(), first_frame_rows=first_frame_rows)
@@ -267,7 +269,7 @@ class TTSTritonModel:
         engine = Engine(
             runner,
             settings.max_streams,
-            overlap=settings.engine_overlap and scheduler_config.rules.engine_overlap,
+            overlap=overlap,
             text_lookahead=settings.text_lookahead,
             first_frame_rows=first_frame_rows,
         )
