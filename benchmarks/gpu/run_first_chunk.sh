@@ -14,7 +14,7 @@
 #   TRITONSERVER  the tritonserver binary (default: found as `voxtriton serve` finds it)
 #   LIGHT        the setting's stream count (16); CONCURRENCY (1,8,32,64); D seconds per run (15)
 #   RATES        open-loop arrival rates (100); REPEATS probes per rate (2); T time limit per server (280)
-#   PRESET       the model size (1.7b)
+#   PRESET       the model size (1.7b); RUNS which of the three servers (all)
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 PRESET=${PRESET:-1.7b}
@@ -23,7 +23,7 @@ COMMON="--checkpoint $CKPTS/ck-$PRESET ${TRITONSERVER:+--tritonserver $TRITONSER
   --param tts:max_positions=512 --max-streams 512 --max-queued 256 --max-draining 768
   --param tts:graph_batch_sizes=1,2,4,8,16,32,48,64,96,128,192,256,384,512 --warm-up-load 5
   --duration ${D:-15} --repeats ${REPEATS:-2}"
-for name in off light_whole_step light; do
+for name in ${RUNS:-off light_whole_step light}; do
   streams=${LIGHT:-16} early=true
   [ $name = off ] && streams=0
   [ $name = light_whole_step ] && early=false
