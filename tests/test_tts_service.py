@@ -352,6 +352,43 @@ class LaneThatHoldsItsFirstCallUntilASecondStarts:
             return self.lane.decode(codes, start, slots, prime)
 
 
+def test_a_stream_still_sending_audio_counts_against_light_load_for_early_first_frames(tiny_checkpoint):
+    """One stream alone starts with one frame, returned early. A second that starts while the first
+    has left the engine but still sends its audio is not under light load (two streams open against
+    `single_frame_start_streams` 1): it starts with the schedule's 2 frames and its first frame is not
+    returned early either (the engine, running one row, would have split that step for nothing)."""
+    engine, parser, scheduler_config = engine_and_parser(
+        tiny_checkpoint, "concurrent", 1, chunk_schedule="2,2,4", single_frame_start_streams=1
+    )
+    early, first_frames = [], engine._first_frames
+
+    def recorded(launched):
+        outputs = first_frames(launched)
+        early.extend(output.request.request_id for output in outputs)
+        return outputs
+
+    engine._first_frames = recorded
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config, lane_workers=2)
+    lane = LaneThatHoldsItsFirstCallUntilASecondStarts(InProcessLane(codec, pool.tensor))
+    service = TTSService(
+        engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, lane_workers=2
+    )
+    try:
+        sinks = [CollectingSink(), CollectingSink()]
+        service.submit(parser.parse("r1", fixed_length(b"Still sending.", 5, seed=3)), sinks[0])
+        assert lane.first_started.wait(60)  # r1's first chunk is held: r1 stays open
+        wait_for(lambda: not engine.running and not engine.waiting)  # r1 has generated all 5 frames
+        service.submit(parser.parse("r2", fixed_length(b"Not light.", 6, seed=4)), sinks[1])
+        assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
+        assert lane.released
+    finally:
+        service.shutdown()
+    assert early == ["r1"]
+    assert [int(info[2]) for info in sinks[0].info][0] == 1
+    assert [int(info[2]) for info in sinks[1].info] == [2, 2, 2]
+    assert_audio_is_the_whole_decode(codec, sinks[1], 6)
+
+
 def test_two_lane_workers_keep_two_codec_calls_in_flight_and_the_audio_exact(tiny_checkpoint):
     """A second stream's chunk is decoded while the lane's first call is still out, and both streams
     get exactly the audio of decoding their codes in one piece; every codec slot comes back."""

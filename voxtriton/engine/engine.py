@@ -16,8 +16,9 @@ padding: it keeps its row, but its frame step is masked (its state stays as it w
 comes back. It starts, and resumes from a pause, once `text_lookahead` ids wait ahead of it (or its
 text ended), so its codes are those of the same text sent whole, whatever the pieces' timing.
 
-First frames early: with overlap, `first_frame_rows` set and at most that many rows running, a
-step that holds the first frame of a request whose text is whole (a family with
+First frames early: with overlap, `first_frame_rows` set, at most that many rows running and the
+caller saying the load is light (`step(first_frames_early=...)`: its scheduler counts the streams
+still sending audio too), a step that holds the first frame of a request whose text is whole (a family with
 `early_first_frames`) returns that frame as soon as the step has completed it, before the backbone
 advances, instead of with the next step's call: a stream that starts with a 1-frame chunk no
 longer waits for the talker's part of the step. The host then waits for that part of the step it
@@ -227,9 +228,12 @@ class Engine:
             self.runner.set_holds(self.holds)
         return self.holds
 
-    def step(self) -> list[FrameOutput]:
+    def step(self, first_frames_early: bool = True) -> list[FrameOutput]:
         """Launch the next frame of every running request (admitting waiting ones first) and return
-        the frames of the step launched before it, or, without overlap, of this one."""
+        the frames of the step launched before it, or, without overlap, of this one.
+        `first_frames_early`: whether first frames may come early at all now; the caller whose
+        scheduler starts streams with one frame only under light load says whether the load is light
+        (it counts the streams still sending audio too, which have left the engine)."""
         for request in [r for r in self.running if r.cancelled]:
             self._leave_batch(request)
             self._finish(request, "cancelled")
@@ -240,7 +244,11 @@ class Engine:
         generating = holds.count(False)
         timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=generating)
         started, cpu_started = time.perf_counter(), time.thread_time()
-        launched = self._launch(prefill_event if admitted else None, holds) if generating else None
+        launched = (
+            self._launch(prefill_event if admitted else None, holds, first_frames_early)
+            if generating
+            else None
+        )
         firsts = self._first_frames(launched) if launched is not None and launched.first_frames else []
         if self.overlap:
             launched, self.in_flight = self.in_flight, launched
@@ -265,7 +273,9 @@ class Engine:
         event.record()
         return event
 
-    def _launch(self, before_prefill: torch.cuda.Event | None, holds: list[bool]) -> _Launched:
+    def _launch(
+        self, before_prefill: torch.cuda.Event | None, holds: list[bool], first_frames_early: bool
+    ) -> _Launched:
         """Queue one frame step for rows 0..B-1 (paused ones masked) and the copy of its codes to the
         host."""
         span = max(r.position for r in self.running) + 1
@@ -274,7 +284,7 @@ class Engine:
         else:
             requests = list(self.running)
         first_rows = []
-        if 0 < len(self.running) <= self.first_frame_rows:
+        if first_frames_early and 0 < len(self.running) <= self.first_frame_rows:
             # An input stream starts with several frames: its first one alone is no use early.
             first_rows = [
                 row for row, r in enumerate(requests) if r is not None and r.frames == 0 and not r.text_open

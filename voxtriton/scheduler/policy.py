@@ -284,8 +284,11 @@ class ChunkScheduler:
         """`single_frame_start_streams`: the server is lightly loaded and the stream's text whole (an
         input stream's start is its buffer against the gaps between words). Not for a stream pinned
         to a lane (the warm-up's), which runs the lane's shapes of the schedule."""
-        light = len(self.streams) <= self.config.single_frame_start_streams
-        return light and not stream.text_open and stream.lane is None
+        return self.light_load() and not stream.text_open and stream.lane is None
+
+    def light_load(self) -> bool:
+        """At most `single_frame_start_streams` streams open (generating, or still sending audio)."""
+        return len(self.streams) <= self.config.single_frame_start_streams
 
     def close(self, stream_id: str) -> None:
         """Forget a stream (finished, cancelled or failed); its queued chunks are dropped."""

@@ -69,7 +69,8 @@ class EngineLoop:
                 self.scheduler.add(stream)
             self.incoming.clear()
             self._hand_text()
-        outputs = self.engine.step()
+            light = self.scheduler.light_load()  # streams start with one frame: their first come early
+        outputs = self.engine.step(first_frames_early=light)
         with self.lock:
             silent = [output.request for output in outputs if output.codes is None]
             for output in outputs:
