@@ -46,11 +46,13 @@ def generate(
     when_ready=lambda: None,
     prompt_for=lambda prompts, text: prompts.build(text, "ryan"),
     first_frame_rows: int = 0,
+    early: list[str] | None = None,
 ) -> dict[str, np.ndarray]:
     """A request per text through the engine, the first three admitted at step 0 (rows 0-2), the
     rest at step 2; `when_ready` is called once the graphs are captured, before the first admission.
     `prompt_for(prompt builder, text)` makes each request's prompt; `first_frame_rows` the engine's
-    (and the graphs' split steps)."""
+    (and the graphs' split steps); `early`, if given, gets the ids of requests whose first frame
+    came early."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -74,6 +76,15 @@ def generate(
     else:
         runner.set_buckets(**buckets)
     engine = Engine(runner, max_running=8, overlap=overlap, first_frame_rows=first_frame_rows)
+    if early is not None:
+        first_frames = engine._first_frames
+
+        def recorded(launched):
+            outputs = first_frames(launched)
+            early.extend(output.request.request_id for output in outputs)
+            return outputs
+
+        engine._first_frames = recorded
     when_ready()
     requests = [
         Request(
@@ -115,7 +126,9 @@ def test_first_frames_read_between_the_steps_two_graphs_give_the_eager_codes(tin
     frames come early, the last two's, at 5 rows, do not), with overlap (first frames come early
     only then), against eager steps without the split."""
     eager = generate(tiny_checkpoint, graphs=False)
-    graphed = generate(tiny_checkpoint, graphs=True, overlap=True, first_frame_rows=4)
+    early: list[str] = []
+    graphed = generate(tiny_checkpoint, graphs=True, overlap=True, first_frame_rows=4, early=early)
+    assert early == ["r0", "r1", "r2"]
     assert eager.keys() == graphed.keys() and len(eager) == 5
     for name in eager:
         np.testing.assert_array_equal(graphed[name], eager[name])
