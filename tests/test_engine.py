@@ -252,6 +252,27 @@ def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_co
     assert new_engine(setup, rows=4, overlap=False, first_frame_rows=4).first_frame_rows == 0
 
 
+def test_a_request_cancelled_before_its_early_first_frame_is_read_gets_no_frame(setup):
+    """Cancelled after its step launched and before the host read its first frame: no frame comes
+    back for it, early or with the step, it ends "cancelled", and the other request runs on with the
+    codes it has alone."""
+    alone = run(new_engine(setup, rows=2, overlap=True), {0: [make_request(setup, 1, 4)]})
+    engine = new_engine(setup, rows=2, overlap=True, first_frame_rows=2)
+    cancelled, kept = make_request(setup, 0, 6), make_request(setup, 1, 4)
+    read_codes = engine.runner.read_codes
+
+    def cancel_then_read(codes, ready):
+        if engine.in_flight is None:  # the first step's first frames, read before its overlap swap
+            cancelled.cancelled = True
+        return read_codes(codes, ready)
+
+    engine.runner.read_codes = cancel_then_read
+    codes = run(engine, {0: [cancelled, kept]})
+    assert codes.keys() == {"r1"} and cancelled.finish_reason == "cancelled"
+    np.testing.assert_array_equal(codes["r1"], alone["r1"])
+    assert engine.running == [] and not engine.has_work
+
+
 def test_every_code_is_drawn_with_the_noise_of_its_frame_and_codebook(setup, monkeypatch):
     """Each draw's noise is that of (seed, frame, codebook): codebook 0 of frame 0 at admission, then
     per frame step codebooks 1..15 of its frame (the code predictor) and codebook 0 of the next (the
