@@ -14,6 +14,7 @@ import torch
 
 from voxtriton.launch.server import TritonServer
 from voxtriton.models.loader import load_codec
+from voxtriton.serving import pool_files
 from voxtriton.serving.codec_service import CodecService
 from voxtriton.serving.pool_files import published_path, remove_orphans
 from voxtriton.serving.settings import CodecSettings
@@ -71,13 +72,43 @@ def test_files_no_live_process_holds_are_removed_and_held_ones_kept(tmp_path, mo
     )
     orphan, orphan_handle = Path(json.loads(left.stdout)["path"]), published_path_of(tmp_path, left)
     live = CodecStatePool(rows=1, state_size=8, device="cpu", publish_for=os.getpid())
+    live_files = [Path(json.loads(live.handle)["path"]), published_path(os.getpid())]
     try:
         assert not orphan.exists() and not orphan_handle.exists()  # the new pool swept them
-        assert remove_orphans() == []  # the live pool's are held
-        assert Path(json.loads(live.handle)["path"]).exists() and published_path(os.getpid()).exists()
+        assert not set(remove_orphans()) & set(live_files)  # the live pool's are held
+        assert all(path.exists() for path in live_files)
     finally:
         live.close()
     assert not Path(json.loads(live.handle)["path"]).exists() and not published_path(os.getpid()).exists()
+
+
+def test_the_sweep_removes_only_unheld_regular_files_under_their_own_name(tmp_path, monkeypatch):
+    """Not a FIFO planted under a pool file's name (opening one could block the sweep); not a file
+    whose name a newer file took between the sweep's open and its lock (that one is in use); not a
+    staging file young enough to be one whose lock is not taken yet, but an old one."""
+    monkeypatch.setattr(pool_files, "SHARED_DIR", tmp_path)
+    monkeypatch.setenv("VOXTRITON_CACHE", str(tmp_path / "cache"))
+    fifo = tmp_path / f"{pool_files.POOL_FILE_PREFIX}fifo"
+    os.mkfifo(fifo)
+    young, old = (tmp_path / f"{pool_files.STAGING_PREFIX}{age}" for age in ("young", "old"))
+    young.write_bytes(b"")
+    old.write_bytes(b"")
+    os.utime(old, (0, 0))
+    assert remove_orphans() == [old] and fifo.exists() and young.exists()
+
+    replaced = tmp_path / f"{pool_files.POOL_FILE_PREFIX}replaced"
+    replaced.write_bytes(b"old")
+    newer = tmp_path / "newer"
+    newer.write_bytes(b"newer")
+    flock = pool_files.fcntl.flock
+
+    def replaced_before_the_lock(descriptor, operation):
+        if operation & pool_files.fcntl.LOCK_EX and newer.exists():
+            os.replace(newer, replaced)  # as a pool made at that moment takes the name
+        return flock(descriptor, operation)
+
+    monkeypatch.setattr(pool_files.fcntl, "flock", replaced_before_the_lock)
+    assert remove_orphans() == [] and replaced.read_bytes() == b"newer"
 
 
 def published_path_of(tmp_path: Path, completed: subprocess.CompletedProcess) -> Path:
@@ -96,14 +127,15 @@ def test_a_killed_server_leaves_no_codec_state_pool_behind(tiny_checkpoint, tmp_
     try:
         server.start()
         published = published_path(server.process.pid)
-        pool_file = Path(json.loads(published.read_bytes())["path"])
+        pool = json.loads(published.read_bytes())  # on a GPU, device memory: no file but the handle
+        files = [published] + ([Path(pool["path"])] if pool["kind"] == "file" else [])
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()
-        assert published.exists() and pool_file.exists()
+        assert all(path.exists() for path in files)
     finally:
         server.stop()
         server.cleanup()
-    assert not published.exists() and not pool_file.exists()
+    assert not any(path.exists() for path in files)
 
 
 def test_chunks_decoded_through_the_pool_equal_one_whole_decode(tiny_checkpoint):

@@ -867,10 +867,10 @@ def test_an_in_context_stream_is_primed_while_it_prefills(tiny_base_checkpoint, 
     voice = base_encoder.encode([recording], ["A reference, spoken."])[0]
     step, primed_before_the_first_step = engine.step, []
 
-    def first_step_waits_for_the_priming():
+    def first_step_waits_for_the_priming(**options):
         if not primed_before_the_first_step:
             primed_before_the_first_step.append(lane.primed.wait(10))
-        return step()
+        return step(**options)
 
     if policy == "voxserve":
         engine.step = first_step_waits_for_the_priming

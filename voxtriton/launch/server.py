@@ -301,11 +301,29 @@ class TritonServer:
 
 
 def wait_for_group_exit(group: int, timeout: float) -> None:
-    """Until no process of the group is left (or, unreaped, only exited ones), at most `timeout` s."""
+    """Until no process of the group is running, at most `timeout` s."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return
+    while group_running(group) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def group_running(group: int) -> bool:
+    """Whether a process of the group still runs. One whose every thread has exited, awaiting its
+    reaping (which a container's first process may never do), has let go of its files and does not
+    count; a process whose main thread has exited while others still tear down has not."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat_fields(stat)
+        if fields and int(fields[2]) == group:
+            threads = (_stat_fields(task) for task in stat.parent.glob("task/[0-9]*/stat"))
+            if any(fields and fields[0] not in ("Z", "X") for fields in threads):
+                return True
+    return False
+
+
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of a /proc stat file after the command name (state, parent, group, ...); none for
+    a process or thread that ended meanwhile."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from .pool_files import create_held, new_pool_file, published_path, remove_orphans
+from .pool_files import new_pool_file, publish_held, published_path, remove_orphans
 
 _attached: tuple[bytes, torch.Tensor] | None = None  # (handle, pool): the latest genuine one
 _attach_lock = threading.Lock()
@@ -52,33 +52,37 @@ class CodecStatePool:
         self._path: Path | None = None
         self._published: Path | None = None
         self._holds: list[int] = []  # descriptors holding this pool's files while the process lives
-        if device.type == "cuda":
-            self.tensor = torch.zeros(rows, state_size, device=device)
-            # What torch.multiprocessing sends for a CUDA tensor, as plain data.
-            (index, memory, size_bytes, offset_bytes, counter, counter_offset, event, event_sync) = (
-                self.tensor._typed_storage()._share_cuda_()
-            )
-            description = {
-                "kind": "cuda",
-                "device": index,
-                "memory": memory.hex(),
-                "size_bytes": size_bytes,
-                "offset_bytes": offset_bytes,
-                "counter": counter.hex(),
-                "counter_offset": counter_offset,
-                "event": event.hex() if event else None,
-                "event_sync": bool(event_sync),
-            }
-        else:
-            self._path, hold = new_pool_file()
-            self._holds.append(hold)
-            self.tensor = _map_file(str(self._path), rows, state_size)
-            description = {"kind": "file", "path": str(self._path)}
-        self.handle = json.dumps({"rows": rows, "state_size": state_size, **description}).encode()
-        if publish_for is not None:
-            self._published = published_path(publish_for)
-            self._published.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._holds.append(create_held(self._published, self.handle))
+        try:
+            if device.type == "cuda":
+                self.tensor = torch.zeros(rows, state_size, device=device)
+                # What torch.multiprocessing sends for a CUDA tensor, as plain data.
+                (index, memory, size_bytes, offset_bytes, counter, counter_offset, event, event_sync) = (
+                    self.tensor._typed_storage()._share_cuda_()
+                )
+                description = {
+                    "kind": "cuda",
+                    "device": index,
+                    "memory": memory.hex(),
+                    "size_bytes": size_bytes,
+                    "offset_bytes": offset_bytes,
+                    "counter": counter.hex(),
+                    "counter_offset": counter_offset,
+                    "event": event.hex() if event else None,
+                    "event_sync": bool(event_sync),
+                }
+            else:
+                self._path, hold = new_pool_file()
+                self._holds.append(hold)
+                self.tensor = _map_file(str(self._path), rows, state_size)
+                description = {"kind": "file", "path": str(self._path)}
+            self.handle = json.dumps({"rows": rows, "state_size": state_size, **description}).encode()
+            if publish_for is not None:
+                self._published = published_path(publish_for)
+                self._published.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._holds.append(publish_held(self._published, self.handle))
+        except BaseException:  # nothing of a pool that could not be made stays held
+            self.close()
+            raise
 
     def handle_tensor(self) -> torch.Tensor:
         """The handle as a uint8 tensor, to send as a BLS input."""
