@@ -48,9 +48,9 @@ class TracedEngine(Engine):
         super().__init__(*args, **kwargs)
         self.trace = trace
 
-    def step(self):
+    def step(self, first_frames_early: bool = True):
         started = time.perf_counter()
-        outputs = super().step()
+        outputs = super().step(first_frames_early)
         self.trace.append(("step", started, time.perf_counter(), len(outputs)))
         return outputs
 
