@@ -18,13 +18,13 @@ text ended), so its codes are those of the same text sent whole, whatever the pi
 
 First frames early: with overlap, `first_frame_rows` set, at most that many rows running and the
 caller saying the load is light (`step(first_frames_early=...)`: its scheduler counts the streams
-still sending audio too), a step that holds the first frame of a request whose text is whole (a family with
-`early_first_frames`) returns that frame as soon as the step has completed it, before the backbone
-advances, instead of with the next step's call: a stream that starts with a 1-frame chunk no
-longer waits for the talker's part of the step. The host then waits for that part of the step it
-launched before it returns the frames of the step before (a few ms later for the other streams,
-once per new stream), so the bound keeps it to light load. (Without overlap a step's frames come
-back with it anyway.)
+still sending audio too), a step that holds the first frame of a request whose text is whole (a
+family with `early_first_frames`) returns that frame as soon as the step has completed it, before
+the backbone advances, instead of with the next step's call: a stream that starts with a 1-frame
+chunk no longer waits for the talker's part of the step. The host then waits for that part of the
+step it launched before it returns the frames of the step before (a few ms later for the other
+streams, once per new stream), so the bound keeps it to light load. (Without overlap a step's
+frames come back with it anyway.)
 """
 
 from __future__ import annotations

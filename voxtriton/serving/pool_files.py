@@ -85,8 +85,7 @@ def remove_orphans() -> list[Path]:
     """Delete the pool files, published handles and staging files that no live process holds; the
     ones removed."""
     removed = []
-    for directory in (SHARED_DIR, published_dir()):
-        pattern = f"{POOL_FILE_PREFIX}*" if directory == SHARED_DIR else "*.json"
+    for directory, pattern in ((SHARED_DIR, f"{POOL_FILE_PREFIX}*"), (published_dir(), "*.json")):
         for path in directory.glob(pattern):
             if _remove_if_unheld(path, 0.0):
                 removed.append(path)

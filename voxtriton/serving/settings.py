@@ -1,7 +1,7 @@
 """Settings of the Triton models, read from the `parameters` of their config.pbtxt.
 
-Every knob has a default here and is documented in docs/configuration.md; config.pbtxt only lists what a
-deployment changes. Unknown parameter names are rejected so a typo cannot silently do nothing.
+Every knob has a default here and is documented in docs/configuration.md; config.pbtxt only lists
+what a deployment changes. Unknown parameter names are rejected so a typo cannot silently do nothing.
 """
 
 from __future__ import annotations

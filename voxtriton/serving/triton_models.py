@@ -259,8 +259,8 @@ class TTSTritonModel:
             log.info("tts: FP8 KV cache (%s)", settings.fp8_kv_cache)
         overlap = settings.engine_overlap and scheduler_config.rules.engine_overlap
         # A stream that starts with a 1-frame chunk gets its frame before the talker advances.
-        first_frame_rows = scheduler_config.single_frame_start_streams if settings.early_first_frames else 0
-        first_frame_rows = first_frame_rows if overlap else 0
+        early = settings.early_first_frames and overlap
+        first_frame_rows = scheduler_config.single_frame_start_streams if early else 0
         if device.type == "cuda" and settings.cuda_graphs:
             with self.partition:  # captured on the backbone's partition stream, replayed there
                 runner.capture_graphs(**settings.graph_buckets(), first_frame_rows=first_frame_rows)
