@@ -209,13 +209,13 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
         np.testing.assert_array_equal(result[name], alone[name])
 
 
-def run_timed(engine, arrivals: dict[int, list[Request]]):
+def run_timed(engine, arrivals: dict[int, list[Request]], first_frames_early: bool = True):
     """`run`, also returning the step that returned each request's first frame."""
     codes, first_step, step = {}, {}, 0
     while engine.has_work or any(s >= step for s in arrivals):
         for request in arrivals.get(step, []):
             engine.add(request)
-        for output in engine.step():
+        for output in engine.step(first_frames_early):
             first_step.setdefault(output.request.request_id, step)
             codes.setdefault(output.request.request_id, []).append(output.codes)
         step += 1
@@ -226,29 +226,52 @@ def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_co
     """With overlap and `first_frame_rows`, a request's first frame comes back from the step that
     launched it (read before the talker advances), one step sooner; every code, length and end is
     what the engine gives without it. Above `first_frame_rows` rows, first frames wait as usual;
-    without overlap (a step's frames come back with it anyway) the setting is off."""
+    without overlap (a step's frames come back with it anyway) the setting is off, and so it is for a
+    step whose caller says the load is not light."""
 
-    def arrivals():
+    def arrivals(one_frame_first=False):
+        # r1's first frame is its last: it leaves at launch, and where it holds row 0, r0 moves into it
+        pair = [make_request(setup, 0, 7), make_request(setup, 1, 1)]
         return {
-            0: [make_request(setup, 0, 7), make_request(setup, 1, 1)],  # r1: its first frame is its last
+            0: pair[::-1] if one_frame_first else pair,
             2: [make_request(setup, 2, 5)],
             4: [make_request(setup, 3, 6), make_request(setup, 4, 3)],
         }
 
     usual, usual_first = run_timed(new_engine(setup, rows=4, overlap=True), arrivals())
-    engine = new_engine(setup, rows=4, overlap=True, first_frame_rows=4)
-    early, early_first = run_timed(engine, arrivals())
-    assert usual.keys() == early.keys() == {f"r{i}" for i in range(5)}
-    for name, codes in usual.items():
-        np.testing.assert_array_equal(early[name], codes)
-    assert early_first == {"r0": 0, "r1": 0, "r2": 2, "r3": 4, "r4": 4}
-    assert usual_first == {name: step + 1 for name, step in early_first.items()}
-    assert engine.running == [] and not engine.has_work
+    for one_frame_first in (False, True):
+        engine = new_engine(setup, rows=4, overlap=True, first_frame_rows=4)
+        runner, splits = engine.runner, []
+        split, advance = runner.decode_with_first_frames, runner._advance_into_output
+
+        def split_step(batch, span):
+            splits.append(batch)
+            return split(batch, span)
+
+        def advance_after_the_copy(batch, span):
+            # In a split step the host's copy of the frames is taken before the backbone advances.
+            if splits and splits[-1] is not None:
+                rows = splits[-1]
+                assert torch.equal(runner.first_frames[:rows, :-1], runner.step_output[:rows, :-1])
+                splits[-1] = None
+            advance(batch, span)
+
+        runner.decode_with_first_frames, runner._advance_into_output = split_step, advance_after_the_copy
+        early, early_first = run_timed(engine, arrivals(one_frame_first))
+        assert usual.keys() == early.keys() == {f"r{i}" for i in range(5)}
+        for name, codes in usual.items():
+            np.testing.assert_array_equal(early[name], codes)
+        assert early_first == {"r0": 0, "r1": 0, "r2": 2, "r3": 4, "r4": 4}
+        assert usual_first == {name: step + 1 for name, step in early_first.items()}
+        assert engine.running == [] and not engine.has_work
+        assert splits and set(splits) == {None}  # every split step was checked
 
     # Two rows run from the start: never at most one.
     assert (
         run_timed(new_engine(setup, rows=4, overlap=True, first_frame_rows=1), arrivals())[1] == usual_first
     )
+    not_light = new_engine(setup, rows=4, overlap=True, first_frame_rows=4)
+    assert run_timed(not_light, arrivals(), first_frames_early=False)[1] == usual_first
     assert new_engine(setup, rows=4, overlap=False, first_frame_rows=4).first_frame_rows == 0
 
 
