@@ -106,7 +106,7 @@ def test_a_port_in_use_is_named(checkpoint, option):
         busy.listen()
         port = busy.getsockname()[1]
         result, seconds = serve("--checkpoint", str(checkpoint), option, str(port))
-    assert_refused(result, seconds, f"{option} {port}", "already in use")
+    assert_refused(result, seconds, f"{option} {port}", "already in use", f"pass {option} with a free port")
 
 
 def test_one_port_for_two_services_is_refused(checkpoint):

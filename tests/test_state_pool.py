@@ -119,9 +119,10 @@ def published_path_of(tmp_path: Path, completed: subprocess.CompletedProcess) ->
 
 
 @pytest.mark.server  # starts a tritonserver
-def test_a_killed_server_leaves_no_codec_state_pool_behind(tiny_checkpoint, tmp_path, monkeypatch):
+def test_a_killed_server_leaves_no_shared_memory_behind(tiny_checkpoint, tmp_path, monkeypatch):
     """A server killed with its model processes (nothing unloads, nothing removes its files) leaves
-    its pool file in shared memory and its published handle; stopping it removes both."""
+    its pool file in shared memory, its published handle and Triton's region of each model's Python
+    stub; stopping it removes them all."""
     monkeypatch.setenv("VOXTRITON_CACHE", str(tmp_path / "cache"))
     server = TritonServer(checkpoint=str(tiny_checkpoint), use_mps=False)
     try:
@@ -129,6 +130,9 @@ def test_a_killed_server_leaves_no_codec_state_pool_behind(tiny_checkpoint, tmp_
         published = published_path(server.process.pid)
         pool = json.loads(published.read_bytes())  # on a GPU, device memory: no file but the handle
         files = [published] + ([Path(pool["path"])] if pool["kind"] == "file" else [])
+        regions = [Path("/dev/shm", name) for name in server.stub_regions]
+        assert len(regions) == 3 and all(path.exists() for path in regions)  # tts and both codec lanes
+        files += regions
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()
         assert all(path.exists() for path in files)

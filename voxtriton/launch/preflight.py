@@ -80,7 +80,10 @@ def check_ports(host: str, ports: dict[str, int]) -> None:
                 sock.bind(address)
             except OSError as error:
                 if error.errno == errno.EADDRINUSE:
-                    fail(f"{option} {port}: port {port} is already in use on {host or '0.0.0.0'}")
+                    fail(
+                        f"{option} {port}: port {port} is already in use on {host or '0.0.0.0'} (another "
+                        f"server? stop it, or pass {option} with a free port)"
+                    )
                 fail(f"{option} {port}: cannot bind {host}:{port} ({error.strerror})")
 
 

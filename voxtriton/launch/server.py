@@ -28,6 +28,9 @@ from .tritonserver import find_tritonserver
 # The server's own endpoints are local: never through an http_proxy the environment sets.
 LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 LOG_ERROR = re.compile(r"^E\d{4} [\d:.]+ +\d+ [^\]]+\] +(.*)$")
+# Where POSIX shared memory lives on Linux, and a region Triton makes for a Python backend stub.
+SHARED_MEMORY = Path("/dev/shm")
+STUB_REGION = re.compile(r"/dev/shm/(triton_python_backend_shm_region_[0-9a-f-]+)")
 
 
 class StartFailed(RuntimeError):
@@ -105,6 +108,7 @@ class TritonServer:
         )
         self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
+        self.stub_regions: set[str] = set()  # see `python_stub_regions`
 
     @property
     def local_host(self) -> str:
@@ -209,6 +213,7 @@ class TritonServer:
         request = urllib.request.Request(url, data=b"", method="POST")
         try:
             LOCAL.open(request, timeout=max(1.0, deadline - time.monotonic())).close()
+            self.stub_regions |= python_stub_regions(self.process.pid)
         except OSError:  # the log holds why (a model's error is many lines of JSON in the reply)
             tail = self.log_tail()
             self.stop()
@@ -266,9 +271,10 @@ class TritonServer:
     def stop(self, grace: float = 20.0, give_up: Callable[[], bool] = lambda: False) -> None:
         """SIGTERM (Triton unloads its models: the Python stubs end and free their shared memory),
         then a kill after `grace` seconds, or as soon as `give_up()` says so; then the codec state
-        pool files of model processes killed before they could remove them."""
+        pool files and Triton's stub regions of model processes killed before they could remove them."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
+            self.stub_regions |= python_stub_regions(process.pid)
             process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace
             while process.poll() is None and time.monotonic() < deadline and not give_up():
@@ -281,6 +287,9 @@ class TritonServer:
             process.wait()
             wait_for_group_exit(process.pid, 5.0)  # a killed stub lets go of its files as it exits
             remove_orphans()
+            for name in self.stub_regions:
+                (SHARED_MEMORY / name).unlink(missing_ok=True)
+            self.stub_regions.clear()
         if self.mps is not None:
             self.mps.stop()
 
@@ -298,6 +307,21 @@ class TritonServer:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.cleanup()
+
+
+def python_stub_regions(group: int) -> set[str]:
+    """The shared-memory regions of Python backend stubs that a process group maps: tritonserver maps
+    each one it makes, from before it starts the stub. Triton removes a region as it unloads the
+    model; a stub or server killed first leaves it in /dev/shm (a MiB or more each)."""
+    regions = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat_fields(stat)
+        if fields and int(fields[2]) == group:
+            try:
+                regions.update(STUB_REGION.findall((stat.parent / "maps").read_text(errors="replace")))
+            except OSError:  # ended meanwhile
+                pass
+    return regions
 
 
 def wait_for_group_exit(group: int, timeout: float) -> None:
