@@ -144,6 +144,7 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
     try:
         lines = read_until_ready(launcher)
         assert any("voxtriton: ready" in line for line in lines), "".join(lines)
+        assert "voxtriton: starting tritonserver" in lines[0] + lines[1], "".join(lines)  # after the warning
         assert f"gRPC 127.0.0.1:{grpc}" in "".join(lines)
         workdir = next(line.split("log: ")[1].strip() for line in lines if "log: " in line)
         workdir = str(Path(workdir).parent)

@@ -159,6 +159,11 @@ def serve(args: argparse.Namespace) -> int:
 
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
         signal.signal(number, on_signal)
+    print(
+        "voxtriton: starting tritonserver: loading the models, then warming every lane (seconds on a "
+        f"CPU, minutes on a GPU: kernels and CUDA graphs); log: {server.log_file}",
+        flush=True,
+    )
     try:
         try:
             server.start(timeout=600)
