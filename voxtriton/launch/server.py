@@ -16,7 +16,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..serving.drain import done_marker
 from ..serving.pool_files import remove_orphans
@@ -28,9 +28,8 @@ from .tritonserver import find_tritonserver
 # The server's own endpoints are local: never through an http_proxy the environment sets.
 LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 LOG_ERROR = re.compile(r"^E\d{4} [\d:.]+ +\d+ [^\]]+\] +(.*)$")
-# Where POSIX shared memory lives on Linux, and a region Triton makes for a Python backend stub.
-SHARED_MEMORY = Path("/dev/shm")
-STUB_REGION = re.compile(r"/dev/shm/(triton_python_backend_shm_region_[0-9a-f-]+)")
+# A region Triton makes in POSIX shared memory (/dev/shm on Linux) for a Python backend stub.
+STUB_REGION = re.compile(r"/dev/shm/triton_python_backend_shm_region_[0-9a-f-]+")
 
 
 class StartFailed(RuntimeError):
@@ -108,7 +107,7 @@ class TritonServer:
         )
         self.extra_args = extra_args or []
         self.process: subprocess.Popen | None = None
-        self.stub_regions: set[str] = set()  # see `python_stub_regions`
+        self.stub_regions: set[str] = set()  # paths, see `python_stub_regions`
 
     @property
     def local_host(self) -> str:
@@ -287,8 +286,8 @@ class TritonServer:
             process.wait()
             wait_for_group_exit(process.pid, 5.0)  # a killed stub lets go of its files as it exits
             remove_orphans()
-            for name in self.stub_regions:
-                (SHARED_MEMORY / name).unlink(missing_ok=True)
+            for path in self.stub_regions:
+                Path(path).unlink(missing_ok=True)
             self.stub_regions.clear()
         if self.mps is not None:
             self.mps.stop()
@@ -310,17 +309,15 @@ class TritonServer:
 
 
 def python_stub_regions(group: int) -> set[str]:
-    """The shared-memory regions of Python backend stubs that a process group maps: tritonserver maps
-    each one it makes, from before it starts the stub. Triton removes a region as it unloads the
-    model; a stub or server killed first leaves it in /dev/shm (a MiB or more each)."""
+    """The paths of the Python backend stubs' shared-memory regions that a process group maps:
+    tritonserver maps each one it makes, from before it starts the stub. Triton removes a region as
+    it unloads the model; a stub or server killed first leaves it in /dev/shm (a MiB or more each)."""
     regions = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _stat_fields(stat)
-        if fields and int(fields[2]) == group:
-            try:
-                regions.update(STUB_REGION.findall((stat.parent / "maps").read_text(errors="replace")))
-            except OSError:  # ended meanwhile
-                pass
+    for process in group_members(group):
+        try:
+            regions.update(STUB_REGION.findall((process / "maps").read_text(errors="replace")))
+        except OSError:  # ended meanwhile
+            pass
     return regions
 
 
@@ -335,13 +332,19 @@ def group_running(group: int) -> bool:
     """Whether a process of the group still runs. One whose every thread has exited, awaiting its
     reaping (which a container's first process may never do), has let go of its files and does not
     count; a process whose main thread has exited while others still tear down has not."""
+    for process in group_members(group):
+        threads = (_stat_fields(task) for task in process.glob("task/[0-9]*/stat"))
+        if any(fields and fields[0] not in ("Z", "X") for fields in threads):
+            return True
+    return False
+
+
+def group_members(group: int) -> Iterator[Path]:
+    """The /proc directory of each process in the group."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         fields = _stat_fields(stat)
         if fields and int(fields[2]) == group:
-            threads = (_stat_fields(task) for task in stat.parent.glob("task/[0-9]*/stat"))
-            if any(fields and fields[0] not in ("Z", "X") for fields in threads):
-                return True
-    return False
+            yield stat.parent
 
 
 def _stat_fields(stat: Path) -> list[str]:
