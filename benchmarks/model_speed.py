@@ -25,6 +25,7 @@ from voxtriton.bench.timing import graphed, timed
 from voxtriton.engine.codec_runner import CodecRunner
 from voxtriton.engine.model_runner import ModelRunner
 from voxtriton.engine.request import GenerationParams, Request
+from voxtriton.kernels import turn_off
 from voxtriton.models.config import load_config
 from voxtriton.models.fp8 import quantize_backbone
 from voxtriton.models.loader import load_backbone, load_codec
@@ -95,6 +96,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs for every timed step (GPU)")
     parser.add_argument("--fp8", default="off", choices=FP8_SCOPES, help="FP8 projections (fp8_weights)")
+    parser.add_argument(
+        "--kernels-off",
+        default="",
+        metavar="NAMES",
+        help="Triton kernels (comma-separated) whose PyTorch formulas run instead, to measure them",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--profile",
@@ -111,6 +118,7 @@ def main() -> None:
         if args.dtype
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
+    turn_off(device, [name for name in args.kernels_off.split(",") if name])
     checkpoint = args.checkpoint or make_checkpoint(args.preset, Path(tempfile.mkdtemp()) / args.preset)
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=device, dtype=dtype)
@@ -207,6 +215,7 @@ def main() -> None:
         "dtype": str(dtype),
         "graphs": args.graphs,
         "fp8_weights": args.fp8,
+        "kernels_off": args.kernels_off,
         "context": args.context,
         "spread": args.spread,
         "chunk_frames": args.chunk_frames,

@@ -432,6 +432,69 @@ def test_silu_and_mul_matches_the_reference(dtype, shape):
     torch.testing.assert_close(out.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_columns, width", [(64, 1024), (70, 600), (6144, 512)])
+def test_one_row_linear_matches_the_reference(dtype, with_bias, out_columns, width):
+    """Sizes that fill every block, sizes that leave blocks partly masked, and a wide output (the
+    wider block); x as the last position of a two-position row (a strided view, as the predictor's
+    first step hands its hidden state to its head)."""
+    from voxtriton.kernels import linear
+
+    generator = torch.Generator().manual_seed(out_columns + with_bias)
+    x = random(1, 2, width, dtype=dtype, generator=generator)[:, -1]
+    weight = random(out_columns, width, scale=width**-0.5, dtype=dtype, generator=generator)
+    bias = random(out_columns, dtype=dtype, generator=generator) if with_bias else None
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    out = linear.linear_triton(x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE))
+    assert out.shape == (1, out_columns) and out.dtype == dtype
+    # fp32 to within the sums' order; bf16 to one rounding step of the result.
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_linear_takes_the_kernel_for_one_bf16_row_on_a_gpu_only():
+    """One bf16 row on a GPU that runs the kernel goes to it; two rows, an fp32 row or a CPU tensor to
+    F.linear, with its result."""
+    from voxtriton.kernels import linear
+
+    generator = torch.Generator().manual_seed(11)
+    weight = on_device(random(32, 256, dtype=torch.bfloat16, generator=generator))
+    rows = on_device(random(2, 1, 256, dtype=torch.bfloat16, generator=generator))
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append(args)
+
+    linear._one_row_kernel.add_pre_run_hook(record)
+    try:
+        for x, w in ((rows, weight), (rows[:1].float(), weight.float())):
+            torch.testing.assert_close(linear.linear(x, w), torch.nn.functional.linear(x, w), rtol=0, atol=0)
+        assert calls == []
+        out = linear.linear(rows[:1], weight)
+    finally:
+        linear._one_row_kernel.pre_run_hooks.remove(record)
+    assert out.shape == (1, 1, 32)
+    assert len(calls) == (1 if DEVICE.type == "cuda" else 0)
+
+
+def test_turn_off_lets_the_formula_serve_and_refuses_unknown_names():
+    """What `model_speed.py --kernels-off` measures with: a named kernel stops serving on a GPU (and
+    nothing changes on a CPU, where formulas serve anyway); a name no kernel has is refused."""
+    from voxtriton.kernels import registry
+
+    with pytest.raises(KeyError, match="no Triton kernel named .'one_row_linearr'."):
+        registry.turn_off(DEVICE, ["one_row_linearr"])
+    was_usable = registry.triton_usable(DEVICE, "one_row_linear")
+    registry.turn_off(DEVICE, ["one_row_linear"])
+    try:
+        assert not registry.triton_usable(DEVICE, "one_row_linear")
+        assert registry.triton_usable(DEVICE, "silu_and_mul") == (DEVICE.type == "cuda")
+    finally:
+        if DEVICE.type == "cuda":
+            registry.check_kernels(DEVICE)["one_row_linear"] = was_usable
+
+
 def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     """The startup checks: every kernel we ship agrees with its formula here, and a kernel that fails
     to build or disagrees falls back alone, with a warning naming it and why."""
@@ -476,6 +539,7 @@ def test_every_kernel_registers_its_check_and_the_kernels_import_no_engine(first
         "decode_attention",
         "decode_attention_fp8",
         "fp8_quantize_rows",
+        "one_row_linear",
         "rotary",
         "rotary_fp8",
         "sampling",

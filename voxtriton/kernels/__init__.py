@@ -5,8 +5,8 @@ Importing the package imports every kernel module, so that each registers its st
 `check_kernels` runs them (`registry`).
 """
 
-from . import attention, codec, fp8, norm, rotary, sampling
-from .registry import FALLBACK_WARNING, check_kernels, run_checks, triton_usable
+from . import attention, codec, fp8, linear, norm, rotary, sampling
+from .registry import FALLBACK_WARNING, check_kernels, run_checks, triton_usable, turn_off
 
 __all__ = [
     "FALLBACK_WARNING",
@@ -14,9 +14,11 @@ __all__ = [
     "check_kernels",
     "codec",
     "fp8",
+    "linear",
     "norm",
     "rotary",
     "run_checks",
     "sampling",
     "triton_usable",
+    "turn_off",
 ]

@@ -87,6 +87,16 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
     return _usable[index]
 
 
+def turn_off(device: torch.device, names: list[str]) -> None:
+    """Let the formulas of the Triton kernels `names` serve on a CUDA device from now on (benchmarks
+    measure a kernel against its formula this way). Call before the runners are made."""
+    unknown = sorted(set(names) - set(KERNEL_CHECKS))
+    if unknown:
+        raise KeyError(f"no Triton kernel named {unknown}; known: {sorted(KERNEL_CHECKS)}")
+    if device.type == "cuda":
+        check_kernels(device).update(dict.fromkeys(names, False))
+
+
 def run_checks(device: torch.device, checks: dict[str, Check]) -> dict[str, bool]:
     """Run each check (name -> function of the device returning (kernel output, reference output,
     tolerance) pairs); a kernel passes when it runs and every pair agrees."""

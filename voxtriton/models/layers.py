@@ -17,6 +17,7 @@ from torch import nn
 
 from ..kernels.attention import decode_attention, decode_attention_supported, dequantize
 from ..kernels.fp8 import FP8
+from ..kernels.linear import linear
 from ..kernels.norm import add_rms_norm, silu_and_mul
 from ..kernels.rotary import rotate_into_cache, split_heads
 from .config import TransformerConfig
@@ -24,6 +25,14 @@ from .config import TransformerConfig
 # attend(q [B, H, T, D], keys, values [B, KVH, L, D], scale, key_scales, value_scales [B, KVH, L] of an
 # FP8 cache or None) -> [B, H, T, D]
 Attend = Callable[..., torch.Tensor]
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose products of a few rows (decode steps of a small batch) run in the small-batch
+    kernel (`kernels.linear`) on GPUs that run it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -134,8 +143,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -173,8 +182,8 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

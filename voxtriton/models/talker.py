@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen3TTSConfig, TalkerConfig
-from .layers import DecoderStack, StaticKV
+from .layers import DecoderStack, Linear, StaticKV
 
 # sample(logits [B, V], codebook index) -> token ids [B]
 Sampler = Callable[[torch.Tensor, int], torch.Tensor]
@@ -26,8 +26,8 @@ class TextProjection(nn.Module):
 
     def __init__(self, text_hidden: int, hidden: int):
         super().__init__()
-        self.linear_fc1 = nn.Linear(text_hidden, text_hidden, bias=True)
-        self.linear_fc2 = nn.Linear(text_hidden, hidden, bias=True)
+        self.linear_fc1 = Linear(text_hidden, text_hidden, bias=True)
+        self.linear_fc2 = Linear(text_hidden, hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
@@ -59,11 +59,11 @@ class CodePredictor(nn.Module):
         self.num_residual = cfg.num_code_groups - 1
         self.model = PredictorModel(cfg)
         self.lm_head = nn.ModuleList(
-            nn.Linear(cfg.predictor.hidden_size, cfg.predictor_vocab_size, bias=False)
+            Linear(cfg.predictor.hidden_size, cfg.predictor_vocab_size, bias=False)
             for _ in range(self.num_residual)
         )
         if cfg.predictor.hidden_size != cfg.transformer.hidden_size:
-            self.small_to_mtp_projection = nn.Linear(
+            self.small_to_mtp_projection = Linear(
                 cfg.transformer.hidden_size, cfg.predictor.hidden_size, bias=True
             )
         else:
@@ -113,7 +113,7 @@ class Talker(nn.Module):
         self.config = cfg
         self.model = TalkerModel(cfg)
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.transformer.hidden_size)
-        self.codec_head = nn.Linear(cfg.transformer.hidden_size, cfg.vocab_size, bias=False)
+        self.codec_head = Linear(cfg.transformer.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg)
 
     def text_embeds(self, text_ids: torch.Tensor) -> torch.Tensor:

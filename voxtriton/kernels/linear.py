@@ -1,0 +1,112 @@
+"""Matrix products of one row: a decode step of one stream.
+
+At one row a projection only streams its weight matrix, and a frame step makes about 430 of them
+(the talker's 28 layers, the predictor's 5 layers 15 times, their heads). cuBLAS splits the smaller
+of these products over K and reduces the parts in a second kernel. Here one program per few output
+columns reads its rows of the weight once, in long contiguous runs, with no second kernel: the 1.7B
+frame step of one row takes 4.96 ms instead of 5.66 on an H100 (`model_speed.py`, results in
+benchmarks/results/one_row_linear_h100.md). From two rows on cuBLAS serves: a tensor-core kernel
+for 2-16 rows made the frame step slower.
+
+The kernel accumulates in fp32 and rounds once, as cuBLAS does, in another order: results differ
+from `F.linear` in the last bit at most.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .registry import Comparison, launch_device, register_check, triton, triton_usable
+
+if triton is not None:
+    import triton.language as tl
+
+# (output columns, input columns) per step of a program: each weight row is read in 1 KiB runs; the
+# wide matrices (gate/up) take twice the columns per program, so fewer programs queue.
+BLOCKS = {"narrow": (4, 512), "wide": (8, 512)}
+WIDE_OUTPUT = 6144
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; in this module's kernel for one row of bf16 or fp16 x on GPUs
+    that run it. x [..., K], weight [N, K], bias [N] or None."""
+    if (
+        x.numel() == x.shape[-1]
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+        and triton_usable(x.device, "one_row_linear")
+    ):
+        return linear_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One row of x [..., K] (every other dimension 1) times weight [N, K] with unit stride in K."""
+    out_columns, width = weight.shape
+    if x.numel() != width or x.shape[-1] != width or weight.stride(-1) != 1:
+        raise ValueError(f"linear: one row of {width} and a weight [{out_columns}, {width}] with unit stride")
+    row = x.reshape(width)
+    if row.stride(0) != 1:
+        row = row.contiguous()
+    out = torch.empty(out_columns, dtype=x.dtype, device=x.device)
+    block_n, block_k = BLOCKS["wide" if out_columns >= WIDE_OUTPUT else "narrow"]
+    with launch_device(x):
+        _one_row_kernel[(triton.cdiv(out_columns, block_n),)](
+            row,
+            weight,
+            weight.stride(0),
+            bias if bias is not None else weight,
+            out,
+            out_columns,
+            width,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=4,
+            num_stages=3,
+        )
+    return out.view(*x.shape[:-1], out_columns)
+
+
+@register_check("one_row_linear")
+def check_linear(device: torch.device) -> list[Comparison]:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        raise RuntimeError("bf16 matrix products need compute capability 8.0")
+    generator = torch.Generator().manual_seed(8)
+    # Sizes off every block multiple, so the masks are exercised as well as the full blocks.
+    weight = (torch.randn(70, 600, generator=generator) / 600**0.5).bfloat16()
+    bias = torch.randn(70, generator=generator).bfloat16()
+    x = torch.randn(1, 600, generator=generator).bfloat16()
+    checks = []
+    for b in (None, bias):
+        result = linear_triton(x.to(device), weight.to(device), None if b is None else b.to(device))
+        checks.append((result, F.linear(x.float(), weight.float(), None if b is None else b.float()), 2e-2))
+    return checks
+
+
+if triton is not None:
+
+    @triton.jit
+    def _one_row_kernel(
+        x, weight, weight_stride, bias, out, out_columns, width,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        column_inside = columns < out_columns
+        # Products summed elementwise across the K loop, reduced once at the end.
+        total = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for start in range(0, width, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_inside = k < width
+            w = tl.load(
+                weight + columns[:, None].to(tl.int64) * weight_stride + k[None, :],
+                mask=column_inside[:, None] & k_inside[None, :],
+                other=0.0,
+            )
+            value = tl.load(x + k, mask=k_inside, other=0.0)
+            total += w.to(tl.float32) * value.to(tl.float32)[None, :]
+        result = tl.sum(total, axis=1)
+        if HAS_BIAS:
+            result += tl.load(bias + columns, mask=column_inside, other=0.0).to(tl.float32)
+        tl.store(out + columns, result.to(out.dtype.element_ty), mask=column_inside)
