@@ -432,18 +432,22 @@ def test_silu_and_mul_matches_the_reference(dtype, shape):
     torch.testing.assert_close(out.float().cpu(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_columns, width", [(64, 1024), (70, 600), (6144, 512)])
-def test_one_row_linear_matches_the_reference(dtype, with_bias, out_columns, width):
+@pytest.mark.parametrize("layout", ["last position", "every other column", "weight cut from a wider one"])
+def test_one_row_linear_matches_the_reference(dtype, with_bias, out_columns, width, layout):
     """Sizes that fill every block, sizes that leave blocks partly masked, and a wide output (the
-    wider block); x as the last position of a two-position row (a strided view, as the predictor's
-    first step hands its hidden state to its head)."""
+    wider block); x as the last position of a two-position row (as the predictor's first step hands
+    its hidden state to its head), x with a stride along K, and a weight whose rows are further apart
+    than they are long."""
     from voxtriton.kernels import linear
 
     generator = torch.Generator().manual_seed(out_columns + with_bias)
-    x = random(1, 2, width, dtype=dtype, generator=generator)[:, -1]
-    weight = random(out_columns, width, scale=width**-0.5, dtype=dtype, generator=generator)
+    x = random(1, 2, 2 * width, dtype=dtype, generator=generator)
+    x = x[:, 0, ::2] if layout == "every other column" else x[:, -1, :width]
+    weight = random(out_columns, width + 48, scale=width**-0.5, dtype=dtype, generator=generator)
+    weight = weight[:, 48:] if layout == "weight cut from a wider one" else weight[:, :width].contiguous()
     bias = random(out_columns, dtype=dtype, generator=generator) if with_bias else None
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
     out = linear.linear_triton(x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE))
@@ -454,8 +458,8 @@ def test_one_row_linear_matches_the_reference(dtype, with_bias, out_columns, wid
 
 
 def test_linear_takes_the_kernel_for_one_bf16_row_on_a_gpu_only():
-    """One bf16 row on a GPU that runs the kernel goes to it; two rows, an fp32 row or a CPU tensor to
-    F.linear, with its result."""
+    """One bf16 row on a GPU that runs the kernel goes to it; two rows, an fp32 row, a weight without
+    unit stride along K or a CPU tensor to F.linear, with its result."""
     from voxtriton.kernels import linear
 
     generator = torch.Generator().manual_seed(11)
@@ -468,7 +472,8 @@ def test_linear_takes_the_kernel_for_one_bf16_row_on_a_gpu_only():
 
     linear._one_row_kernel.add_pre_run_hook(record)
     try:
-        for x, w in ((rows, weight), (rows[:1].float(), weight.float())):
+        transposed = weight.t().contiguous().t()
+        for x, w in ((rows, weight), (rows[:1].float(), weight.float()), (rows[:1], transposed)):
             torch.testing.assert_close(linear.linear(x, w), torch.nn.functional.linear(x, w), rtol=0, atol=0)
         assert calls == []
         out = linear.linear(rows[:1], weight)
@@ -476,6 +481,25 @@ def test_linear_takes_the_kernel_for_one_bf16_row_on_a_gpu_only():
         linear._one_row_kernel.pre_run_hooks.remove(record)
     assert out.shape == (1, 1, 32)
     assert len(calls) == (1 if DEVICE.type == "cuda" else 0)
+
+
+def test_one_row_linear_compiles_once_for_every_row_it_is_handed():
+    """A decode step's row, the last position of a longer input and a row at any offset of a wider
+    tensor share the variant compiled at warm-up (per weight shape and bias)."""
+    from voxtriton.kernels import linear
+
+    generator = torch.Generator().manual_seed(12)
+    width = 256
+    weight = on_device(random(64, width, dtype=torch.bfloat16, generator=generator))
+    wide = on_device(random(3, 2 * width + 1, dtype=torch.bfloat16, generator=generator))
+
+    def launches():
+        linear.linear_triton(wide[:1, :width].contiguous(), weight, None)  # a decode step's row
+        linear.linear_triton(wide[:, :width].reshape(1, 3, width)[:, -1], weight, None)  # a last position
+        for start in (1, 3, 8):  # 2, 6 and 16 bytes in
+            linear.linear_triton(wide[1:2, start : start + width], weight, None)
+
+    assert len(compiled_variants(linear._one_row_kernel, launches)) == 1
 
 
 def test_turn_off_lets_the_formula_serve_and_refuses_unknown_names():

@@ -28,8 +28,8 @@ Attend = Callable[..., torch.Tensor]
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose products of a few rows (decode steps of a small batch) run in the small-batch
-    kernel (`kernels.linear`) on GPUs that run it."""
+    """`nn.Linear` whose products of one row (a decode step of one stream) run in the one-row kernel
+    (`kernels.linear`) on GPUs that run it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
