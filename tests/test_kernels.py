@@ -519,6 +519,31 @@ def test_turn_off_lets_the_formula_serve_and_refuses_unknown_names():
             registry.check_kernels(DEVICE)["one_row_linear"] = was_usable
 
 
+def test_the_environment_turns_named_kernels_off_and_refuses_unknown_names(monkeypatch):
+    """VOXTRITON_KERNELS_OFF: what a server's model instances read to serve a kernel's formula. A name
+    no kernel has stops the start on every device, naming the variable; a known one is off on a GPU
+    when its device is first checked, the others checked as before."""
+    from voxtriton.kernels import registry
+
+    monkeypatch.setenv("VOXTRITON_KERNELS_OFF", "one_row_linear, silu_and_mull")
+    with pytest.raises(KeyError, match="VOXTRITON_KERNELS_OFF: no Triton kernel named .'silu_and_mull'."):
+        registry.check_kernels(DEVICE)
+    monkeypatch.setenv("VOXTRITON_KERNELS_OFF", "one_row_linear")
+    if DEVICE.type != "cuda":
+        assert not any(registry.check_kernels(DEVICE).values())
+        return
+    index = torch.cuda.current_device()
+    checked = registry._usable.pop(index, None)
+    try:
+        usable = registry.check_kernels(torch.device("cuda", index))
+        assert usable["one_row_linear"] is False and usable["silu_and_mul"] is True
+        assert set(usable) == set(registry.KERNEL_CHECKS)
+    finally:
+        registry._usable.pop(index, None)
+        if checked is not None:
+            registry._usable[index] = checked
+
+
 def test_each_kernel_check_decides_for_its_kernel_alone(caplog):
     """The startup checks: every kernel we ship agrees with its formula here, and a kernel that fails
     to build or disagrees falls back alone, with a warning naming it and why."""

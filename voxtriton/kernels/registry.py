@@ -5,11 +5,16 @@ Each kernel module registers its check beside its kernel (`register_check`); thi
 kernel by name. A check runs the kernel once on small inputs and returns (kernel output, reference
 output, tolerance) pairs; its inputs live on the CPU and are moved to the device under test, so the
 references run where they always run.
+
+`VOXTRITON_KERNELS_OFF` (comma-separated kernel names) lets those kernels' formulas serve in every
+process that reads it, a server's model instances included: to measure a kernel in serving, or to
+step around one suspected of a fault without a new build.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import torch
@@ -28,6 +33,7 @@ _usable: dict[int, dict[str, bool]] = {}  # per CUDA device index: kernel name -
 
 # A kernel that falls back says so in this form (benchmarks/serving_bench.py finds these lines by it).
 FALLBACK_WARNING = "Triton kernel %s unavailable on %s (%s: %s); using its slower PyTorch formula"
+KERNELS_OFF_VARIABLE = "VOXTRITON_KERNELS_OFF"
 
 
 def register_check(name: str) -> Callable[[Check], Check]:
@@ -68,6 +74,7 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
     warning says why. The model and codec runners call this when they are made, before any graph
     capture.
     """
+    off = kernels_turned_off()  # a misspelt name is refused on every device
     if device.type != "cuda":
         return dict.fromkeys(KERNEL_CHECKS, False)
     if triton is None:  # said per kernel, as a failed check is: benchmarks look for these lines
@@ -83,18 +90,32 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
                 "the Triton kernel check must run before CUDA graph capture: call "
                 "voxtriton.kernels.check_kernels(device) first"
             )
-        _usable[index] = run_checks(torch.device("cuda", index), KERNEL_CHECKS)
+        checks = {name: check for name, check in KERNEL_CHECKS.items() if name not in off}
+        _usable[index] = dict.fromkeys(off, False) | run_checks(torch.device("cuda", index), checks)
+        if off:
+            log.warning("Triton kernels %s turned off by %s", sorted(off), KERNELS_OFF_VARIABLE)
     return _usable[index]
+
+
+def kernels_turned_off() -> set[str]:
+    """The kernel names in `VOXTRITON_KERNELS_OFF`; a name no kernel has is refused, naming it."""
+    names = {name.strip() for name in os.environ.get(KERNELS_OFF_VARIABLE, "").split(",") if name.strip()}
+    _check_names(names, KERNELS_OFF_VARIABLE)
+    return names
 
 
 def turn_off(device: torch.device, names: list[str]) -> None:
     """Let the formulas of the Triton kernels `names` serve on a CUDA device from now on (benchmarks
     measure a kernel against its formula this way). Call before the runners are made."""
-    unknown = sorted(set(names) - set(KERNEL_CHECKS))
-    if unknown:
-        raise KeyError(f"no Triton kernel named {unknown}; known: {sorted(KERNEL_CHECKS)}")
+    _check_names(set(names), "turn_off")
     if device.type == "cuda":
         check_kernels(device).update(dict.fromkeys(names, False))
+
+
+def _check_names(names: set[str], source: str) -> None:
+    unknown = sorted(names - set(KERNEL_CHECKS))
+    if unknown:
+        raise KeyError(f"{source}: no Triton kernel named {unknown}; known: {sorted(KERNEL_CHECKS)}")
 
 
 def run_checks(device: torch.device, checks: dict[str, Check]) -> dict[str, bool]:
