@@ -65,6 +65,7 @@ from voxtriton.bench.workload import (
     sharded_open_loop,
     without_gc,
 )
+from voxtriton.kernels.registry import KERNELS_OFF_VARIABLE
 
 # Goodput definition -> the key of a probe's verdict on it (summary.verdicts)
 RULES = {"strict": "meets", "attainment": "attains"}
@@ -785,8 +786,10 @@ def main() -> None:
         args.policies = args.label or "openai"  # one system, the endpoint
     elif not args.checkpoint:
         parser.error("--checkpoint is required (or --smoke)")
+    # The servers this run starts inherit the environment: a kernel turned off is part of the command.
+    kernels_off = os.environ.get(KERNELS_OFF_VARIABLE, "")
     meta = {
-        "command": " ".join(sys.argv),
+        "command": (f"{KERNELS_OFF_VARIABLE}={kernels_off} " if kernels_off else "") + " ".join(sys.argv),
         # An endpoint's host may not be the client's: say whose hardware this is.
         "hardware": hardware() + (" (the client's host)" if args.target == "openai" else ""),
         "checkpoint": args.checkpoint or args.model,

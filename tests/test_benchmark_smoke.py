@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
+    """A run whose servers serve a kernel's formula (VOXTRITON_KERNELS_OFF, inherited) says so in
+    its command."""
     out = tmp_path / "bench"
     completed = subprocess.run(
         [
@@ -40,9 +43,11 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
         capture_output=True,
         text=True,
         timeout=240,
+        env={**os.environ, "VOXTRITON_KERNELS_OFF": "one_row_linear"},
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["command"].startswith("VOXTRITON_KERNELS_OFF=one_row_linear ")
     [policy] = results["policies"]
     row, second = policy["rates"]  # the one rate, probed twice with different arrivals
     assert (row["rate"], row["repeat"]) == (1, 0) and (second["rate"], second["repeat"]) == (1, 1)
