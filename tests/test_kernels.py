@@ -460,11 +460,12 @@ def test_one_row_linear_matches_the_reference(dtype, with_bias, out_columns, wid
 def test_linear_takes_the_kernel_for_one_bf16_row_on_a_gpu_only():
     """One bf16 row on a GPU that runs the kernel goes to it; two rows, an fp32 row, a weight without
     unit stride along K or a CPU tensor to F.linear, with its result."""
-    from voxtriton.kernels import linear
+    from voxtriton.kernels import check_kernels, linear
 
     generator = torch.Generator().manual_seed(11)
     weight = on_device(random(32, 256, dtype=torch.bfloat16, generator=generator))
     rows = on_device(random(2, 1, 256, dtype=torch.bfloat16, generator=generator))
+    check_kernels(DEVICE)  # as the runners do at start: the checks' own launches are not counted below
     calls = []
 
     def record(*args, **kwargs):
