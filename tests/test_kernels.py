@@ -526,16 +526,16 @@ def test_the_environment_turns_named_kernels_off_and_refuses_unknown_names(monke
     when its device is first checked, the others checked as before."""
     from voxtriton.kernels import registry
 
-    monkeypatch.setenv("VOXTRITON_KERNELS_OFF", "one_row_linear, silu_and_mull")
-    with pytest.raises(KeyError, match="VOXTRITON_KERNELS_OFF: no Triton kernel named .'silu_and_mull'."):
-        registry.check_kernels(DEVICE)
-    monkeypatch.setenv("VOXTRITON_KERNELS_OFF", "one_row_linear")
-    if DEVICE.type != "cuda":
-        assert not any(registry.check_kernels(DEVICE).values())
-        return
-    index = torch.cuda.current_device()
-    checked = registry._usable.pop(index, None)
+    index = torch.cuda.current_device() if DEVICE.type == "cuda" else None
+    checked = registry._usable.pop(index, None)  # the variable is read when a device is first checked
     try:
+        monkeypatch.setenv("VOXTRITON_KERNELS_OFF", "one_row_linear, silu_and_mull")
+        with pytest.raises(KeyError, match="VOXTRITON_KERNELS_OFF: no Triton kernel named .'silu_and_mull'."):
+            registry.check_kernels(DEVICE)
+        monkeypatch.setenv("VOXTRITON_KERNELS_OFF", "one_row_linear")
+        if DEVICE.type != "cuda":
+            assert not any(registry.check_kernels(DEVICE).values())
+            return
         usable = registry.check_kernels(torch.device("cuda", index))
         assert usable["one_row_linear"] is False and usable["silu_and_mul"] is True
         assert set(usable) == set(registry.KERNEL_CHECKS)

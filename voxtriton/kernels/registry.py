@@ -74,7 +74,8 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
     warning says why. The model and codec runners call this when they are made, before any graph
     capture.
     """
-    off = kernels_turned_off()  # a misspelt name is refused on every device
+    if device.type != "cuda" or triton is None:
+        kernels_turned_off()  # a misspelt name is refused on every device
     if device.type != "cuda":
         return dict.fromkeys(KERNEL_CHECKS, False)
     if triton is None:  # said per kernel, as a failed check is: benchmarks look for these lines
@@ -90,6 +91,7 @@ def check_kernels(device: torch.device) -> dict[str, bool]:
                 "the Triton kernel check must run before CUDA graph capture: call "
                 "voxtriton.kernels.check_kernels(device) first"
             )
+        off = kernels_turned_off()  # read once per device: `triton_usable` lands here on every dispatch
         checks = {name: check for name, check in KERNEL_CHECKS.items() if name not in off}
         _usable[index] = dict.fromkeys(off, False) | run_checks(torch.device("cuda", index), checks)
         if off:
