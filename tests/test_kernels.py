@@ -264,6 +264,32 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
     )
 
 
+def test_top_k_keeps_the_references_tokens_through_signs_zeros_and_ties():
+    """The kernel's top-k threshold is a radix select over the scores' bits: rows of negative and
+    positive scores, both zeros, -inf and many ties, every k, each drawn with many keys, so that a
+    token wrongly kept or dropped would show in some draw."""
+    from voxtriton.engine.sampling import RowParams, sample
+    from voxtriton.kernels.sampling import sample_triton
+
+    generator = torch.Generator().manual_seed(11)
+    vocab, keys_per_k = 40, 6
+    values = torch.tensor([-3.5, -1.0, -0.0, 0.0, 0.25, 2.0, float("-inf")])
+    row = values[torch.randint(len(values), (vocab,), generator=generator)]
+    ks = list(range(1, vocab + 1))
+    batch = len(ks) * keys_per_k
+    logits = row.expand(batch, vocab).clone()
+    top_k = torch.tensor(ks).repeat_interleave(keys_per_k)
+    # Temperature 4 flattens the scores, so draws reach down to the threshold.
+    seeds = torch.zeros(batch, dtype=torch.long)
+    params = RowParams(torch.full((batch,), 4.0), top_k, torch.ones(batch), seeds)
+    keys = torch.randint(0, 2**31 - 1, (batch,), generator=generator)
+    expected = sample(logits, params, keys)
+    drawn = sample_triton(*(t.to(DEVICE) for t in (logits, params.temperature, top_k, params.top_p, keys)))
+    assert torch.equal(drawn.cpu(), expected)
+    # The draws do reach past the top score: the threshold is exercised.
+    assert len(set(expected.tolist())) > 4
+
+
 def written_entries(shape: tuple[int, ...], positions: torch.Tensor) -> torch.Tensor:
     """[2, rows, kv_heads, length]: True where a layer call writes keys and values (row r at positions[r])."""
     written = torch.zeros(shape, dtype=torch.bool)
@@ -455,6 +481,31 @@ def test_one_row_linear_matches_the_reference(dtype, with_bias, out_columns, wid
     # fp32 to within the sums' order; bf16 to one rounding step of the result.
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("intermediate, width", [(32, 1024), (35, 600), (3072, 512)])
+@pytest.mark.parametrize("layout", ["last position", "weight cut from a wider one"])
+def test_gated_one_row_linear_matches_silu_and_mul_of_the_product(dtype, intermediate, width, layout):
+    """The gate/up product and its SiLU in one launch: both blocks (the gate/up weight of 6144 rows takes
+    the wide one), intermediate sizes off the block multiples, and a weight with a row stride."""
+    from voxtriton.kernels import linear, norm
+
+    generator = torch.Generator().manual_seed(intermediate)
+    x = random(1, 2, width, dtype=dtype, generator=generator)[:, -1]
+    weight = random(2 * intermediate, width + 48, scale=2 * width**-0.5, dtype=dtype, generator=generator)
+    weight = weight[:, 48:] if layout == "weight cut from a wider one" else weight[:, :width].contiguous()
+    expected = norm.silu_and_mul_reference(torch.nn.functional.linear(x.float(), weight.float()))
+    out = linear.linear_triton(x.to(DEVICE), weight.to(DEVICE), None, gated=True)
+    assert out.shape == (1, intermediate) and out.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tolerance, atol=tolerance)
+    # The halves are not interchangeable: swapping them changes the result.
+    swapped = torch.cat((weight[intermediate:], weight[:intermediate]))
+    swapped_out = linear.linear_triton(x.to(DEVICE), swapped.to(DEVICE), None, gated=True)
+    assert not torch.allclose(swapped_out.cpu(), out.cpu())
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        linear.linear_triton(x.to(DEVICE), weight[1:].to(DEVICE), None, gated=True)
 
 
 def test_linear_takes_the_kernel_for_one_bf16_row_on_a_gpu_only():

@@ -10,6 +10,10 @@ for 2-16 rows made the frame step slower.
 
 The kernel accumulates in fp32 and rounds once, as cuBLAS does, in another order: results differ
 from `F.linear` in the last bit at most.
+
+`linear_silu_and_mul` is a gated MLP's gate/up projection and its SiLU product in one launch: a
+program reads a few gate rows and the matching up rows of the weight and writes silu(gate) * up,
+rounded where `norm.silu_and_mul` rounds, so a layer's MLP makes two launches instead of three.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .norm import silu_and_mul
 from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
@@ -31,28 +36,48 @@ WIDE_OUTPUT = 6144
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; in this module's kernel for one row of bf16 or fp16 x on GPUs
     that run it. x [..., K], weight [N, K], bias [N] or None."""
-    if (
+    if _takes_the_kernel(x, weight, bias):
+        return linear_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(linear(x, weight))`: weight [2I, K] holds the gate rows, then the up rows; returns
+    silu(gate) * up [..., I]. One launch for one row of bf16 or fp16 x on GPUs that run the kernel."""
+    if _takes_the_kernel(x, weight, None):
+        return linear_triton(x, weight, None, gated=True)
+    return silu_and_mul(linear(x, weight))
+
+
+def _takes_the_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
         x.numel() == x.shape[-1]
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.dtype == weight.dtype
         and weight.stride(-1) == 1
         and (bias is None or bias.dtype == x.dtype)
         and triton_usable(x.device, "one_row_linear")
-    ):
-        return linear_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+    )
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One row of x [..., K] (every other dimension 1) times weight [N, K] with unit stride in K."""
-    out_columns, width = weight.shape
+def linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+) -> torch.Tensor:
+    """One row of x [..., K] (every other dimension 1) times weight [N, K] with unit stride in K; `gated`:
+    silu(gate) * up of the product's halves (N/2 columns out)."""
+    rows, width = weight.shape
     if x.numel() != width or x.shape[-1] != width or weight.stride(-1) != 1:
-        raise ValueError(f"linear: one row of {width} and a weight [{out_columns}, {width}] with unit stride")
+        raise ValueError(f"linear: one row of {width} and a weight [{rows}, {width}] with unit stride")
+    if gated and (rows % 2 or bias is not None):
+        raise ValueError(f"linear: a gated product needs an even number of weight rows and no bias: {rows}")
     row = x.reshape(width)
     if row.stride(0) != 1:
         row = row.contiguous()
+    out_columns = rows // 2 if gated else rows
     out = torch.empty(out_columns, dtype=x.dtype, device=x.device)
-    block_n, block_k = BLOCKS["wide" if out_columns >= WIDE_OUTPUT else "narrow"]
+    block_n, block_k = BLOCKS["wide" if rows >= WIDE_OUTPUT else "narrow"]
+    if gated:  # a program reads block_n weight rows: half of them gate rows, half up rows
+        block_n //= 2
     with launch_device(x):
         _one_row_kernel[(triton.cdiv(out_columns, block_n),)](
             row,
@@ -63,6 +88,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             out_columns,
             width,
             HAS_BIAS=bias is not None,
+            GATED=gated,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             num_warps=4,
@@ -86,6 +112,8 @@ def check_linear(device: torch.device) -> list[Comparison]:
             result = linear_triton(x.to(device), weight.to(device), None if bias is None else bias.to(device))
             expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
             checks.append((result, expected, 2e-2))
+        gated = linear_triton(x.to(device), weight.to(device), None, gated=True)
+        checks.append((gated, silu_and_mul(F.linear(x.float(), weight.float())), 2e-2))
     return checks
 
 
@@ -95,23 +123,30 @@ if triton is not None:
     @triton.jit(do_not_specialize_on_alignment=["x"])
     def _one_row_kernel(
         x, weight, weight_stride, bias, out, out_columns, width,
-        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        dtype = out.dtype.element_ty
         columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         column_inside = columns < out_columns
+        gate_rows = weight + columns[:, None].to(tl.int64) * weight_stride
+        up_rows = gate_rows + out_columns * weight_stride  # read only when GATED
         # Products summed elementwise across the K loop, reduced once at the end.
         total = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        up_total = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for start in range(0, width, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             k_inside = k < width
-            w = tl.load(
-                weight + columns[:, None].to(tl.int64) * weight_stride + k[None, :],
-                mask=column_inside[:, None] & k_inside[None, :],
-                other=0.0,
-            )
-            value = tl.load(x + k, mask=k_inside, other=0.0)
-            total += w.to(tl.float32) * value.to(tl.float32)[None, :]
+            inside = column_inside[:, None] & k_inside[None, :]
+            value = tl.load(x + k, mask=k_inside, other=0.0).to(tl.float32)[None, :]
+            total += tl.load(gate_rows + k[None, :], mask=inside, other=0.0).to(tl.float32) * value
+            if GATED:
+                up_total += tl.load(up_rows + k[None, :], mask=inside, other=0.0).to(tl.float32) * value
         result = tl.sum(total, axis=1)
         if HAS_BIAS:
             result += tl.load(bias + columns, mask=column_inside, other=0.0).to(tl.float32)
-        tl.store(out + columns, result.to(out.dtype.element_ty), mask=column_inside)
+        if GATED:
+            # Rounded where the projection's output and `silu_and_mul` round.
+            gate = result.to(dtype).to(tl.float32)
+            up = tl.sum(up_total, axis=1).to(dtype).to(tl.float32)
+            result = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32) * up
+        tl.store(out + columns, result.to(dtype), mask=column_inside)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..kernels.attention import decode_attention, decode_attention_supported, dequantize
 from ..kernels.fp8 import FP8
-from ..kernels.linear import linear
+from ..kernels.linear import linear, linear_silu_and_mul
 from ..kernels.norm import add_rms_norm, silu_and_mul
 from ..kernels.rotary import rotate_into_cache, split_heads
 from .config import TransformerConfig
@@ -186,7 +186,12 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        # One launch for both where the one-row kernel serves; an FP8 projection (`Fp8Linear`) runs
+        # its own product.
+        if isinstance(gate_up, Linear):
+            return self.down_proj(linear_silu_and_mul(x, gate_up.weight))
+        return self.down_proj(silu_and_mul(gate_up(x)))
 
 
 class LayerScale(nn.Module):
