@@ -14,6 +14,12 @@ from `F.linear` in the last bit at most.
 `linear_silu_and_mul` is a gated MLP's gate/up projection and its SiLU product in one launch: a
 program reads a few gate rows and the matching up rows of the weight and writes silu(gate) * up,
 rounded where `norm.silu_and_mul` rounds, so a layer's MLP makes two launches instead of three.
+
+On Hopper and newer, both launch as programmatic dependents (`programmatic_launch`, checked like a
+kernel): a launch may start while the kernel before it runs, so its first block of weights (written
+by no kernel of the step) is read before it waits for the kernel that writes its input. At one row a
+frame step is about a thousand short kernels in a row, and each waited for the last to end before it
+started reading.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .norm import silu_and_mul
+from .norm import add_rms_norm_reference, add_rms_norm_triton, silu_and_mul
 from .registry import Comparison, launch_device, register_check, triton, triton_usable
 
 if triton is not None:
@@ -37,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear(x, weight, bias)`; in this module's kernel for one row of bf16 or fp16 x on GPUs
     that run it. x [..., K], weight [N, K], bias [N] or None."""
     if _takes_the_kernel(x, weight, bias):
-        return linear_triton(x, weight, bias)
+        return linear_triton(x, weight, bias, pdl=triton_usable(x.device, "programmatic_launch"))
     return F.linear(x, weight, bias)
 
 
@@ -45,7 +51,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul(linear(x, weight))`: weight [2I, K] holds the gate rows, then the up rows; returns
     silu(gate) * up [..., I]. One launch for one row of bf16 or fp16 x on GPUs that run the kernel."""
     if _takes_the_kernel(x, weight, None):
-        return linear_triton(x, weight, None, gated=True)
+        return linear_triton(x, weight, None, gated=True, pdl=triton_usable(x.device, "programmatic_launch"))
     return silu_and_mul(linear(x, weight))
 
 
@@ -61,10 +67,11 @@ def _takes_the_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, pdl: bool = False
 ) -> torch.Tensor:
     """One row of x [..., K] (every other dimension 1) times weight [N, K] with unit stride in K; `gated`:
-    silu(gate) * up of the product's halves (N/2 columns out)."""
+    silu(gate) * up of the product's halves (N/2 columns out); `pdl`: a programmatic dependent launch
+    (compute capability 9.0+)."""
     rows, width = weight.shape
     if x.numel() != width or x.shape[-1] != width or weight.stride(-1) != 1:
         raise ValueError(f"linear: one row of {width} and a weight [{rows}, {width}] with unit stride")
@@ -89,10 +96,12 @@ def linear_triton(
             width,
             HAS_BIAS=bias is not None,
             GATED=gated,
+            PDL=pdl,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             num_warps=4,
             num_stages=3,
+            **({"launch_pdl": True} if pdl else {}),
         )
     return out.view(*x.shape[:-1], out_columns)
 
@@ -117,23 +126,63 @@ def check_linear(device: torch.device) -> list[Comparison]:
     return checks
 
 
+@register_check("programmatic_launch")
+def check_programmatic_launch(device: torch.device) -> list[Comparison]:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise RuntimeError("programmatic dependent launch needs compute capability 9.0")
+    generator = torch.Generator().manual_seed(9)
+    x, residual = (torch.randn(1, 1024, generator=generator).bfloat16() for _ in range(2))
+    weight = (torch.randn(2 * 512, 1024, generator=generator) / 32).bfloat16()
+    norm_weight = (torch.rand(1024, generator=generator) + 0.5).bfloat16()
+    on = [t.to(device) for t in (x, residual, weight, norm_weight)]
+    # Each launch reads what the one before it wrote, as a layer's kernels do.
+    normed, summed = add_rms_norm_triton(on[0], on[1], on[3], 1e-6, pdl=True)
+    gated = linear_triton(normed, on[2], None, gated=True, pdl=True)
+    out = linear_triton(gated, on[2][:, :512], None, pdl=True)
+    expected_normed, expected_summed = add_rms_norm_reference(
+        x.float(), residual.float(), norm_weight.float(), 1e-6
+    )
+    expected_gated = silu_and_mul(F.linear(expected_normed, weight.float()))
+    expected = F.linear(expected_gated, weight.float()[:, :512])
+    return [
+        (summed, expected_summed, 2e-2),
+        (normed, expected_normed, 2e-2),
+        (gated, expected_gated, 5e-2),
+        (out, expected, 0.1),
+    ]
+
+
 if triton is not None:
     # x's alignment unspecialised: a row cut from a wider tensor (a last position, an admitted row)
     # uses the variant compiled at warm-up whatever its offset; its loads are a few KiB a call.
     @triton.jit(do_not_specialize_on_alignment=["x"])
     def _one_row_kernel(
         x, weight, weight_stride, bias, out, out_columns, width,
-        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # the next kernel may start once every program has
+            tl.extra.cuda.gdc_launch_dependents()
         dtype = out.dtype.element_ty
         columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         column_inside = columns < out_columns
         gate_rows = weight + columns[:, None].to(tl.int64) * weight_stride
         up_rows = gate_rows + out_columns * weight_stride  # read only when GATED
-        # Products summed elementwise across the K loop, reduced once at the end.
-        total = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        up_total = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        for start in range(0, width, BLOCK_K):
+        # Products summed elementwise across the K loop, reduced once at the end. The first block's
+        # weights are read before waiting for the kernel that writes x (and may read `out`'s memory).
+        k = tl.arange(0, BLOCK_K)
+        k_inside = k < width
+        inside = column_inside[:, None] & k_inside[None, :]
+        total = tl.load(gate_rows + k[None, :], mask=inside, other=0.0).to(tl.float32)
+        if GATED:
+            up_total = tl.load(up_rows + k[None, :], mask=inside, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        value = tl.load(x + k, mask=k_inside, other=0.0).to(tl.float32)[None, :]
+        total *= value
+        if GATED:
+            up_total *= value
+        for start in range(BLOCK_K, width, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             k_inside = k < width
             inside = column_inside[:, None] & k_inside[None, :]
