@@ -20,10 +20,12 @@ from __future__ import annotations
 import torch
 
 from .fp8 import quantize_rows_reference
-from .registry import Comparison, launch_device, register_check, triton, triton_usable
+from .registry import Comparison, launch_device, launch_options, register_check, triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
+
+    from .registry import await_inputs
 
 # A program's query block: (query heads per KV head) x (new tokens) rows, padded to this fixed size,
 # which is also the smallest block tl.dot accepts. Decode steps have 2 or 4 rows.
@@ -60,11 +62,13 @@ def decode_attention(
     launch: tuple[int, int, int] | None = None,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """q [B, H, T, D] at positions [B, T] (increasing along T); keys, values [B, KVH, L, D] (views of the
     cache) with entries 0..positions[:, -1] written; entries at L and beyond are never read. All three
     need unit stride in D. `launch` overrides `launch_shape(L)` (for measuring). With scales [B, KVH, L]
-    (of one layout, unit stride in L), keys and values are FP8. Returns [B, H, T, D]."""
+    (of one layout, unit stride in L), keys and values are FP8. Returns [B, H, T, D]. `pdl`: a
+    programmatic dependent launch (`registry.programmatic_launch`)."""
     batch, heads, length, dim = q.shape
     kv_heads, span = keys.shape[1], keys.shape[2]
     if not q.stride(-1) == keys.stride(-1) == values.stride(-1) == 1:
@@ -100,6 +104,7 @@ def decode_attention(
             KV_FP8=fp8,
             num_warps=warps,
             num_stages=stages,
+            **launch_options(pdl),
         )
     return out
 
@@ -196,7 +201,9 @@ if triton is not None:
         BLOCK_KEYS: tl.constexpr,
         PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         row, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         # Query block row r is (query head kv_head * GROUP + r // LENGTH, new token r % LENGTH).
         rows = tl.arange(0, BLOCK_ROWS)

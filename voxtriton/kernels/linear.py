@@ -15,11 +15,9 @@ from `F.linear` in the last bit at most.
 program reads a few gate rows and the matching up rows of the weight and writes silu(gate) * up,
 rounded where `norm.silu_and_mul` rounds, so a layer's MLP makes two launches instead of three.
 
-On Hopper and newer, both launch as programmatic dependents (`programmatic_launch`, checked like a
-kernel): a launch may start while the kernel before it runs, so its first block of weights (written
-by no kernel of the step) is read before it waits for the kernel that writes its input. At one row a
-frame step is about a thousand short kernels in a row, and each waited for the last to end before it
-started reading.
+Launched as programmatic dependents (`registry.programmatic_launch`), both read their first block of
+weights (written by no kernel of the step) while the kernel before them still runs, and only then
+wait for it.
 """
 
 from __future__ import annotations
@@ -28,7 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from .norm import add_rms_norm_reference, add_rms_norm_triton, silu_and_mul
-from .registry import Comparison, launch_device, register_check, triton, triton_usable
+from .registry import (
+    Comparison,
+    launch_device,
+    launch_options,
+    programmatic_launch,
+    register_check,
+    triton,
+    triton_usable,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -43,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear(x, weight, bias)`; in this module's kernel for one row of bf16 or fp16 x on GPUs
     that run it. x [..., K], weight [N, K], bias [N] or None."""
     if _takes_the_kernel(x, weight, bias):
-        return linear_triton(x, weight, bias, pdl=triton_usable(x.device, "programmatic_launch"))
+        return linear_triton(x, weight, bias, pdl=programmatic_launch(x.device))
     return F.linear(x, weight, bias)
 
 
@@ -51,7 +57,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul(linear(x, weight))`: weight [2I, K] holds the gate rows, then the up rows; returns
     silu(gate) * up [..., I]. One launch for one row of bf16 or fp16 x on GPUs that run the kernel."""
     if _takes_the_kernel(x, weight, None):
-        return linear_triton(x, weight, None, gated=True, pdl=triton_usable(x.device, "programmatic_launch"))
+        return linear_triton(x, weight, None, gated=True, pdl=programmatic_launch(x.device))
     return silu_and_mul(linear(x, weight))
 
 
@@ -96,12 +102,11 @@ def linear_triton(
             width,
             HAS_BIAS=bias is not None,
             GATED=gated,
-            PDL=pdl,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             num_warps=4,
             num_stages=3,
-            **({"launch_pdl": True} if pdl else {}),
+            **launch_options(pdl),
         )
     return out.view(*x.shape[:-1], out_columns)
 
@@ -135,21 +140,31 @@ def check_programmatic_launch(device: torch.device) -> list[Comparison]:
     weight = (torch.randn(2 * 512, 1024, generator=generator) / 32).bfloat16()
     norm_weight = (torch.rand(1024, generator=generator) + 0.5).bfloat16()
     on = [t.to(device) for t in (x, residual, weight, norm_weight)]
-    # Each launch reads what the one before it wrote, as a layer's kernels do.
-    normed, summed = add_rms_norm_triton(on[0], on[1], on[3], 1e-6, pdl=True)
-    gated = linear_triton(normed, on[2], None, gated=True, pdl=True)
-    out = linear_triton(gated, on[2][:, :512], None, pdl=True)
+
+    def chain():  # each launch reads what the one before it wrote, as a layer's kernels do
+        normed, summed = add_rms_norm_triton(on[0], on[1], on[3], 1e-6, pdl=True)
+        gated = linear_triton(normed, on[2], None, gated=True, pdl=True)
+        return summed, normed, gated, linear_triton(gated, on[2][:, :512], None, pdl=True)
+
+    results = list(chain())
+    if device.type == "cuda":  # and replayed from a CUDA graph, as the frame step runs
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain()
+        graph.replay()
+        results += captured
     expected_normed, expected_summed = add_rms_norm_reference(
         x.float(), residual.float(), norm_weight.float(), 1e-6
     )
     expected_gated = silu_and_mul(F.linear(expected_normed, weight.float()))
-    expected = F.linear(expected_gated, weight.float()[:, :512])
-    return [
-        (summed, expected_summed, 2e-2),
-        (normed, expected_normed, 2e-2),
-        (gated, expected_gated, 5e-2),
-        (out, expected, 0.1),
+    expected = [
+        expected_summed,
+        expected_normed,
+        expected_gated,
+        F.linear(expected_gated, weight.float()[:, :512]),
     ]
+    tolerances = [2e-2, 2e-2, 5e-2, 0.1]
+    return [(result, expected[i % 4], tolerances[i % 4]) for i, result in enumerate(results)]
 
 
 if triton is not None:

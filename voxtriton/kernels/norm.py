@@ -21,10 +21,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .registry import Comparison, launch_device, register_check, triton, triton_usable
+from .registry import (
+    Comparison,
+    launch_device,
+    launch_options,
+    programmatic_launch,
+    register_check,
+    triton,
+    triton_usable,
+)
 
 if triton is not None:
     import triton.language as tl
+
+    from .registry import await_inputs
 
 # silu_and_mul's columns per program: intermediate sizes run to several thousand, more than one
 # program should hold.
@@ -49,9 +59,7 @@ def add_rms_norm(
     """(rms_norm(x + residual), x + residual) over the last dimension, which `weight` [D] scales.
     x and residual: one shape and dtype."""
     if triton_usable(x.device, "add_rms_norm"):
-        return add_rms_norm_triton(
-            x, residual, weight, eps, pdl=triton_usable(x.device, "programmatic_launch")
-        )
+        return add_rms_norm_triton(x, residual, weight, eps, pdl=programmatic_launch(x.device))
     return add_rms_norm_reference(x, residual, weight, eps)
 
 
@@ -72,8 +80,7 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm_triton(x, residual, weight, eps, pdl: bool = False):
-    """`pdl`: a programmatic dependent launch (see `linear`), which lets the projection after the norm
-    start reading its weights while the norm runs."""
+    """`pdl`: a programmatic dependent launch (`registry.programmatic_launch`)."""
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError("add_rms_norm needs x and residual of one shape and dtype")
     size = x.shape[-1]
@@ -90,9 +97,8 @@ def add_rms_norm_triton(x, residual, weight, eps, pdl: bool = False):
             normed,
             summed,
             size,
-            PDL=pdl,
             BLOCK=triton.next_power_of_2(size),
-            **({"launch_pdl": True} if pdl else {}),
+            **launch_options(pdl),
         )
     return normed.view(x.shape), summed.view(x.shape)
 
@@ -132,15 +138,11 @@ if triton is not None:
         PDL: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # One program per row: the row's sum stays in registers between the add and the norm.
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
+        await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         dtype = x.dtype.element_ty
         column = tl.arange(0, BLOCK)
         inside = column < size
-        scale = tl.load(weight + column, mask=inside, other=0.0).to(tl.float32)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
         value = tl.load(x + row * x_row_stride + column, mask=inside, other=0.0).to(tl.float32)
         value += tl.load(residual + row * residual_row_stride + column, mask=inside, other=0.0).to(tl.float32)
         # The norm reads the sum as stored, rounded to the dtype.
@@ -148,6 +150,7 @@ if triton is not None:
         tl.store(summed + row * size + column, value, mask=inside)
         value = value.to(tl.float32)
         inverse_rms = tl.rsqrt(tl.sum(value * value, axis=0) / size + eps)
+        scale = tl.load(weight + column, mask=inside, other=0.0).to(tl.float32)
         tl.store(normed + row * size + column, (value * inverse_rms * scale).to(dtype), mask=inside)
 
     @triton.jit

@@ -21,6 +21,7 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
 except ImportError:  # CPU-only installs: the reference formulas serve
     triton = None
 
@@ -53,6 +54,19 @@ def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
     need not be the tensor's (a codec on the second GPU). -1 leaves it alone: CPU tensors in Triton's
     interpreter."""
     return torch.cuda.device(tensor.device if tensor.is_cuda else -1)
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the step's kernels launch as programmatic dependents on this device (Hopper and newer,
+    checked at start as `programmatic_launch`): each may start while the kernel before it runs, and
+    waits for it only where it reads what that kernel wrote. At one row a frame step is about a
+    thousand short kernels in a row, and each would otherwise start only once the last had ended."""
+    return triton_usable(device, "programmatic_launch")
+
+
+def launch_options(pdl: bool) -> dict:
+    """A kernel's launch arguments for its `PDL` constant: a programmatic dependent launch or a plain one."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def triton_usable(device: torch.device, kernel: str) -> bool:
@@ -118,6 +132,17 @@ def _check_names(names: set[str], source: str) -> None:
     unknown = sorted(names - set(KERNEL_CHECKS))
     if unknown:
         raise KeyError(f"{source}: no Triton kernel named {unknown}; known: {sorted(KERNEL_CHECKS)}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def await_inputs(PDL: tl.constexpr):
+        """A kernel's first step under a programmatic dependent launch (`launch_options`): let the next
+        kernel start, then wait until the kernels before this one are done and their writes visible."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
 
 
 def run_checks(device: torch.device, checks: dict[str, Check]) -> dict[str, bool]:

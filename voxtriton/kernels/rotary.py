@@ -19,12 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import FP8, FP8_MAX, MIN_AMAX, quantize_rows_reference
-from .registry import Comparison, launch_device, register_check, triton, triton_usable
+from .registry import (
+    Comparison,
+    launch_device,
+    launch_options,
+    programmatic_launch,
+    register_check,
+    triton,
+    triton_usable,
+)
 
 if triton is not None:
     import triton.language as tl
 
     from .fp8 import to_e4m3_grid
+    from .registry import await_inputs
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -77,7 +86,9 @@ def rotate_into_cache(
     kernel = "rotary" if key_scales is None else "rotary_fp8"
     if serves_head_size(qkv.shape[-1]) and triton_usable(qkv.device, kernel):
         inputs = (qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin, key_cache, value_cache)
-        return rotate_into_cache_triton(*inputs, positions, key_scales, value_scales)
+        return rotate_into_cache_triton(
+            *inputs, positions, key_scales, value_scales, pdl=programmatic_launch(qkv.device)
+        )
     q, k, v = split_heads(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, signed_sin)
     index = positions[:, None, :, None].expand_as(k)
     for cache, scales, entries in ((key_cache, key_scales, k), (value_cache, value_scales, v)):
@@ -110,7 +121,10 @@ def rotate_into_cache_triton(
     positions,
     key_scales=None,
     value_scales=None,
+    pdl: bool = False,
 ):
+    """`rotate_into_cache` in its kernel; `pdl`: a programmatic dependent launch
+    (`registry.programmatic_launch`)."""
     batch, length, total_heads, dim = qkv.shape
     if not serves_head_size(dim):
         raise ValueError(f"rotate_into_cache needs a power-of-two head size of at least 4, got {dim}")
@@ -164,6 +178,7 @@ def rotate_into_cache_triton(
             BLOCK_HEADS=triton.next_power_of_2(total_heads),
             HAS_NORM=has_norm,
             KV_FP8=fp8,
+            **launch_options(pdl),
         )
     return q
 
@@ -247,7 +262,9 @@ if triton is not None:
         BLOCK_HEADS: tl.constexpr,
         HAS_NORM: tl.constexpr,
         KV_FP8: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         row, token = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         dtype = qkv.dtype.element_ty
         # Heads in projection order: q (HEADS), k (KV_HEADS), v (KV_HEADS); each split into halves for

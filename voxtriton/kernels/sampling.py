@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Comparison, launch_device, register_check, triton
+from .registry import Comparison, launch_device, launch_options, register_check, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .registry import await_inputs
 
 # The noise hash's constants (the kernel's `_mix` repeats `mix`).
 MASK31 = 0x7FFFFFFF
@@ -108,9 +110,11 @@ def sample_triton(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     keys: torch.Tensor,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """logits [B, V] with unit stride along the vocabulary; temperature [B] (0: greedy), top_k [B] (0: no
-    limit), top_p [B] (1: no limit); keys [B] int64 draw keys. Returns [B] int64 token ids."""
+    limit), top_p [B] (1: no limit); keys [B] int64 draw keys. Returns [B] int64 token ids. `pdl`: a
+    programmatic dependent launch (`registry.programmatic_launch`)."""
     batch, vocab = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("sample_triton needs unit stride along the vocabulary")
@@ -132,6 +136,7 @@ def sample_triton(
             RADIX_BITS=RADIX_BITS,
             BLOCK=triton.next_power_of_2(vocab),
             num_warps=8,
+            **launch_options(pdl),
         )
     return out
 
@@ -198,7 +203,9 @@ if triton is not None:
         TOKEN_MULTIPLIER: tl.constexpr,
         RADIX_BITS: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         index = tl.arange(0, BLOCK)
         valid = index < vocab

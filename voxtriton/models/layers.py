@@ -19,6 +19,7 @@ from ..kernels.attention import decode_attention, decode_attention_supported, de
 from ..kernels.fp8 import FP8
 from ..kernels.linear import linear, linear_silu_and_mul
 from ..kernels.norm import add_rms_norm, silu_and_mul
+from ..kernels.registry import programmatic_launch
 from ..kernels.rotary import rotate_into_cache, split_heads
 from .config import TransformerConfig
 
@@ -261,7 +262,7 @@ class DecoderStack(nn.Module):
         through SDPA with a bias made once per call and shared by every layer."""
         if mask is None:
             if decode_attention_supported(x.device, self.group * x.shape[1], self.head_dim, kv.fp8):
-                return partial(decode_attention, positions=positions)
+                return partial(decode_attention, positions=positions, pdl=programmatic_launch(x.device))
             mask = causal_mask(positions, kv.span)
         return partial(grouped_attention, bias=attention_bias(mask, self.group, x.dtype))
 
