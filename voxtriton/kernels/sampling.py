@@ -173,11 +173,12 @@ if triton is not None:
         # scores at or above it.
         found = tl.zeros((1,), tl.int64)
         for step in tl.static_range(32 // RADIX_BITS):
-            shift: tl.constexpr = 32 - RADIX_BITS * (step + 1)
-            candidates = (found + (digits << shift) - (1 << 31)).to(tl.int32)
+            # This pass settles the bits from 32 - RADIX_BITS * (step + 1) up.
+            candidates = (found + (digits << (32 - RADIX_BITS * (step + 1))) - (1 << 31)).to(tl.int32)
             at_or_above = tl.sum((ordered[None, :] >= candidates[:, None]).to(tl.int32), axis=1)
             # Counts fall as the digit grows, and digit 0 always holds k: take the largest that does.
-            found += (tl.sum((at_or_above >= k).to(tl.int64), axis=0) - 1) << shift
+            digit = tl.sum((at_or_above >= k).to(tl.int64), axis=0) - 1
+            found += digit << (32 - RADIX_BITS * (step + 1))
         kth = (found - (1 << 31)).to(tl.int32)
         kth = tl.where(kth < 0, kth ^ 0x7FFFFFFF, kth).to(tl.float32, bitcast=True)
         return tl.max(kth, axis=0)
