@@ -265,9 +265,9 @@ def test_sampling_kernel_draws_the_reference_tokens(case):
 
 
 def test_top_k_keeps_the_references_tokens_through_signs_zeros_and_ties():
-    """The kernel's top-k threshold is a radix select over the scores' bits: rows of negative and
-    positive scores, both zeros, -inf and many ties, every k, each drawn with many keys, so that a
-    token wrongly kept or dropped would show in some draw."""
+    """The kernel's top-k threshold against the reference's: rows of negative and positive scores, both
+    zeros, -inf and many ties, every k, each drawn with many keys, so that a token wrongly kept or
+    dropped would show in some draw."""
     from voxtriton.engine.sampling import RowParams, sample
     from voxtriton.kernels.sampling import sample_triton
 
