@@ -184,7 +184,8 @@ if triton is not None:
         gate_rows = weight + columns[:, None].to(tl.int64) * weight_stride
         up_rows = gate_rows + out_columns * weight_stride  # read only when GATED
         # Products summed elementwise across the K loop, reduced once at the end. The first block's
-        # weights are read before waiting for the kernel that writes x (and may read `out`'s memory).
+        # weights are read before waiting for the kernel that writes x; nothing is stored before the
+        # wait (a kernel before this one may still read `out`'s memory).
         k = tl.arange(0, BLOCK_K)
         k_inside = k < width
         inside = column_inside[:, None] & k_inside[None, :]

@@ -59,8 +59,9 @@ def launch_device(tensor: torch.Tensor) -> torch.cuda.device:
 def programmatic_launch(device: torch.device) -> bool:
     """Whether the step's kernels launch as programmatic dependents on this device (Hopper and newer,
     checked at start as `programmatic_launch`): each may start while the kernel before it runs, and
-    waits for it only where it reads what that kernel wrote. At one row a frame step is about a
-    thousand short kernels in a row, and each would otherwise start only once the last had ended."""
+    waits for it before it reads its inputs or stores anything (`await_inputs`). At one row a frame
+    step is about a thousand short kernels in a row, and each would otherwise start only once the
+    last had ended."""
     return triton_usable(device, "programmatic_launch")
 
 
