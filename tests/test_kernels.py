@@ -3,8 +3,10 @@ Triton's interpreter (conftest.py), so CI checks the same kernel code the GPU ru
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -744,3 +746,48 @@ def test_rotary_kernel_compiles_once_for_every_prompt_length():
                 )
 
     assert len(compiled_variants(rotary._rotate_into_cache_kernel, launches)) == 1
+
+
+# Checks whose kernels need more than the named GPU has, as their startup checks say on one.
+NEEDS_NEWER = {
+    80: {"fp8_quantize_rows": "fp8e4nv", "decode_attention_fp8": "fp8e4nv", "rotary_fp8": "fp8e4nv"},
+    89: {},
+    90: {},
+}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package")
+@pytest.mark.parametrize("capability, dependent_launches", [(80, False), (89, False), (90, True)])
+def test_every_kernel_compiles_for_the_gpus_it_serves_on(tmp_path, capability, dependent_launches):
+    """Triton's GPU compiler and ptxas build every kernel that the startup checks launch, for Ampere,
+    Ada and Hopper (with programmatic dependent launches): the interpreter that runs the other kernel
+    tests on a CPU accepts code the GPU compiler refuses. Only kernels that need a newer GPU fail, and
+    only there."""
+    report = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("compile_kernels.py")), str(capability), str(report)]
+        + (["--dependent-launches"] if dependent_launches else []),
+        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")},  # compiled here, not found cached
+        capture_output=True,
+        check=True,
+    )
+    errors = json.loads(report.read_text())
+    compiled = set(errors.pop("compiled"))
+    expected_failures = dict(NEEDS_NEWER[capability])
+    if not dependent_launches:
+        expected_failures["programmatic_launch"] = "requires .target sm_90"
+    for name, error in errors.items():
+        if name in expected_failures:
+            assert error is not None and expected_failures[name] in error, (name, error)
+        else:
+            assert error is None, f"{name} does not compile for compute capability {capability}: {error}"
+
+    import voxtriton.kernels as package
+
+    launched = {
+        name
+        for module in (getattr(package, m.name) for m in pkgutil.iter_modules(package.__path__))
+        for name, value in vars(module).items()
+        if name.endswith("_kernel") and hasattr(value, "fn")
+    }
+    assert compiled == launched - ({"_quantize_rows_kernel"} if capability < 89 else set())

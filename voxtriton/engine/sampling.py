@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import triton_usable
+from ..kernels import programmatic_launch, triton_usable
 from ..kernels.sampling import MASK31, MAX_KERNEL_VOCAB, mix, mix_in, sample_reference, sample_triton
 
 
@@ -59,7 +59,14 @@ def sample(logits: torch.Tensor, params: RowParams, keys: torch.Tensor) -> torch
     noise of each row's draw key (keys [B], from `noise_keys`): one Triton kernel on a GPU, its
     reference formula elsewhere (`voxtriton.kernels.sampling`)."""
     if logits.shape[-1] <= MAX_KERNEL_VOCAB and triton_usable(logits.device, "sampling"):
-        return sample_triton(logits, params.temperature, params.top_k, params.top_p, keys)
+        return sample_triton(
+            logits,
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            keys,
+            pdl=programmatic_launch(logits.device),
+        )
     return sample_reference(logits, params.temperature, params.top_k, params.top_p, keys)
 
 

@@ -6,7 +6,14 @@ Importing the package imports every kernel module, so that each registers its st
 """
 
 from . import attention, codec, fp8, linear, norm, rotary, sampling
-from .registry import FALLBACK_WARNING, check_kernels, run_checks, triton_usable, turn_off
+from .registry import (
+    FALLBACK_WARNING,
+    check_kernels,
+    programmatic_launch,
+    run_checks,
+    triton_usable,
+    turn_off,
+)
 
 __all__ = [
     "FALLBACK_WARNING",
@@ -16,6 +23,7 @@ __all__ = [
     "fp8",
     "linear",
     "norm",
+    "programmatic_launch",
     "rotary",
     "run_checks",
     "sampling",

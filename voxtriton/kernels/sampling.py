@@ -4,10 +4,13 @@ and `sample_reference`, the same draw in PyTorch.
 The reference is about 20 small PyTorch operations per call, among them a sort of the whole
 vocabulary, and a frame step makes 16 calls (codebook 0 and the predictor's 15 groups). Here one
 program per row loads the row's logits once (the vocabulary fits in registers: 2048 or 3072 tokens),
-sorts them in place, and finds the top-k and nucleus thresholds, then draws with Gumbel noise it makes
-from the row's draw key, with the reference's hash: no [rows, vocabulary] noise tensor is made or
-read. Same semantics as the reference (transformers' order: temperature, top-k, top-p; ties at a
-threshold are kept; masked tokens never win, whatever the noise). It computes in fp32 with correctly
+finds the top-k and nucleus thresholds, then draws with Gumbel noise it makes from the row's draw
+key, with the reference's hash: no [rows, vocabulary] noise tensor is made or read. The top-k
+threshold is a radix select over the scores' bits (`RADIX_BITS` at a time), not a sort: a sort of
+the row (a bitonic network, about 20 us a call at one row on an H100) runs only for rows with a
+nucleus (top_p < 1), which need the probabilities in rank order. Same semantics as the reference
+(transformers' order: temperature, top-k, top-p; ties at a threshold are kept; masked tokens never
+win, whatever the noise). It computes in fp32 with correctly
 rounded division, so it picks the same tokens except where a nucleus boundary falls within rounding
 of the probability mass, which the two compute in different orders, or where two tokens' noisy scores
 tie to within the last bit of the logarithms (the GPU's and PyTorch's need not agree to the bit).
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from .registry import Comparison, launch_device, register_check, triton
+from .registry import Comparison, launch_device, launch_options, register_check, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .registry import await_inputs
 
 # The noise hash's constants (the kernel's `_mix` repeats `mix`).
 MASK31 = 0x7FFFFFFF
@@ -28,6 +33,9 @@ MIX = 0x045D9F3B  # < 2**27: products of 31-bit values stay inside int64
 TOKEN_MULTIPLIER = 0x61C8864F
 # A program holds its row's whole vocabulary in registers; larger vocabularies take the reference.
 MAX_KERNEL_VOCAB = 8192
+# Bits of the k-th largest score the radix select settles per pass over the row: 32 / RADIX_BITS
+# passes, each comparing every score with 2**RADIX_BITS candidates.
+RADIX_BITS = 2
 
 
 def mix(x):
@@ -102,9 +110,11 @@ def sample_triton(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     keys: torch.Tensor,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """logits [B, V] with unit stride along the vocabulary; temperature [B] (0: greedy), top_k [B] (0: no
-    limit), top_p [B] (1: no limit); keys [B] int64 draw keys. Returns [B] int64 token ids."""
+    limit), top_p [B] (1: no limit); keys [B] int64 draw keys. Returns [B] int64 token ids. `pdl`: a
+    programmatic dependent launch (`registry.programmatic_launch`)."""
     batch, vocab = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("sample_triton needs unit stride along the vocabulary")
@@ -123,8 +133,10 @@ def sample_triton(
             MASK31=MASK31,
             MIX=MIX,
             TOKEN_MULTIPLIER=TOKEN_MULTIPLIER,
+            RADIX_BITS=RADIX_BITS,
             BLOCK=triton.next_power_of_2(vocab),
             num_warps=8,
+            **launch_options(pdl),
         )
     return out
 
@@ -148,6 +160,29 @@ if triton is not None:
         x = ((x ^ (x >> 16)) * MIX) & MASK31
         return x ^ (x >> 16)
 
+    @triton.jit
+    def _kth_largest(scores, k, RADIX_BITS: tl.constexpr):
+        """The k-th largest of `scores` (fp32, 1 <= k <= their count), exactly: the scores as integers
+        in the same order, then their bits, most significant first, RADIX_BITS per pass."""
+        bits = scores.to(tl.int32, bitcast=True)
+        # Negative floats order backwards by their magnitude bits: flip those, and signed integer order
+        # is float order (-0 just below +0, which compare equal as floats).
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        digits = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
+        # The answer, offset by 2**31 (so unsigned), settled bit by bit: the largest value with at least k
+        # scores at or above it.
+        found = tl.zeros((1,), tl.int64)
+        for step in tl.static_range(32 // RADIX_BITS):
+            # This pass settles the bits from 32 - RADIX_BITS * (step + 1) up.
+            candidates = (found + (digits << (32 - RADIX_BITS * (step + 1))) - (1 << 31)).to(tl.int32)
+            at_or_above = tl.sum((ordered[None, :] >= candidates[:, None]).to(tl.int32), axis=1)
+            # Counts fall as the digit grows, and digit 0 always holds k: take the largest that does.
+            digit = tl.sum((at_or_above >= k).to(tl.int64), axis=0) - 1
+            found += digit << (32 - RADIX_BITS * (step + 1))
+        kth = (found - (1 << 31)).to(tl.int32)
+        kth = tl.where(kth < 0, kth ^ 0x7FFFFFFF, kth).to(tl.float32, bitcast=True)
+        return tl.max(kth, axis=0)
+
     # Keys and per-row scalars arrive at any offset or stride (admissions sample rows anywhere): not
     # specialising on them keeps one compiled variant, so no compile stalls every stream while serving.
     @triton.jit(
@@ -167,8 +202,11 @@ if triton is not None:
         MASK31: tl.constexpr,
         MIX: tl.constexpr,
         TOKEN_MULTIPLIER: tl.constexpr,
+        RADIX_BITS: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         index = tl.arange(0, BLOCK)
         valid = index < vocab
@@ -176,21 +214,23 @@ if triton is not None:
         t = tl.load(temperature + row)
         greedy = t <= 0
         scaled = tl.math.div_rn(x, tl.where(greedy, 1.0, t))
-        # Top-k: the k-th largest score (padding sorts last, at -inf).
+        # Top-k: the k-th largest score (padding ranks last, at -inf).
         k = tl.load(top_k + row)
         k = tl.where(k > 0, tl.minimum(k, vocab), vocab)
-        ordered = tl.sort(scaled, descending=True)
-        kth = tl.max(tl.where(index == k - 1, ordered, float("-inf")), axis=0)
-        # Top-p over the top k: a token is dropped when the tokens ranked above it hold top_p of the mass.
-        ranked = tl.where(index < k, ordered, float("-inf"))
-        weights = tl.exp(ranked - tl.max(ranked, axis=0))
-        probs = weights / tl.sum(weights, axis=0)
-        mass_above = tl.cumsum(probs, axis=0) - probs
+        kth = _kth_largest(scaled, k, RADIX_BITS)
+        kept = kth  # top_p 1 keeps everything, whatever the rounding
         p = tl.load(top_p + row)
-        limit = tl.where(p < 1.0, p, float("inf"))  # top_p 1 keeps everything, whatever the rounding
-        drop = (mass_above >= limit) & (index > 0)
-        # The lowest score kept in sorted order is the threshold (ties with it are kept).
-        kept = tl.min(tl.where(drop, float("inf"), ranked), axis=0)
+        if p < 1.0:
+            # Top-p over the top k: a token is dropped when the tokens ranked above it hold top_p of
+            # the mass.
+            ordered = tl.sort(scaled, descending=True)
+            ranked = tl.where(index < k, ordered, float("-inf"))
+            weights = tl.exp(ranked - tl.max(ranked, axis=0))
+            probs = weights / tl.sum(weights, axis=0)
+            mass_above = tl.cumsum(probs, axis=0) - probs
+            drop = (mass_above >= p) & (index > 0)
+            # The lowest score kept in sorted order is the threshold (ties with it are kept).
+            kept = tl.min(tl.where(drop, float("inf"), ranked), axis=0)
         finite = (scaled == scaled) & (tl.abs(scaled) != float("inf"))
         keep = finite & (scaled >= kth) & (scaled >= kept)
         key = tl.load(keys + row * keys_stride)
