@@ -183,22 +183,26 @@ if triton is not None:
         column_inside = columns < out_columns
         gate_rows = weight + columns[:, None].to(tl.int64) * weight_stride
         up_rows = gate_rows + out_columns * weight_stride  # read only when GATED
-        # Products summed elementwise across the K loop, reduced once at the end. The first block's
-        # weights are read before waiting for the kernel that writes x; nothing is stored before the
-        # wait (a kernel before this one may still read `out`'s memory).
-        k = tl.arange(0, BLOCK_K)
-        k_inside = k < width
-        inside = column_inside[:, None] & k_inside[None, :]
-        total = tl.load(gate_rows + k[None, :], mask=inside, other=0.0).to(tl.float32)
-        if GATED:
-            up_total = tl.load(up_rows + k[None, :], mask=inside, other=0.0).to(tl.float32)
+        # Products summed elementwise across the K loop, reduced once at the end.
+        total = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        up_total = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # used only when GATED
+        first = 0
         if PDL:
+            # The first block's weights are read before waiting for the kernel that writes x; nothing
+            # is stored before the wait (a kernel before this one may still read `out`'s memory).
+            k = tl.arange(0, BLOCK_K)
+            k_inside = k < width
+            inside = column_inside[:, None] & k_inside[None, :]
+            total = tl.load(gate_rows + k[None, :], mask=inside, other=0.0).to(tl.float32)
+            if GATED:
+                up_total = tl.load(up_rows + k[None, :], mask=inside, other=0.0).to(tl.float32)
             tl.extra.cuda.gdc_wait()
-        value = tl.load(x + k, mask=k_inside, other=0.0).to(tl.float32)[None, :]
-        total *= value
-        if GATED:
-            up_total *= value
-        for start in range(BLOCK_K, width, BLOCK_K):
+            value = tl.load(x + k, mask=k_inside, other=0.0).to(tl.float32)[None, :]
+            total *= value
+            if GATED:
+                up_total *= value
+            first = BLOCK_K
+        for start in range(first, width, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             k_inside = k < width
             inside = column_inside[:, None] & k_inside[None, :]
