@@ -216,6 +216,44 @@ def test_under_light_load_a_whole_text_starts_with_one_frame_then_the_schedule()
         SchedulerConfig(single_frame_start_streams=-2)
 
 
+def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_hand():
+    """`first_chunk_hold_s`: from the cut of a stream's first chunk to its send, the engine holds its
+    next frame step, while the load is light and every stream already playing (and still
+    generating) has more than `slack_margin_s` of audio in hand; never with 0."""
+    sched, clock = scheduler(
+        policy="concurrent", single_frame_start_streams=3, first_chunk_hold_s=0.01, chunk_schedule="2,8"
+    )
+    playing = sched.open("playing")
+    sched.frames_generated("playing", 2)
+    serve(sched, URGENT)  # its first chunk (160 ms of audio) sent at 0
+    sched.frames_generated("playing", 8)
+    serve(sched, URGENT)  # 800 ms of audio in hand
+    new = sched.open("new")
+    assert not sched.holds_for_first_chunk()  # its first chunk is not cut yet
+    sched.frames_generated("new", 2)
+    assert sched.holds_for_first_chunk()  # queued
+    [chunk] = sched.next_batch(URGENT)
+    assert sched.holds_for_first_chunk()  # being decoded
+    clock.now = 0.6  # the playing stream's listener is down to 0.2 s of its 0.8, within the margin
+    assert not sched.holds_for_first_chunk()
+    playing.generation_done = True  # all its frames are made: holding the backbone costs it nothing
+    assert sched.holds_for_first_chunk()
+    sched.open("third")
+    sched.open("fourth")
+    assert not sched.holds_for_first_chunk()  # 4 streams open: not light load
+    sched.close("fourth")
+    sched.chunk_done(chunk, 0.004)
+    assert not sched.holds_for_first_chunk()  # sent
+    assert new.first_sent_at == 0.6
+
+    off, _ = scheduler(policy="concurrent", single_frame_start_streams=3)
+    off.open("s")
+    off.frames_generated("s", 2)
+    assert not off.holds_for_first_chunk()
+    with pytest.raises(ValueError, match="first_chunk_hold_s"):
+        SchedulerConfig(first_chunk_hold_s=-0.001)
+
+
 def test_a_one_frame_start_is_a_gpus_default_and_never_a_cpus():
     """Unset, the setting takes the device's default: a 1-frame start under light load on a GPU,
     none on a CPU (two frame steps and a codec call there take about the first chunk's 80 ms); a

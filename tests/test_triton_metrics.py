@@ -74,6 +74,8 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     metrics.codec_primed("urgent", False)
     metrics.codec_primed("urgent", True)
     metrics.codec_primed("urgent", True)
+    metrics.first_chunk_hold(0.003)
+    metrics.first_chunk_hold(0.002)
     metrics.gauges(3, 2, 1, 0, {"urgent": 1, "background": 0, "inline": 0}, 0)
     metrics.gauges(3, 2, 0, 1, {"urgent": 0, "background": 0, "inline": 0}, 1)
     assert calls == []  # nothing on the caller's thread
@@ -102,6 +104,9 @@ def test_updates_are_applied_by_the_writer_with_counters_summed_and_gauges_dedup
     assert [c[3] for c in calls if c[0] == "voxtriton_cancellation_lock_seconds_total"] == pytest.approx(
         [0.002]
     )
+    assert [c[3] for c in calls if c[0] == "voxtriton_first_chunk_holds_total"] == [2]
+    held = [c[3] for c in calls if c[0] == "voxtriton_first_chunk_hold_seconds_total"]
+    assert held == pytest.approx([0.005])
     assert [c[3] for c in calls if c[0] == "voxtriton_frame_step_device_seconds"] == [0.019, 0.018]
     assert [c[2:] for c in calls if c[0] == "voxtriton_admitted_requests_total"] == [("increment", 2)]
     assert [c[3] for c in calls if c[0] == "voxtriton_prefill_device_seconds_total"] == pytest.approx([0.003])

@@ -329,6 +329,50 @@ def test_a_first_frame_returned_early_starts_a_one_frame_chunk_and_the_audio_sta
     assert [output.request.request_id for output in early] == (["r1"] if policy == "concurrent" else [])
 
 
+class LaneWithASlowFirstCall:
+    """Its first call takes `delay` seconds longer; it notes how many frames its stream generated
+    during that call (`frames_generated()` before and after)."""
+
+    def __init__(self, lane, frames_generated, delay=0.3):
+        self.lane, self.frames_generated, self.delay = lane, frames_generated, delay
+        self.calls, self.frames_during_first = 0, None
+
+    def decode(self, codes, start, slots, prime=False):
+        self.calls += 1
+        if self.calls > 1:
+            return self.lane.decode(codes, start, slots, prime)
+        before = self.frames_generated()
+        time.sleep(self.delay)
+        audio = self.lane.decode(codes, start, slots, prime)
+        self.frames_during_first = self.frames_generated() - before
+        return audio
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 30.0])
+def test_the_engine_holds_its_frame_steps_while_a_first_chunk_decodes(tiny_checkpoint, hold_s):
+    """`first_chunk_hold_s`: under light load, no frame comes out of the engine while a stream's first
+    chunk is in its codec call (a slow one here), and the audio is the same; without it, the backbone
+    goes on generating meanwhile."""
+    engine, parser, scheduler_config = engine_and_parser(
+        tiny_checkpoint, "concurrent", chunk_schedule="2,4", single_frame_start_streams=1,
+        first_chunk_hold_s=hold_s,
+    )  # fmt: skip
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+    lane = LaneWithASlowFirstCall(  # (`service` is read once the lane is called)
+        InProcessLane(codec, pool.tensor), lambda: service.scheduler.streams["r1"].frames_generated
+    )
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
+    try:
+        sink = CollectingSink()
+        service.submit(parser.parse("r1", fixed_length(b"Hold on.", 9, seed=3)), sink)
+        assert sink.done.wait(120) and sink.errors == []
+    finally:
+        service.shutdown()
+    assert [int(info[2]) for info in sink.info] == [1, 2, 4, 2]
+    assert (lane.frames_during_first == 0) is (hold_s > 0), lane.frames_during_first
+    assert_audio_is_the_whole_decode(codec, sink, 9)
+
+
 class LaneThatHoldsItsFirstCallUntilASecondStarts:
     """Its first call waits until a second call starts, or 30 s pass; calls then decode one at a time,
     as Triton runs them at one codec instance."""

@@ -84,6 +84,12 @@ class SchedulerConfig:
     # codec call take well under 80 ms; 0: never; -1: `GPU_SINGLE_FRAME_START_STREAMS` on a GPU,
     # never on a CPU (`for_device`; until then, never).
     single_frame_start_streams: int = -1
+    # Under light load (`light_load`), while a stream's first chunk waits for or is in its codec call,
+    # the engine holds its next frame step until that call ends, at most this long, provided every
+    # stream already playing has more than `slack_margin_s` of audio in hand. The first chunk's call
+    # then has the GPU to itself: beside a frame step it shares the SMs with the backbone's kernels
+    # (the lanes run under MPS) and takes several times as long. 0: never.
+    first_chunk_hold_s: float = 0.0
 
     def __post_init__(self):
         get_policy(self.policy)
@@ -110,6 +116,8 @@ class SchedulerConfig:
             )
         if self.text_start_frames < 1:
             raise ValueError(f"scheduler_text_start_frames must be >= 1, got {self.text_start_frames}")
+        if self.first_chunk_hold_s < 0:
+            raise ValueError(f"scheduler_first_chunk_hold_s must be >= 0, got {self.first_chunk_hold_s}")
         if self.idle_urgent_takes_frames < 0:
             raise ValueError(
                 f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}"
@@ -289,6 +297,21 @@ class ChunkScheduler:
     def light_load(self) -> bool:
         """At most `single_frame_start_streams` streams open (generating, or still sending audio)."""
         return len(self.streams) <= self.config.single_frame_start_streams
+
+    def holds_for_first_chunk(self, now: float | None = None) -> bool:
+        """Whether the engine holds its next frame step for a first chunk (`first_chunk_hold_s`): the
+        load is light, a stream's first chunk is cut but not sent, and no stream already playing
+        has `slack_margin_s` of audio or less in hand (a finished one owes only its queued audio)."""
+        if self.config.first_chunk_hold_s <= 0 or not self.light_load():
+            return False
+        now = self.clock() if now is None else now
+        first_chunk_decoding = False
+        for stream in self.streams.values():
+            if stream.first_sent_at is None:
+                first_chunk_decoding = first_chunk_decoding or stream.in_flight is not None
+            elif not stream.generation_done and stream.deadline() - now <= self.config.slack_margin_s:
+                return False
+        return first_chunk_decoding
 
     def close(self, stream_id: str) -> None:
         """Forget a stream (finished, cancelled or failed); its queued chunks are dropped."""

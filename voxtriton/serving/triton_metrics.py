@@ -187,6 +187,17 @@ class TritonMetrics:
             "for it meanwhile",
             counter,
         ).Metric(labels={})
+        self.held = _family(
+            "voxtriton_first_chunk_hold_seconds_total",
+            "Time the engine held its next frame step while a first chunk was decoded "
+            "(scheduler_first_chunk_hold_s)",
+            counter,
+        ).Metric(labels={})
+        self.holds = _family(
+            "voxtriton_first_chunk_holds_total",
+            "Frame steps the engine held while a first chunk was decoded (scheduler_first_chunk_hold_s)",
+            counter,
+        ).Metric(labels={})
         self.rejected_total = _family(
             "voxtriton_rejected_requests_total",
             "Requests refused by admission control (server busy)",
@@ -264,6 +275,10 @@ class TritonMetrics:
             (self.step_parts["other"], "increment", max(0.0, seconds - timing.admit_s - timing.decode_s))
         )
         queue.append((self.step_host_cpu, "increment", max(0.0, host_cpu_s)))
+
+    def first_chunk_hold(self, seconds):
+        self._updates.append((self.holds, "increment", 1))
+        self._updates.append((self.held, "increment", seconds))
 
     def rejected(self):
         self._updates.append((self.rejected_total, "increment", 1))

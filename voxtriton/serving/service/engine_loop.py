@@ -69,6 +69,9 @@ class EngineLoop:
                 self.scheduler.add(stream)
             self.incoming.clear()
             self._hand_text()
+            held_s = self._hold_for_first_chunk()
+            if held_s:  # the hold is not part of the frame step
+                started, cpu_started = time.perf_counter(), time.thread_time()
             light = self.scheduler.light_load()  # streams start with one frame: their first come early
         outputs = self.engine.step(first_frames_early=light)
         with self.lock:
@@ -88,6 +91,8 @@ class EngineLoop:
         frames = len(outputs) - len(silent)
         if self.metrics and frames:
             self.metrics.frame_step(period, frames, timing, host_cpu)
+        if self.metrics and held_s:
+            self.metrics.first_chunk_hold(held_s)
         if self.chunk_trace and (outputs or timing.batch):  # with overlap, a first launch returns nothing
             with self.lock:
                 self._write_trace(
@@ -97,9 +102,25 @@ class EngineLoop:
                         "period": period,
                         "frames": frames,
                         "host_cpu_s": host_cpu,
+                        "held_s": held_s,
                         **dataclasses.asdict(timing),
                     }
                 )
+
+    def _hold_for_first_chunk(self) -> float:
+        """Under the lock, before a frame step: wait while the scheduler holds the backbone for a first
+        chunk's codec call (`first_chunk_hold_s`), at most that long; the lane worker that sends the
+        chunk wakes this thread. Returns the seconds held."""
+        if not self.scheduler.holds_for_first_chunk():
+            return 0.0
+        started = time.perf_counter()
+        limit = self.scheduler.config.first_chunk_hold_s
+        while self.running and self.scheduler.holds_for_first_chunk():
+            left = limit - (time.perf_counter() - started)
+            if left <= 0:
+                break
+            self.lock.wait(left)
+        return time.perf_counter() - started
 
     def _idle_wait(self) -> float:
         """Seconds the idle engine thread may sleep: until a stream waiting for text must send its
