@@ -573,6 +573,34 @@ def test_turn_off_lets_the_formula_serve_and_refuses_unknown_names():
             registry.check_kernels(DEVICE)["one_row_linear"] = was_usable
 
 
+def test_plain_launches_hold_in_their_own_thread_only(monkeypatch):
+    """`plain_launches` (the codec's runner): no dependent launches inside it, in the thread that
+    entered it; another thread meanwhile, and the same one after it, launch as the device allows
+    (here a device that allows them: the registry's answer for Hopper)."""
+    import threading
+
+    from voxtriton.kernels import registry
+
+    monkeypatch.setattr(registry, "triton_usable", lambda device, kernel: kernel == "programmatic_launch")
+    answers = {}
+    entered, checked = threading.Event(), threading.Event()
+
+    def other_thread():
+        entered.wait(10)
+        answers["other thread"] = registry.programmatic_launch(DEVICE)
+        checked.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with registry.plain_launches():
+        answers["inside"] = registry.programmatic_launch(DEVICE)
+        entered.set()
+        assert checked.wait(10)
+    thread.join()
+    answers["after"] = registry.programmatic_launch(DEVICE)
+    assert answers == {"inside": False, "other thread": True, "after": True}
+
+
 def test_the_environment_turns_named_kernels_off_and_refuses_unknown_names(monkeypatch):
     """VOXTRITON_KERNELS_OFF: what a server's model instances read to serve a kernel's formula. A name
     no kernel has stops the start on every device, naming the variable; a known one is off on a GPU

@@ -20,7 +20,7 @@ import threading
 import torch
 from torch import nn
 
-from ..kernels import check_kernels
+from ..kernels import check_kernels, plain_launches
 
 # cuDNN's autotuning is one flag for the whole process: runners in one process (in-process lanes)
 # turn it off for an eager priming one at a time.
@@ -56,7 +56,8 @@ class CodecRunner:
         """model: a family's codec decoder (`decode(codes, start, state)`, `new_state`, `config`; and
         `front`, `back`, `back_frames` and `prime` for a family whose voices prime codec states).
         Captured: every (batch bucket, frame size); with `priming_sizes`, the first half at batch 1
-        for each of them and the second half over `back_frames`."""
+        for each of them and the second half over `back_frames`. Its kernels launch plainly
+        (`plain_launches`), captured or eager."""
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -95,11 +96,12 @@ class CodecRunner:
     @torch.inference_mode()
     def _capture(self, run, inputs: dict) -> tuple[torch.cuda.CUDAGraph, dict, tuple]:
         """`run` over the static `inputs` (its arguments, in order) as a graph: (graph, inputs, outputs)."""
-        for _ in range(2):
-            run(*inputs.values())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
-            outputs = run(*inputs.values())
+        with plain_launches():
+            for _ in range(2):
+                run(*inputs.values())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
+                outputs = run(*inputs.values())
         self.pool = graph.pool()
         return graph, inputs, outputs
 
@@ -114,7 +116,8 @@ class CodecRunner:
         if entry is None:
             pieces = self._captured_pieces(bucket, frames) if bucket else None
             if not pieces:
-                return self.model.decode(codes.to(self.device), start.to(self.device), state.to(self.device))
+                with plain_launches():
+                    return self.model.decode(*(t.to(self.device) for t in (codes, start, state)))
             audio, offset = [], 0
             for size in pieces:
                 piece, state = self.decode(codes[:, offset : offset + size], start + offset, state)
@@ -147,7 +150,8 @@ class CodecRunner:
             with _AUTOTUNE_LOCK:
                 autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
                 try:
-                    return self.model.prime(codes, start, state)
+                    with plain_launches():
+                        return self.model.prime(codes, start, state)
                 finally:
                     torch.backends.cudnn.benchmark = autotune
         hidden, offset = [], 0

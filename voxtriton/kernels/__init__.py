@@ -9,6 +9,7 @@ from . import attention, codec, fp8, linear, norm, rotary, sampling
 from .registry import (
     FALLBACK_WARNING,
     check_kernels,
+    plain_launches,
     programmatic_launch,
     run_checks,
     triton_usable,
@@ -23,6 +24,7 @@ __all__ = [
     "fp8",
     "linear",
     "norm",
+    "plain_launches",
     "programmatic_launch",
     "rotary",
     "run_checks",

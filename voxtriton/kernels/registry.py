@@ -13,9 +13,11 @@ step around one suspected of a fault without a new build.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -31,6 +33,7 @@ Comparison = tuple[torch.Tensor, torch.Tensor, float]
 Check = Callable[[torch.device], list[Comparison]]
 KERNEL_CHECKS: dict[str, Check] = {}  # kernel name -> its startup check, in registration order
 _usable: dict[int, dict[str, bool]] = {}  # per CUDA device index: kernel name -> runs there
+_plain_launches = contextvars.ContextVar("plain_launches", default=False)  # see `plain_launches`
 
 # A kernel that falls back says so in this form (benchmarks/serving_bench.py finds these lines by it).
 FALLBACK_WARNING = "Triton kernel %s unavailable on %s (%s: %s); using its slower PyTorch formula"
@@ -61,8 +64,21 @@ def programmatic_launch(device: torch.device) -> bool:
     checked at start as `programmatic_launch`): each may start while the kernel before it runs, and
     waits for it before it reads its inputs or stores anything (`await_inputs`). At one row a frame
     step is about a thousand short kernels in a row, and each would otherwise start only once the
-    last had ended."""
-    return triton_usable(device, "programmatic_launch")
+    last had ended. Never inside `plain_launches`."""
+    return not _plain_launches.get() and triton_usable(device, "programmatic_launch")
+
+
+@contextlib.contextmanager
+def plain_launches() -> Iterator[None]:
+    """Within (this thread or task): every kernel launches plainly, also into a graph captured there.
+    The codec runs so: its first-chunk calls gained nothing from dependent launches, and a call of 8
+    chunks of 2 frames took 2.52 ms with them against 2.36 without on an H100
+    (benchmarks/results/programmatic_launch_h100.md)."""
+    token = _plain_launches.set(True)
+    try:
+        yield
+    finally:
+        _plain_launches.reset(token)
 
 
 def launch_options(pdl: bool) -> dict:
