@@ -240,6 +240,17 @@ def test_the_cancellation_watcher_paces_its_holds_and_checks_draining_streams_la
         service.shutdown()
 
 
+def speak(service: TTSService, request) -> CollectingSink:
+    """Submit one request, wait for its stream to end without an error, and shut the service down."""
+    try:
+        sink = CollectingSink()
+        service.submit(request, sink)
+        assert sink.done.wait(120) and sink.errors == []
+        return sink
+    finally:
+        service.shutdown()
+
+
 def assert_audio_is_the_whole_decode(codec: CodecService, sink: CollectingSink, frames: int) -> None:
     """The stream got `frames` frames of codes and, chunk by chunk, exactly the audio of decoding them
     in one piece."""
@@ -262,13 +273,7 @@ def test_a_short_last_chunk_is_decoded_padded_and_delivered_exact(tiny_checkpoin
     service = TTSService(
         engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1, chunk_trace=trace
     )
-    try:
-        sink = CollectingSink()
-        inputs = fixed_length(b"Padded at the end.", 13, seed=5)
-        service.submit(parser.parse("r1", inputs), sink)
-        assert sink.done.wait(120) and sink.errors == []
-    finally:
-        service.shutdown()
+    sink = speak(service, parser.parse("r1", fixed_length(b"Padded at the end.", 13, seed=5)))
     assert [int(info[2]) for info in sink.info] == [2, 2, 4, 4, 1]
     assert [len(audio) for audio in sink.audio] == [1920 * int(info[2]) for info in sink.info]
     assert_audio_is_the_whole_decode(codec, sink, 13)
@@ -318,12 +323,7 @@ def test_a_first_frame_returned_early_starts_a_one_frame_chunk_and_the_audio_sta
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = InProcessLane(codec, pool.tensor)
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
-    try:
-        sink = CollectingSink()
-        service.submit(parser.parse("r1", fixed_length(b"Early.", 9, seed=3)), sink)
-        assert sink.done.wait(120) and sink.errors == []
-    finally:
-        service.shutdown()
+    sink = speak(service, parser.parse("r1", fixed_length(b"Early.", 9, seed=3)))
     assert [int(info[2]) for info in sink.info] == [1, 2, 2, 4]
     assert_audio_is_the_whole_decode(codec, sink, 9)
     assert [output.request.request_id for output in early] == (["r1"] if policy == "concurrent" else [])
@@ -362,12 +362,7 @@ def test_the_engine_holds_its_frame_steps_while_a_first_chunk_decodes(tiny_check
         InProcessLane(codec, pool.tensor), lambda: service.scheduler.streams["r1"].frames_generated
     )
     service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
-    try:
-        sink = CollectingSink()
-        service.submit(parser.parse("r1", fixed_length(b"Hold on.", 9, seed=3)), sink)
-        assert sink.done.wait(120) and sink.errors == []
-    finally:
-        service.shutdown()
+    sink = speak(service, parser.parse("r1", fixed_length(b"Hold on.", 9, seed=3)))
     assert [int(info[2]) for info in sink.info] == [1, 2, 4, 2]
     assert (lane.frames_during_first == 0) is (hold_s > 0), lane.frames_during_first
     assert_audio_is_the_whole_decode(codec, sink, 9)
@@ -919,13 +914,7 @@ def test_an_in_context_stream_is_primed_while_it_prefills(tiny_base_checkpoint, 
     if policy == "voxserve":
         engine.step = first_step_waits_for_the_priming
     service = TTSService(engine, scheduler_config, {URGENT: lane, BACKGROUND: lane}, max_queued=1)
-    try:
-        sink = CollectingSink()
-        inputs = fixed_length(b"Primed ahead.", 10, seed=5)
-        service.submit(parser.parse("r1", inputs, voice), sink)
-        assert sink.done.wait(120) and sink.errors == []
-    finally:
-        service.shutdown()
+    sink = speak(service, parser.parse("r1", fixed_length(b"Primed ahead.", 10, seed=5), voice))
     frames = len(voice.codes)
     assert [call for call in lane.calls if call[2]] == [(0, frames, True)]
     assert primed_before_the_first_step == ([True] if policy == "voxserve" else [])
