@@ -217,39 +217,49 @@ def test_under_light_load_a_whole_text_starts_with_one_frame_then_the_schedule()
 
 
 def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_hand():
-    """`first_chunk_hold_s`: from the cut of a stream's first chunk to its send, the engine holds its
-    next frame step, while the load is light and every stream already playing (and still
-    generating) has more than `slack_margin_s` of audio in hand; never with 0."""
+    """`first_chunk_hold_s`: from the cut of a stream's first chunk until its codec call returns, at
+    most that long after the cut, the engine holds its next frame step, while the load is light and
+    never past the moment a playing stream (still generating) would keep only `slack_margin_s` of
+    audio; never with 0, nor where the engine thread decodes (serial)."""
     sched, clock = scheduler(
-        policy="concurrent", single_frame_start_streams=3, first_chunk_hold_s=0.01, chunk_schedule="2,8"
+        policy="concurrent", single_frame_start_streams=3, first_chunk_hold_s=0.3, chunk_schedule="2,8"
     )
     playing = sched.open("playing")
     sched.frames_generated("playing", 2)
-    serve(sched, URGENT)  # its first chunk (160 ms of audio) sent at 0
+    serve(sched, URGENT)  # its first chunk (0.16 s of audio) sent at 0
     sched.frames_generated("playing", 8)
-    serve(sched, URGENT)  # 800 ms of audio in hand
+    serve(sched, URGENT)  # 0.8 s of audio sent: its listener runs dry at 0.8
+    clock.now = 0.3
     new = sched.open("new")
-    assert not sched.holds_for_first_chunk()  # its first chunk is not cut yet
+    assert sched.first_chunk_hold_left() == 0  # its first chunk is not cut yet
     sched.frames_generated("new", 2)
-    assert sched.holds_for_first_chunk()  # queued
+    # Queued: until the playing stream's listener is down to the 0.3 s margin, at 0.5.
+    assert sched.first_chunk_hold_left() == pytest.approx(0.2)
     [chunk] = sched.next_batch(URGENT)
-    assert sched.holds_for_first_chunk()  # being decoded
-    clock.now = 0.6  # the playing stream's listener is down to 0.2 s of its 0.8, within the margin
-    assert not sched.holds_for_first_chunk()
+    clock.now = 0.45
+    assert sched.first_chunk_hold_left() == pytest.approx(0.05)  # in its codec call
+    clock.now = 0.51
+    assert sched.first_chunk_hold_left() == 0
     playing.generation_done = True  # all its frames are made: holding the backbone costs it nothing
-    assert sched.holds_for_first_chunk()
+    assert sched.first_chunk_hold_left() == pytest.approx(0.09)  # until 0.3 after the cut
+    clock.now = 0.61
+    assert sched.first_chunk_hold_left() == 0
+    clock.now = 0.55
     sched.open("third")
     sched.open("fourth")
-    assert not sched.holds_for_first_chunk()  # 4 streams open: not light load
+    assert sched.first_chunk_hold_left() == 0  # 4 streams open: not light load
     sched.close("fourth")
+    assert sched.first_chunk_hold_left() == pytest.approx(0.05)
+    chunk.decoded = True  # its call returned: the send does not hold the backbone
+    assert sched.first_chunk_hold_left() == 0
     sched.chunk_done(chunk, 0.004)
-    assert not sched.holds_for_first_chunk()  # sent
-    assert new.first_sent_at == 0.6
+    assert new.first_sent_at == 0.55
 
-    off, _ = scheduler(policy="concurrent", single_frame_start_streams=3)
-    off.open("s")
-    off.frames_generated("s", 2)
-    assert not off.holds_for_first_chunk()
+    for policy, hold in (("concurrent", 0.0), ("serial", 0.1)):
+        other, _ = scheduler(policy=policy, single_frame_start_streams=3, first_chunk_hold_s=hold)
+        other.open("s")
+        other.frames_generated("s", 2)
+        assert other.first_chunk_hold_left() == 0, policy
     with pytest.raises(ValueError, match="first_chunk_hold_s"):
         SchedulerConfig(first_chunk_hold_s=-0.001)
 

@@ -85,10 +85,11 @@ class SchedulerConfig:
     # never on a CPU (`for_device`; until then, never).
     single_frame_start_streams: int = -1
     # Under light load (`light_load`), while a stream's first chunk waits for or is in its codec call,
-    # the engine holds its next frame step until that call ends, at most this long, provided every
-    # stream already playing has more than `slack_margin_s` of audio in hand. The first chunk's call
-    # then has the GPU to itself: beside a frame step it shares the SMs with the backbone's kernels
-    # (the lanes run under MPS) and takes several times as long. 0: never.
+    # the engine holds its next frame step until that call returns, at most this long after the
+    # chunk was cut, and only while every stream already playing keeps more than `slack_margin_s` of
+    # audio in hand. The first chunk's call then has the GPU to itself: beside a frame step it shares
+    # the SMs with the backbone's kernels (the lanes run under MPS) and takes several times as long.
+    # 0: never.
     first_chunk_hold_s: float = 0.0
 
     def __post_init__(self):
@@ -202,6 +203,7 @@ class Chunk:
     promoted: bool = False  # queued for the background lane, then moved to the urgent lane
     taken: bool = False  # queued for the background lane, then decoded by the idle urgent lane
     text_wait: bool = False  # cut while its stream waited for text, smaller than the schedule's size
+    decoded: bool = False  # its codec call returned (a first chunk's hold ends there, before the send)
 
     def due(self, ttfa_target_s: float) -> float:
         """When the listener needs this chunk: its playback deadline, or for a first chunk the TTFA
@@ -298,20 +300,25 @@ class ChunkScheduler:
         """At most `single_frame_start_streams` streams open (generating, or still sending audio)."""
         return len(self.streams) <= self.config.single_frame_start_streams
 
-    def holds_for_first_chunk(self, now: float | None = None) -> bool:
-        """Whether the engine holds its next frame step for a first chunk (`first_chunk_hold_s`): the
-        load is light, a stream's first chunk is cut but not sent, and no stream already playing
-        has `slack_margin_s` of audio or less in hand (a finished one owes only its queued audio)."""
-        if self.config.first_chunk_hold_s <= 0 or not self.light_load():
-            return False
+    def first_chunk_hold_left(self, now: float | None = None) -> float:
+        """Seconds the engine still holds its next frame step for first chunks (`first_chunk_hold_s`;
+        0: none). Under light load, while a stream's first chunk is cut and its codec call has not
+        returned, until `first_chunk_hold_s` after its cut, and never past the moment a playing
+        stream that still generates would be left with `slack_margin_s` of audio in hand. Not where
+        the engine thread decodes the chunks itself (`inline_decode`)."""
+        hold = self.config.first_chunk_hold_s
+        if hold <= 0 or self.config.rules.inline_decode or not self.light_load():
+            return 0.0
         now = self.clock() if now is None else now
-        first_chunk_decoding = False
+        left, margin = 0.0, float("inf")
         for stream in self.streams.values():
+            chunk = stream.in_flight
             if stream.first_sent_at is None:
-                first_chunk_decoding = first_chunk_decoding or stream.in_flight is not None
-            elif not stream.generation_done and stream.deadline() - now <= self.config.slack_margin_s:
-                return False
-        return first_chunk_decoding
+                if chunk is not None and not chunk.decoded:
+                    left = max(left, chunk.ready_at + hold - now)
+            elif not stream.generation_done:
+                margin = min(margin, stream.deadline() - now - self.config.slack_margin_s)
+        return max(0.0, min(left, margin))
 
     def close(self, stream_id: str) -> None:
         """Forget a stream (finished, cancelled or failed); its queued chunks are dropped."""

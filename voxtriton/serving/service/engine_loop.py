@@ -108,19 +108,14 @@ class EngineLoop:
                 )
 
     def _hold_for_first_chunk(self) -> float:
-        """Under the lock, before a frame step: wait while the scheduler holds the backbone for a first
-        chunk's codec call (`first_chunk_hold_s`), at most that long; the lane worker that sends the
-        chunk wakes this thread. Returns the seconds held."""
-        if not self.scheduler.holds_for_first_chunk():
-            return 0.0
-        started = time.perf_counter()
-        limit = self.scheduler.config.first_chunk_hold_s
-        while self.running and self.scheduler.holds_for_first_chunk():
-            left = limit - (time.perf_counter() - started)
-            if left <= 0:
-                break
+        """Under the lock, before a frame step: wait while the scheduler holds the backbone for first
+        chunks' codec calls (`first_chunk_hold_s`); the lane worker whose call returns wakes this
+        thread. Returns the seconds held."""
+        started, held = time.perf_counter(), 0.0
+        while self.running and (left := self.scheduler.first_chunk_hold_left()) > 0:
             self.lock.wait(left)
-        return time.perf_counter() - started
+            held = time.perf_counter() - started
+        return held
 
     def _idle_wait(self) -> float:
         """Seconds the idle engine thread may sleep: until a stream waiting for text must send its

@@ -227,10 +227,13 @@ class LaneWorkers:
             deliveries = []
             for row, (chunk, stream) in enumerate(live):
                 stream.decoding = False
+                chunk.decoded = True
                 if stream.closed:
                     self._free_slot(stream)
                 else:
                     deliveries.append((row, chunk, stream))
+            if any(chunk.index == 0 for chunk, _ in live):  # the engine may hold for it: it need not now
+                self.lock.notify_all()
         # Sends (IPC round trips) go out without the service lock. A stream has one chunk in flight, so
         # nothing else sends for it; one ended meanwhile has a closed sink, which drops the chunk.
         sent = []  # (chunk, stream, when it was sent, why it was not)

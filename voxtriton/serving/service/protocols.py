@@ -71,6 +71,10 @@ class ServiceMetrics(Protocol):
         pass's whole wall time (the frame period while busy), `timing` splits out admission and decode,
         `host_cpu_s` is the engine thread's CPU time in the pass outside the decode."""
 
+    def first_chunk_hold(self, seconds: float) -> None:
+        """The engine held a frame step `seconds` for first chunks' codec calls
+        (`scheduler_first_chunk_hold_s`)."""
+
     def gauges(
         self,
         active: int,
