@@ -91,7 +91,7 @@ def main() -> None:
         rows, span, where = CASES[name]
         rows = args.rows or rows
         q, keys, values, positions = case_inputs(rows, span, where, device, dtype)
-        shipped = launch_shape(span)
+        shipped = launch_shape(span, keys.dtype)
         shipped_out = decode_attention(q, keys, values, positions, 0.1)
         torch.testing.assert_close(
             shipped_out.float(),

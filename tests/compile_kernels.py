@@ -1,12 +1,14 @@
 """Compile every Triton kernel for a GPU architecture, without a GPU: `python tests/compile_kernels.py
-CAPABILITY OUT.json [--dependent-launches]` writes {kernel check name: error or null, "compiled":
-[kernels compiled]}.
+CAPABILITY OUT.json [--dependent-launches]` writes {"errors": {kernel check name: error or null},
+"shared": {kernel: the most shared memory a compiled variant of it takes per program, bytes}}.
 
 Triton's interpreter (which the kernel tests use where there is no GPU) accepts code that its GPU
 compiler refuses, so a kernel can pass every CPU test and fail its startup check on a GPU, where its
 slower formula then serves. Here each registered startup check runs with its inputs on the CPU
 while Triton compiles each launch for the named compute capability through the same passes and
-`ptxas` as on a GPU, and launches nothing (the outputs are left unwritten and not compared).
+`ptxas` as on a GPU, and launches nothing (the outputs are left unwritten and not compared; the
+shared memory a kernel takes, which Triton checks against the GPU only when it loads a kernel, is
+reported instead).
 `--dependent-launches` compiles every kernel that takes a `PDL` constant as a programmatic dependent.
 """
 
@@ -50,12 +52,12 @@ def main() -> None:
     args = parser.parse_args()
 
     driver.set_active(CompileOnlyDriver(args.capability))
-    compiled = set()
+    shared: dict[str, int] = {}
     launch = JITFunction.run
 
     def compile_only(self, *arguments, grid, warmup, **options):
         kernel = launch(self, *arguments, grid=grid, warmup=True, **options)  # warmup: compile, no launch
-        compiled.add(self.__name__)
+        shared[self.__name__] = max(shared.get(self.__name__, 0), kernel.metadata.shared)
         return kernel
 
     JITFunction.run = compile_only
@@ -77,7 +79,7 @@ def main() -> None:
         except Exception as error:  # reported per check: one kernel's failure hides no other's
             errors[name] = f"{type(error).__name__}: {error}"[:2000]
     with open(args.out, "w") as out:
-        json.dump({**errors, "compiled": sorted(compiled)}, out)
+        json.dump({"errors": errors, "shared": shared}, out)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,16 @@ MAX_QUERY_ROWS = 16
 # small block, in far less shared memory. benchmarks/attention_speed.py times them against others.
 LONG_SPAN_LAUNCH = (64, 4, 3)
 SHORT_SPAN_LAUNCH = (16, 2, 2)
+# An fp32 cache's long spans: two stages, as three took 140 KiB of shared memory a program, over the
+# 99 KiB of Ada GPUs (tests/test_kernels.py compiles every kernel for them).
+LONG_SPAN_FP32_LAUNCH = (64, 4, 2)
 
 
-def launch_shape(span: int) -> tuple[int, int, int]:
-    """The launch shape for calls that may read up to `span` cache entries."""
-    return SHORT_SPAN_LAUNCH if span <= SHORT_SPAN_LAUNCH[0] else LONG_SPAN_LAUNCH
+def launch_shape(span: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int]:
+    """The launch shape for calls that may read up to `span` cache entries of `dtype`."""
+    if span <= SHORT_SPAN_LAUNCH[0]:
+        return SHORT_SPAN_LAUNCH
+    return LONG_SPAN_FP32_LAUNCH if dtype == torch.float32 else LONG_SPAN_LAUNCH
 
 
 def decode_attention_supported(device: torch.device, query_rows: int, dim: int, fp8: bool = False) -> bool:
@@ -66,7 +71,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, H, T, D] at positions [B, T] (increasing along T); keys, values [B, KVH, L, D] (views of the
     cache) with entries 0..positions[:, -1] written; entries at L and beyond are never read. All three
-    need unit stride in D. `launch` overrides `launch_shape(L)` (for measuring). With scales [B, KVH, L]
+    need unit stride in D. `launch` overrides `launch_shape` (for measuring). With scales [B, KVH, L]
     (of one layout, unit stride in L), keys and values are FP8. Returns [B, H, T, D]. `pdl`: a
     programmatic dependent launch (`registry.programmatic_launch`)."""
     batch, heads, length, dim = q.shape
@@ -78,7 +83,7 @@ def decode_attention(
         raise ValueError("decode_attention needs key and value scales of one layout, unit stride along L")
     positions = positions.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    block_keys, warps, stages = launch or launch_shape(span)
+    block_keys, warps, stages = launch or launch_shape(span, keys.dtype)
     with launch_device(q):
         _decode_attention_kernel[(batch, kv_heads)](
             q,
