@@ -35,6 +35,7 @@ from .registry import (
     triton,
     triton_usable,
 )
+from .sampling import sample_reference, sample_triton
 
 if triton is not None:
     import triton.language as tl
@@ -140,31 +141,41 @@ def check_programmatic_launch(device: torch.device) -> list[Comparison]:
     weight = (torch.randn(2 * 512, 1024, generator=generator) / 32).bfloat16()
     norm_weight = (torch.rand(1024, generator=generator) + 0.5).bfloat16()
     on = [t.to(device) for t in (x, residual, weight, norm_weight)]
+    # A draw from the last projection's 512 outputs as logits: temperature, top-k, top-p, draw key.
+    draw = [torch.tensor([0.9]), torch.tensor([50]), torch.tensor([1.0]), torch.tensor([7])]
+    draw_on = [t.to(device) for t in draw]  # before any capture: no copies from the host inside one
 
-    def chain():  # each launch reads what the one before it wrote, as a layer's kernels do
+    def chain():  # each launch reads what the one before it wrote, as a frame step's kernels do
         normed, summed = add_rms_norm_triton(on[0], on[1], on[3], 1e-6, pdl=True)
         gated = linear_triton(normed, on[2], None, gated=True, pdl=True)
-        return summed, normed, gated, linear_triton(gated, on[2][:, :512], None, pdl=True)
+        projected = linear_triton(gated, on[2][:, :512], None, pdl=True)
+        token = sample_triton(projected, *draw_on, pdl=True)
+        return summed, normed, gated, projected, token
 
-    results = list(chain())
+    runs = [chain()]
     if device.type == "cuda":  # and replayed from a CUDA graph, as the frame step runs
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = chain()
         graph.replay()
-        results += captured
+        runs.append(captured)
     expected_normed, expected_summed = add_rms_norm_reference(
         x.float(), residual.float(), norm_weight.float(), 1e-6
     )
     expected_gated = silu_and_mul(F.linear(expected_normed, weight.float()))
-    expected = [
-        expected_summed,
-        expected_normed,
-        expected_gated,
-        F.linear(expected_gated, weight.float()[:, :512]),
-    ]
-    tolerances = [2e-2, 2e-2, 5e-2, 0.1]
-    return [(result, expected[i % 4], tolerances[i % 4]) for i, result in enumerate(results)]
+    expected_projected = F.linear(expected_gated, weight.float()[:, :512])
+    checks = []
+    for summed, normed, gated, projected, token in runs:
+        # The draw is checked against the reference's draw from the kernel's own logits.
+        drawn = sample_reference(projected.cpu(), *draw)
+        checks += [
+            (summed, expected_summed, 2e-2),
+            (normed, expected_normed, 2e-2),
+            (gated, expected_gated, 5e-2),
+            (projected, expected_projected, 0.1),
+            (token, drawn, 0),
+        ]
+    return checks
 
 
 if triton is not None:
