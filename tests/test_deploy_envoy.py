@@ -26,7 +26,7 @@ from voxtriton_client import TTSClient
 
 from voxtriton.bench.proxy import ENVOY_DIR, Envoy, envoy_binary, healthy
 from voxtriton.serving.gateway import Backend
-from voxtriton.serving.launcher import free_port
+from voxtriton.serving.launcher import free_ports
 
 SERVED = 'nv_inference_count{model="tts",version="1"}'  # Triton's count of tts requests
 LONG = dict(speaker="ryan", max_frames=1500, ignore_eos=True)  # about a minute of CPU time: cut short
@@ -126,7 +126,7 @@ def proxy(tiny_checkpoint, tmp_path_factory):
     behind Envoy's HTTP listener."""
     queue = {"tts": {"max_queued": "1024"}}  # room for more streams than Envoy's default limit
     first, second = (start_server(tiny_checkpoint, parameters=queue) for _ in range(2))
-    grpc_port, http_port, admin_port = (free_port() for _ in range(3))
+    grpc_port, http_port, admin_port = free_ports(3)
     envoy = gateway = None
     try:
         first.launch(), second.launch()  # both come up together

@@ -19,7 +19,7 @@ from voxtriton_client import TTSClient
 from voxtriton.launch.gpus import gpu_count
 from voxtriton.launch.repository import REPOSITORY, render_repository, set_parameter
 from voxtriton.launch.serve import first_request_hint, parse_params
-from voxtriton.launch.server import TritonServer, free_port
+from voxtriton.launch.server import TritonServer, free_ports
 
 
 def test_set_parameter_replaces_or_appends():
@@ -118,7 +118,7 @@ def test_background_partition_is_one_setting():
 
 @pytest.mark.server  # builds a TritonServer: needs the tritonserver install
 def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, tmp_path):
-    grpc, http, metrics = free_port(), free_port(), free_port()
+    grpc, http, metrics = free_ports(3)
     env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
     launcher = subprocess.Popen(
         [
@@ -195,7 +195,7 @@ def test_a_signal_while_the_server_starts_stops_it_at_once(tiny_checkpoint, tmp_
     """Ctrl-C during a start (minutes on a GPU: kernels, graphs, warm-ups) ends it then, not once the
     server is ready, and leaves no tritonserver behind."""
     env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(port) for port in free_ports(3)]
     command = [sys.executable, "-m", "voxtriton.cli", "serve", "--checkpoint", str(tiny_checkpoint)]
     command += ["--grpc-port", ports[0], "--http-port", ports[1], "--metrics-port", ports[2]]
     launcher = subprocess.Popen(
@@ -355,3 +355,12 @@ def test_the_ready_hint_registers_a_voice_only_for_a_model_without_speakers(
         assert hint.splitlines()[0].endswith(f"--checkpoint '{spaced}' --voices-dir 'my voices'")
     else:
         assert len(lines) == 1 and " speak " in lines[0] and "--speaker" not in lines[0]
+
+
+def test_free_ports_are_distinct_and_avoid_the_taken_ones():
+    """A server's three ports are picked together: one at a time, the system may hand a port out
+    twice (Triton then refuses to start: gRPC and metrics on one port)."""
+    ports = free_ports(40)
+    assert len(set(ports)) == 40
+    taken = tuple(ports[:10])
+    assert not set(free_ports(20, taken=taken)) & set(taken)

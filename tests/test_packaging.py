@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from server_helpers import read_until_ready
 
-from voxtriton.launch.server import free_port
+from voxtriton.launch.server import free_ports
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 # What the build does not need: version control, environments, build outputs, tests, benchmarks.
@@ -78,10 +78,10 @@ def test_the_wheel_serves_outside_the_checkout(tmp_path):
     assert (repository / "tts" / "config.pbtxt").is_file() and not repository.is_symlink()
 
     run([bin_dir / "voxtriton", "make-checkpoint", "--preset", "tiny", "checkpoint"], cwd=workdir, env=env)
-    grpc = free_port()
+    grpc, http, metrics = free_ports(3)
     server = subprocess.Popen(
         [bin_dir / "voxtriton", "serve", "--checkpoint", "checkpoint", "--grpc-port", str(grpc)]
-        + ["--http-port", str(free_port()), "--metrics-port", str(free_port())],
+        + ["--http-port", str(http), "--metrics-port", str(metrics)],
         cwd=workdir,
         env=env,
         stdout=subprocess.PIPE,

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from voxtriton.launch.server import free_port
+from voxtriton.launch.server import free_port, free_ports
 
 QUICK_S = 10.0
 
 
 def serve(*arguments: str, cwd=None) -> tuple[subprocess.CompletedProcess, float]:
     """`voxtriton serve` on free ports unless `arguments` name them; (result, seconds)."""
-    ports = {"--grpc-port": free_port(), "--http-port": free_port(), "--metrics-port": free_port()}
+    ports = dict(zip(("--grpc-port", "--http-port", "--metrics-port"), free_ports(3)))
     command = [sys.executable, "-m", "voxtriton.cli", "serve", *arguments]
     for option, port in ports.items():
         if option not in arguments:
@@ -167,7 +167,7 @@ def test_a_failed_start_prints_the_log_lines_that_say_why(checkpoint, tmp_path):
     load; serve prints the log's error lines, not a traceback nor the whole log."""
     (checkpoint / "model.safetensors").write_bytes(b"not a safetensors file")
     env = {**os.environ, "VOXTRITON_CACHE": str(tmp_path / "cache")}
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(port) for port in free_ports(3)]
     result = subprocess.run(
         [sys.executable, "-m", "voxtriton.cli", "serve", "--checkpoint", str(checkpoint)]
         + ["--grpc-port", ports[0], "--http-port", ports[1], "--metrics-port", ports[2]],

@@ -18,7 +18,7 @@ from voxtriton.bench.proxy import Envoy, healthy, render_config
 from voxtriton.bench.summary import percentile
 from voxtriton.bench.targets import TextFrames, TritonTarget
 from voxtriton.kernels import FALLBACK_WARNING
-from voxtriton.serving.launcher import TritonServer, free_port, parse_params
+from voxtriton.serving.launcher import TritonServer, free_ports, parse_params
 
 
 class Fleet:
@@ -62,7 +62,7 @@ class Fleet:
         self.proxy_threads = args.proxy_threads
         if args.proxy == "envoy" and count:  # a fleet of POLICY*N; one server alone is reached directly
             self.label += " behind Envoy"
-            self.proxy_ports = free_port(), free_port()  # its gRPC listener, its admin
+            self.proxy_ports = tuple(free_ports(2))  # its gRPC listener, its admin
             urls = [f"127.0.0.1:{self.proxy_ports[0]}"]
         else:
             urls = [server.grpc_url for server in self.servers]

@@ -3,6 +3,7 @@ with every process it started; a context manager used by `voxtriton serve`, test
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -44,10 +45,21 @@ class StartTimedOut(StartFailed, TimeoutError):
     pass
 
 
+def free_ports(count: int, taken: tuple[int, ...] = ()) -> list[int]:
+    """`count` distinct local ports free now, none of `taken`. Their sockets stay bound until all are
+    picked: one at a time, the system may hand the same port out twice."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            if (port := sock.getsockname()[1]) not in taken:
+                ports.append(port)
+        return ports
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def die_with_parent() -> None:
@@ -89,9 +101,9 @@ class TritonServer:
         tts = {"drain_file": str(self.workdir / "drain"), **parameters.get("tts", {})}
         self.drain_file = Path(tts["drain_file"]) if tts["drain_file"] else None
         self.host = host
-        self.grpc_port = grpc_port or free_port()
-        self.http_port = http_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        given = (grpc_port, http_port, metrics_port)
+        picked = iter(free_ports(sum(not port for port in given), taken=given))
+        self.grpc_port, self.http_port, self.metrics_port = (port or next(picked) for port in given)
         try:
             overrides = model_overrides(checkpoint, policy, gpus, {**parameters, "tts": tts})
             self.repository = render_repository(repository, self.workdir / "models", overrides)
