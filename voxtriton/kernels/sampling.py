@@ -10,10 +10,10 @@ threshold is a radix select over the scores' bits (`RADIX_BITS` at a time), not 
 the row (a bitonic network, about 20 us a call at one row on an H100) runs only for rows with a
 nucleus (top_p < 1), which need the probabilities in rank order. Same semantics as the reference
 (transformers' order: temperature, top-k, top-p; ties at a threshold are kept; masked tokens never
-win, whatever the noise). It computes in fp32 with correctly
-rounded division, so it picks the same tokens except where a nucleus boundary falls within rounding
-of the probability mass, which the two compute in different orders, or where two tokens' noisy scores
-tie to within the last bit of the logarithms (the GPU's and PyTorch's need not agree to the bit).
+win, whatever the noise). It computes in fp32 with correctly rounded division, so it picks the same
+tokens except where a nucleus boundary falls within rounding of the probability mass, which the two
+compute in different orders, or where two tokens' noisy scores tie to within the last bit of the
+logarithms (the GPU's and PyTorch's need not agree to the bit).
 """
 
 from __future__ import annotations
