@@ -218,9 +218,10 @@ def test_under_light_load_a_whole_text_starts_with_one_frame_then_the_schedule()
 
 def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_hand():
     """`first_chunk_hold_s`: from the cut of a stream's first chunk until its codec call returns, at
-    most that long after the cut, the engine holds its next frame step, while the load is light and
-    never past the moment a playing stream (still generating) would keep only `slack_margin_s` of
-    audio; never with 0, nor where the engine thread decodes (serial)."""
+    most that long after the cut, the engine holds its next frame step, while the load is light, no
+    other stream waits for the frames of its first chunk, and never past the moment a playing stream
+    (still generating) would keep only `slack_margin_s` of audio; never with 0, nor where the engine
+    thread decodes (serial)."""
     sched, clock = scheduler(
         policy="concurrent", single_frame_start_streams=3, first_chunk_hold_s=0.3, chunk_schedule="2,8"
     )
@@ -246,9 +247,13 @@ def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_
     assert sched.first_chunk_hold_left() == 0
     clock.now = 0.55
     sched.open("third")
+    assert sched.first_chunk_hold_left() == 0  # the backbone runs for the third stream's first chunk
+    sched.frames_generated("third", 2)
+    assert sched.first_chunk_hold_left() == pytest.approx(0.3)  # both first chunks cut: the later's
     sched.open("fourth")
     assert sched.first_chunk_hold_left() == 0  # 4 streams open: not light load
     sched.close("fourth")
+    sched.close("third")
     assert sched.first_chunk_hold_left() == pytest.approx(0.05)
     chunk.decoded = True  # its call returned: the send does not hold the backbone
     assert sched.first_chunk_hold_left() == 0

@@ -331,19 +331,25 @@ def test_a_first_frame_returned_early_starts_a_one_frame_chunk_and_the_audio_sta
 
 
 class LaneWithASlowFirstCall:
-    """Its first call takes `delay` seconds longer; it notes how many frames its stream generated
-    during that call (`frames_generated()` before and after)."""
+    """Its first call takes `delay` seconds longer, or ends its wait once `until()` is true (`met`); it
+    notes how many frames its stream generated during that call (`frames_generated()` before and
+    after)."""
 
-    def __init__(self, lane, frames_generated, delay=0.3):
-        self.lane, self.frames_generated, self.delay = lane, frames_generated, delay
-        self.calls, self.frames_during_first = 0, None
+    def __init__(self, lane, frames_generated, delay=0.3, until=lambda: False):
+        self.lane, self.frames_generated, self.delay, self.until = lane, frames_generated, delay, until
+        self.calls, self.frames_during_first, self.met = 0, None, False
+        self.first_started = threading.Event()
 
     def decode(self, codes, start, slots, prime=False):
         self.calls += 1
         if self.calls > 1:
             return self.lane.decode(codes, start, slots, prime)
         before = self.frames_generated()
-        time.sleep(self.delay)
+        self.first_started.set()
+        waited_until = time.monotonic() + self.delay
+        while not self.until() and time.monotonic() < waited_until:
+            time.sleep(0.005)
+        self.met = self.until()
         audio = self.lane.decode(codes, start, slots, prime)
         self.frames_during_first = self.frames_generated() - before
         return audio
@@ -380,6 +386,40 @@ def test_the_engine_holds_its_frame_steps_while_a_first_chunk_decodes(tiny_check
     assert (lane.frames_during_first == 0) is (hold_s > 0), lane.frames_during_first
     assert (len(metrics.holds) > 0) is (hold_s > 0) and sum(metrics.holds) < 10
     assert_audio_is_the_whole_decode(codec, sink, 20)
+
+
+def test_a_request_that_arrives_ends_the_hold_for_a_first_chunk(tiny_checkpoint):
+    """`first_chunk_hold_s`: a request that arrives while the engine holds for another stream's first
+    chunk is admitted at once, and the backbone runs for its first frames during that chunk's codec
+    call (which here lasts until the newcomer has a frame, at most 30 s); both streams get their
+    whole audio."""
+    engine, parser, scheduler_config = engine_and_parser(
+        tiny_checkpoint, "concurrent", chunk_schedule="2,4", single_frame_start_streams=2,
+        first_chunk_hold_s=30.0,
+    )  # fmt: skip
+    codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
+
+    def frames(request_id):  # (`service` is read once the lane is called)
+        stream = service.scheduler.streams.get(request_id)
+        return 0 if stream is None else stream.frames_generated
+
+    lane = LaneWithASlowFirstCall(
+        InProcessLane(codec, pool.tensor), lambda: frames("r1"), delay=30, until=lambda: frames("r2") > 0
+    )
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
+    try:
+        sinks = [CollectingSink(), CollectingSink()]
+        inputs = fixed_length(b"Make way.", 8, seed=3)
+        service.submit(parser.parse("r1", inputs), sinks[0])
+        assert lane.first_started.wait(60)  # r1's first chunk is in its codec call, the engine held
+        service.submit(parser.parse("r2", inputs), sinks[1])
+        assert all(sink.done.wait(120) and sink.errors == [] for sink in sinks)
+    finally:
+        service.shutdown()
+    assert lane.met, "the newcomer got no frame while the first chunk's call was out"
+    assert lane.frames_during_first > 0  # r1 went on in the newcomer's steps
+    for sink in sinks:
+        assert_audio_is_the_whole_decode(codec, sink, 8)
 
 
 class LaneThatHoldsItsFirstCallUntilASecondStarts:

@@ -304,8 +304,10 @@ class ChunkScheduler:
         """Seconds the engine still holds its next frame step for first chunks (`first_chunk_hold_s`;
         0: none). Under light load, while a stream's first chunk is cut and its codec call has not
         returned, until `first_chunk_hold_s` after its cut, and never past the moment a playing
-        stream that still generates would be left with `slack_margin_s` of audio in hand. Not where
-        the engine thread decodes the chunks itself (`inline_decode`)."""
+        stream that still generates would be left with `slack_margin_s` of audio in hand. None while
+        another stream waits for the frames of its first chunk: holding the backbone would trade its
+        first audio for this one's. Not where the engine thread decodes the chunks itself
+        (`inline_decode`)."""
         hold = self.config.first_chunk_hold_s
         if hold <= 0 or self.config.rules.inline_decode or not self.light_load():
             return 0.0
@@ -314,7 +316,9 @@ class ChunkScheduler:
         for stream in self.streams.values():
             chunk = stream.in_flight
             if stream.first_sent_at is None:
-                if chunk is not None and not chunk.decoded:
+                if chunk is None:
+                    return 0.0
+                if not chunk.decoded:
                     left = max(left, chunk.ready_at + hold - now)
             elif not stream.generation_done:
                 margin = min(margin, stream.deadline() - now - self.config.slack_margin_s)

@@ -58,6 +58,9 @@ class EngineLoop:
             self.engine_idle = False
             if not self.running:
                 return
+            held_s = self._hold_for_first_chunk()
+            if held_s:  # the hold is not part of the frame step
+                started, cpu_started = time.perf_counter(), time.thread_time()
             for stream in self.incoming:
                 if stream.closed:  # ended before it reached the engine (a sequence's error, a timeout)
                     continue
@@ -69,9 +72,6 @@ class EngineLoop:
                 self.scheduler.add(stream)
             self.incoming.clear()
             self._hand_text()
-            held_s = self._hold_for_first_chunk()
-            if held_s:  # the hold is not part of the frame step
-                started, cpu_started = time.perf_counter(), time.thread_time()
             light = self.scheduler.light_load()  # streams start with one frame: their first come early
         outputs = self.engine.step(first_frames_early=light)
         with self.lock:
@@ -110,9 +110,10 @@ class EngineLoop:
     def _hold_for_first_chunk(self) -> float:
         """Under the lock, before a frame step: wait while the scheduler holds the backbone for first
         chunks' codec calls (`first_chunk_hold_s`); the lane worker whose call returns wakes this
-        thread. Returns the seconds held."""
+        thread, and so does a request that arrives (it ends the hold: the step admits it). Returns the
+        seconds held."""
         started, held = time.perf_counter(), 0.0
-        while self.running and (left := self.scheduler.first_chunk_hold_left()) > 0:
+        while self.running and not self.incoming and (left := self.scheduler.first_chunk_hold_left()) > 0:
             self.lock.wait(left)
             held = time.perf_counter() - started
         return held
