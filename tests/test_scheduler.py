@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from voxtriton.scheduler import POLICY_NAMES, get_policy
 from voxtriton.scheduler.policy import (
     BACKGROUND,
+    GPU_FIRST_CHUNK_HOLD_S,
     GPU_SINGLE_FRAME_START_STREAMS,
     INLINE,
     URGENT,
@@ -265,22 +266,37 @@ def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_
         other.open("s")
         other.frames_generated("s", 2)
         assert other.first_chunk_hold_left() == 0, policy
-    with pytest.raises(ValueError, match="first_chunk_hold_s"):
-        SchedulerConfig(first_chunk_hold_s=-0.001)
+    for bad in (-0.001, -2.0):
+        with pytest.raises(ValueError, match="first_chunk_hold_s"):
+            SchedulerConfig(first_chunk_hold_s=bad)
 
 
-def test_a_one_frame_start_is_a_gpus_default_and_never_a_cpus():
-    """Unset, the setting takes the device's default: a 1-frame start under light load on a GPU,
-    none on a CPU (two frame steps and a codec call there take about the first chunk's 80 ms); a
-    value set is kept on both. Unsettled, the config never starts with one frame."""
+def test_a_one_frame_start_and_the_first_chunk_hold_are_a_gpus_defaults_and_never_a_cpus():
+    """Unset, the settings take the device's defaults: a 1-frame start and the hold for first chunks
+    under light load on a GPU, neither on a CPU (two frame steps and a codec call there take about
+    the first chunk's 80 ms); a value set is kept on both. Unsettled, the config never starts with
+    one frame and never holds."""
     unset = SchedulerConfig()
-    assert unset.for_device("cuda").single_frame_start_streams == GPU_SINGLE_FRAME_START_STREAMS > 0
-    assert unset.for_device("cpu").single_frame_start_streams == 0
+    on_gpu, on_cpu = unset.for_device("cuda"), unset.for_device("cpu")
+    assert on_gpu.single_frame_start_streams == GPU_SINGLE_FRAME_START_STREAMS > 0
+    assert on_gpu.first_chunk_hold_s == GPU_FIRST_CHUNK_HOLD_S > 0
+    assert (on_cpu.single_frame_start_streams, on_cpu.first_chunk_hold_s) == (0, 0)
     for value in (0, 4):
         assert (
             SchedulerConfig(single_frame_start_streams=value).for_device("cuda").single_frame_start_streams
             == value
         )
+    for hold in (0.0, 0.05):
+        set_on_both = SchedulerConfig(first_chunk_hold_s=hold)
+        assert (
+            set_on_both.for_device("cuda").first_chunk_hold_s
+            == set_on_both.for_device("cpu").first_chunk_hold_s
+            == hold
+        )
+    sched, _ = scheduler(policy="concurrent", single_frame_start_streams=2)
+    stream = sched.open("s")
+    sched.frames_generated("s", 2)
+    assert sched.first_chunk_hold_left() == 0  # unsettled: no hold
     sched, _ = scheduler(policy="concurrent")
     stream = sched.open("s")
     sched.frames_generated("s", 1)

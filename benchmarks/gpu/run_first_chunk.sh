@@ -4,9 +4,9 @@
 # With the PRESET random checkpoint and voxserve, three servers one after the other: the setting at 0
 # (every stream starts with the schedule's first size), at LIGHT streams (16, a GPU's default) with
 # `early_first_frames` off (the first frame comes with its whole step), and at LIGHT with it on
-# (the default: the first frame comes before the talker advances); with RUNS naming `light_hold`, a
-# fourth at LIGHT that holds the backbone while a first chunk decodes (`scheduler_first_chunk_hold_s`
-# HOLD, 0.02 s):
+# (the default: the first frame comes before the talker advances); these three without the hold for
+# first chunks (`scheduler_first_chunk_hold_s` 0). With RUNS naming `light_hold`, a fourth at LIGHT
+# that holds the backbone while a first chunk decodes (HOLD, 0.02 s: a GPU's default):
 # 1. closed loop at each stream count of CONCURRENCY: TTFA and stalls where the setting starts
 #    streams with one frame (up to LIGHT open) and where it stops;
 # 2. open loop at RATES, REPEATS probes each: a load above LIGHT streams, where both should match.

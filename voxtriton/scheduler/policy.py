@@ -38,6 +38,11 @@ __all__ = ["BACKGROUND", "INLINE", "URGENT", "Chunk", "ChunkScheduler", "Schedul
 # stall on an H100, and at 16 open loops of 70-80 req/s passed as without it
 # (benchmarks/results/first_chunk_h100.md); half of 32 leaves room for slower cards.
 GPU_SINGLE_FRAME_START_STREAMS = 16
+# `first_chunk_hold_s` on a GPU unless set: on an H100, one stream's first audio came about 2 ms
+# sooner (TTFA p50 14.5 against 16.7 ms), with no stall and p99 no worse in closed loops of 8 and 16
+# streams (benchmarks/results/first_chunk_h100.md); a first chunk's codec call there takes under 5 ms
+# with the GPU to itself.
+GPU_FIRST_CHUNK_HOLD_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,9 @@ class SchedulerConfig:
     # chunk was cut, and only while every stream already playing keeps more than `slack_margin_s` of
     # audio in hand. The first chunk's call then has the GPU to itself: beside a frame step it shares
     # the SMs with the backbone's kernels (the lanes run under MPS) and takes several times as long.
-    # 0: never.
-    first_chunk_hold_s: float = 0.0
+    # 0: never; -1: `GPU_FIRST_CHUNK_HOLD_S` on a GPU, never on a CPU (`for_device`; until then,
+    # never).
+    first_chunk_hold_s: float = -1.0
 
     def __post_init__(self):
         get_policy(self.policy)
@@ -117,8 +123,11 @@ class SchedulerConfig:
             )
         if self.text_start_frames < 1:
             raise ValueError(f"scheduler_text_start_frames must be >= 1, got {self.text_start_frames}")
-        if self.first_chunk_hold_s < 0:
-            raise ValueError(f"scheduler_first_chunk_hold_s must be >= 0, got {self.first_chunk_hold_s}")
+        if self.first_chunk_hold_s < 0 and self.first_chunk_hold_s != -1:
+            raise ValueError(
+                "scheduler_first_chunk_hold_s must be >= 0, or -1 for the device's default, "
+                f"got {self.first_chunk_hold_s}"
+            )
         if self.idle_urgent_takes_frames < 0:
             raise ValueError(
                 f"scheduler_idle_urgent_takes_frames must be >= 0, got {self.idle_urgent_takes_frames}"
@@ -127,11 +136,15 @@ class SchedulerConfig:
     def for_device(self, device_type: str) -> SchedulerConfig:
         """The config with its device defaults settled: a 1-frame start on a GPU (an H100's two frame
         steps and codec call take about 17 ms of the first chunk's 80), none on a CPU (on 2 cores they
-        took about 80 ms and second chunks came late)."""
-        if self.single_frame_start_streams != -1:
-            return self
-        streams = GPU_SINGLE_FRAME_START_STREAMS if device_type == "cuda" else 0
-        return replace(self, single_frame_start_streams=streams)
+        took about 80 ms and second chunks came late); the hold for first chunks on a GPU, where the
+        codec lanes share the SMs with the backbone, none on a CPU (not measured there)."""
+        gpu = device_type == "cuda"
+        settled = {}
+        if self.single_frame_start_streams == -1:
+            settled["single_frame_start_streams"] = GPU_SINGLE_FRAME_START_STREAMS if gpu else 0
+        if self.first_chunk_hold_s == -1:
+            settled["first_chunk_hold_s"] = GPU_FIRST_CHUNK_HOLD_S if gpu else 0.0
+        return replace(self, **settled) if settled else self
 
     @property
     def rules(self) -> Policy:
