@@ -222,7 +222,7 @@ def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_
     most that long after the cut, the engine holds its next frame step, while the load is light, no
     other stream waits for the frames of its first chunk, and never past the moment a playing stream
     (still generating) would keep only `slack_margin_s` of audio; never with 0, nor where the engine
-    thread decodes (serial)."""
+    thread decodes (serial) or the codec has a GPU of its own (disaggregated)."""
     sched, clock = scheduler(
         policy="concurrent", single_frame_start_streams=3, first_chunk_hold_s=0.3, chunk_schedule="2,8"
     )
@@ -252,6 +252,7 @@ def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_
     sched.frames_generated("third", 2)
     assert sched.first_chunk_hold_left() == pytest.approx(0.3)  # both first chunks cut: the later's
     sched.open("fourth")
+    sched.frames_generated("fourth", 2)
     assert sched.first_chunk_hold_left() == 0  # 4 streams open: not light load
     sched.close("fourth")
     sched.close("third")
@@ -261,7 +262,7 @@ def test_the_engine_holds_for_a_first_chunk_only_under_light_load_with_audio_in_
     sched.chunk_done(chunk, 0.004)
     assert new.first_sent_at == 0.55
 
-    for policy, hold in (("concurrent", 0.0), ("serial", 0.1)):
+    for policy, hold in (("concurrent", 0.0), ("serial", 0.1), ("disaggregated", 0.1)):
         other, _ = scheduler(policy=policy, single_frame_start_streams=3, first_chunk_hold_s=hold)
         other.open("s")
         other.frames_generated("s", 2)

@@ -406,7 +406,8 @@ def test_a_request_that_arrives_ends_the_hold_for_a_first_chunk(tiny_checkpoint)
     lane = LaneWithASlowFirstCall(
         InProcessLane(codec, pool.tensor), lambda: frames("r1"), delay=30, until=lambda: frames("r2") > 0
     )
-    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1)
+    metrics = FirstChunkHoldRecorder()
+    service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1, metrics=metrics)
     try:
         sinks = [CollectingSink(), CollectingSink()]
         inputs = fixed_length(b"Make way.", 8, seed=3)
@@ -417,6 +418,7 @@ def test_a_request_that_arrives_ends_the_hold_for_a_first_chunk(tiny_checkpoint)
     finally:
         service.shutdown()
     assert lane.met, "the newcomer got no frame while the first chunk's call was out"
+    assert len(metrics.holds) > 0 and sum(metrics.holds) < 10  # the engine held, and gave way
     assert lane.frames_during_first > 0  # r1 went on in the newcomer's steps
     for sink in sinks:
         assert_audio_is_the_whole_decode(codec, sink, 8)

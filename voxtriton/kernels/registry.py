@@ -71,9 +71,9 @@ def programmatic_launch(device: torch.device) -> bool:
 @contextlib.contextmanager
 def plain_launches() -> Iterator[None]:
     """Within (this thread or task): every kernel launches plainly, also into a graph captured there.
-    The codec runs so: its first-chunk calls gained nothing from dependent launches, and a call of 8
-    chunks of 2 frames took 2.52 ms with them against 2.36 without on an H100
-    (benchmarks/results/programmatic_launch_h100.md)."""
+    The codec runs so: its calls gained nothing from dependent launches (on one H100 host a call of 8
+    chunks of 2 frames took 2.52 ms with them against 2.36 without; on another, 2.51 without:
+    benchmarks/results/programmatic_launch_h100.md)."""
     token = _plain_launches.set(True)
     try:
         yield

@@ -318,11 +318,12 @@ class ChunkScheduler:
         0: none). Under light load, while a stream's first chunk is cut and its codec call has not
         returned, until `first_chunk_hold_s` after its cut, and never past the moment a playing
         stream that still generates would be left with `slack_margin_s` of audio in hand. None while
-        another stream waits for the frames of its first chunk: holding the backbone would trade its
-        first audio for this one's. Not where the engine thread decodes the chunks itself
-        (`inline_decode`)."""
-        hold = self.config.first_chunk_hold_s
-        if hold <= 0 or self.config.rules.inline_decode or not self.light_load():
+        another stream has no first chunk cut yet (it waits for frames, text or a KV row): holding
+        the backbone would trade its first audio for this one's. Not where the engine thread decodes
+        the chunks itself (`inline_decode`), nor where the codec has a GPU of its own
+        (`codec_on_second_gpu`): there the call does not share the backbone's SMs."""
+        hold, rules = self.config.first_chunk_hold_s, self.config.rules
+        if hold <= 0 or rules.inline_decode or rules.codec_on_second_gpu or not self.light_load():
             return 0.0
         now = self.clock() if now is None else now
         left, margin = 0.0, float("inf")

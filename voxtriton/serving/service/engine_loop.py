@@ -59,6 +59,8 @@ class EngineLoop:
             if not self.running:
                 return
             held_s = self._hold_for_first_chunk()
+            if not self.running:
+                return
             if held_s:  # the hold is not part of the frame step
                 started, cpu_started = time.perf_counter(), time.thread_time()
             for stream in self.incoming:
