@@ -295,7 +295,7 @@ def test_a_one_frame_start_and_the_first_chunk_hold_are_a_gpus_defaults_and_neve
             == hold
         )
     sched, _ = scheduler(policy="concurrent", single_frame_start_streams=2)
-    stream = sched.open("s")
+    sched.open("s")
     sched.frames_generated("s", 2)
     assert sched.first_chunk_hold_left() == 0  # unsettled: no hold
     sched, _ = scheduler(policy="concurrent")

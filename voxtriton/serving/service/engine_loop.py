@@ -56,9 +56,7 @@ class EngineLoop:
                 )  # idle time is not part of a frame step
                 self._hand_text()
             self.engine_idle = False
-            if not self.running:
-                return
-            held_s = self._hold_for_first_chunk()
+            held_s = self._hold_for_first_chunk()  # returns at once when the service has stopped
             if not self.running:
                 return
             if held_s:  # the hold is not part of the frame step
