@@ -48,9 +48,9 @@ class TracedEngine(Engine):
         super().__init__(*args, **kwargs)
         self.trace = trace
 
-    def step(self, first_frames_early: bool = True):
+    def step(self, *args, **kwargs):
         started = time.perf_counter()
-        outputs = super().step(first_frames_early)
+        outputs = super().step(*args, **kwargs)
         self.trace.append(("step", started, time.perf_counter(), len(outputs)))
         return outputs
 

@@ -209,13 +209,13 @@ def test_eos_ends_a_request_after_the_official_two_frame_minimum(setup, tiny_che
         np.testing.assert_array_equal(result[name], alone[name])
 
 
-def run_timed(engine, arrivals: dict[int, list[Request]], first_frames_early: bool = True):
+def run_timed(engine, arrivals: dict[int, list[Request]], first_frames_early: bool = True, **step_options):
     """`run`, also returning the step that returned each request's first frame."""
     codes, first_step, step = {}, {}, 0
     while engine.has_work or any(s >= step for s in arrivals):
         for request in arrivals.get(step, []):
             engine.add(request)
-        for output in engine.step(first_frames_early):
+        for output in engine.step(first_frames_early, **step_options):
             first_step.setdefault(output.request.request_id, step)
             codes.setdefault(output.request.request_id, []).append(output.codes)
         step += 1
@@ -242,7 +242,7 @@ def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_co
     for one_frame_first in (False, True):
         engine = new_engine(setup, rows=4, overlap=True, first_frame_rows=4)
         runner, splits = engine.runner, []
-        split, advance = runner.decode_with_first_frames, runner._advance_into_output
+        split, advance = runner.complete_first_frames, runner._advance_into_output
 
         def split_step(batch, span):
             splits.append(batch)
@@ -256,7 +256,7 @@ def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_co
                 splits[-1] = None
             advance(batch, span)
 
-        runner.decode_with_first_frames, runner._advance_into_output = split_step, advance_after_the_copy
+        runner.complete_first_frames, runner._advance_into_output = split_step, advance_after_the_copy
         early, early_first = run_timed(engine, arrivals(one_frame_first))
         assert usual.keys() == early.keys() == {f"r{i}" for i in range(5)}
         for name, codes in usual.items():
@@ -273,6 +273,55 @@ def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_co
     not_light = new_engine(setup, rows=4, overlap=True, first_frame_rows=4)
     assert run_timed(not_light, arrivals(), first_frames_early=False)[1] == usual_first
     assert new_engine(setup, rows=4, overlap=False, first_frame_rows=4).first_frame_rows == 0
+
+
+def test_a_deferred_advance_runs_first_in_the_next_step_with_the_same_codes(setup):
+    """`step(defer_advance=True)`: a step whose every row returns its first frame early leaves its
+    second part to the next call, which launches it before anything else. Not a step with other
+    rows (their frames would wait), nor one a row leaves at launch (its row moves now). The codes,
+    and the steps that return each first frame, are those of steps never deferred."""
+
+    def arrivals():
+        return {
+            0: [make_request(setup, 0, 4)],  # alone: deferred
+            2: [make_request(setup, 1, 3)],  # beside r0's second frame: not
+            8: [make_request(setup, 2, 3), make_request(setup, 3, 2)],  # two first frames: deferred
+            12: [make_request(setup, 4, 1)],  # leaves at launch: not
+        }
+
+    usual, usual_first = run_timed(new_engine(setup, rows=4, overlap=True, first_frame_rows=4), arrivals())
+    engine = new_engine(setup, rows=4, overlap=True, first_frame_rows=4)
+    runner, deferred_steps, calls = engine.runner, [], []
+    step = engine.step
+
+    def noted_step(*args, **kwargs):
+        calls.append([])
+        outputs = step(*args, **kwargs)
+        if engine.deferred is not None:
+            assert runner.advance_pending is not None
+            deferred_steps.append(len(calls) - 1)
+        return outputs
+
+    def noted(name, work):
+        def call(*args):
+            calls[-1].append(name)
+            return work(*args)
+
+        return call
+
+    engine.step = noted_step
+    for name in ("advance", "decode", "prefill", "complete_first_frames"):
+        setattr(runner, name, noted(name, getattr(runner, name)))
+    deferred, deferred_first = run_timed(engine, arrivals(), defer_advance=True)
+    assert deferred_steps == [0, 8]
+    assert calls[0] == calls[8] == ["prefill", "complete_first_frames"]
+    assert calls[1] == calls[9] == ["advance", "decode"]  # the deferred part first
+    assert calls[12] == ["prefill", "complete_first_frames", "advance"]
+    assert deferred.keys() == usual.keys() == {f"r{i}" for i in range(5)}
+    for name, codes in usual.items():
+        np.testing.assert_array_equal(deferred[name], codes)
+    assert deferred_first == usual_first == {"r0": 0, "r1": 2, "r2": 8, "r3": 8, "r4": 12}
+    assert engine.running == [] and engine.deferred is None and not engine.has_work
 
 
 def test_a_request_cancelled_before_its_early_first_frame_is_read_gets_no_frame(setup):

@@ -47,12 +47,13 @@ def generate(
     prompt_for=lambda prompts, text: prompts.build(text, "ryan"),
     first_frame_rows: int = 0,
     early: list[str] | None = None,
+    defer_advance: bool = False,
 ) -> dict[str, np.ndarray]:
     """A request per text through the engine, the first three admitted at step 0 (rows 0-2), the
     rest at step 2; `when_ready` is called once the graphs are captured, before the first admission.
     `prompt_for(prompt builder, text)` makes each request's prompt; `first_frame_rows` the engine's
     (and the graphs' split steps); `early`, if given, gets the ids of requests whose first frame
-    came early."""
+    came early; `defer_advance` is passed to every step."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -103,7 +104,7 @@ def generate(
         if step == 2:
             for request in requests[3:]:
                 engine.add(request)
-        for output in engine.step():
+        for output in engine.step(defer_advance=defer_advance):
             codes.setdefault(output.request.request_id, []).append(output.codes)
         step += 1
     return {k: np.stack(v) for k, v in codes.items()}
@@ -121,13 +122,22 @@ def test_cuda_graphs_give_the_eager_codes(tiny_checkpoint, overlap):
         np.testing.assert_array_equal(graphed[name], eager[name])
 
 
-def test_first_frames_read_between_the_steps_two_graphs_give_the_eager_codes(tiny_checkpoint):
+@pytest.mark.parametrize("defer_advance", [False, True])
+def test_first_frames_read_between_the_steps_two_graphs_give_the_eager_codes(tiny_checkpoint, defer_advance):
     """The frame step captured in two parts (batches up to 4 rows: the first three requests' first
     frames come early, the last two's, at 5 rows, do not), with overlap (first frames come early
-    only then), against eager steps without the split."""
+    only then), against eager steps without the split; also with the second part launched by the
+    next step (`defer_advance`)."""
     eager = generate(tiny_checkpoint, graphs=False)
     early: list[str] = []
-    graphed = generate(tiny_checkpoint, graphs=True, overlap=True, first_frame_rows=4, early=early)
+    graphed = generate(
+        tiny_checkpoint,
+        graphs=True,
+        overlap=True,
+        first_frame_rows=4,
+        early=early,
+        defer_advance=defer_advance,
+    )
     assert early == ["r0", "r1", "r2"]
     assert eager.keys() == graphed.keys() and len(eager) == 5
     for name in eager:

@@ -333,10 +333,11 @@ def test_a_first_frame_returned_early_starts_a_one_frame_chunk_and_the_audio_sta
 class LaneWithASlowFirstCall:
     """Its first call takes `delay` seconds longer, or ends its wait once `until()` is true (`met`); it
     notes how many frames its stream generated during that call (`frames_generated()` before and
-    after)."""
+    after), and what `observe()` says as it starts (`observed`)."""
 
-    def __init__(self, lane, frames_generated, delay=0.3, until=lambda: False):
+    def __init__(self, lane, frames_generated, delay=0.3, until=lambda: False, observe=lambda: None):
         self.lane, self.frames_generated, self.delay, self.until = lane, frames_generated, delay, until
+        self.observe, self.observed = observe, None
         self.calls, self.frames_during_first, self.met = 0, None, False
         self.first_started = threading.Event()
 
@@ -344,7 +345,7 @@ class LaneWithASlowFirstCall:
         self.calls += 1
         if self.calls > 1:
             return self.lane.decode(codes, start, slots, prime)
-        before = self.frames_generated()
+        before, self.observed = self.frames_generated(), self.observe()
         self.first_started.set()
         waited_until = time.monotonic() + self.delay
         while not self.until() and time.monotonic() < waited_until:
@@ -365,25 +366,31 @@ class FirstChunkHoldRecorder(DroppedMetrics):
         self.holds.append(seconds)
 
 
-@pytest.mark.parametrize("hold_s", [0.0, 30.0])
-def test_the_engine_holds_its_frame_steps_while_a_first_chunk_decodes(tiny_checkpoint, hold_s):
+@pytest.mark.parametrize("hold_s, first_frame_rows", [(0.0, 0), (30.0, 0), (0.0, 2), (30.0, 2)])
+def test_the_engine_holds_its_frame_steps_while_a_first_chunk_decodes(
+    tiny_checkpoint, hold_s, first_frame_rows
+):
     """`first_chunk_hold_s`: under light load, no frame comes out of the engine while a stream's first
     chunk is in its codec call (a slow one here), the lane that returns it wakes the engine (long
     before the 30 s limit), and the audio is the same; without it, the backbone goes on generating
-    meanwhile."""
+    meanwhile. With first frames early, the backbone's part of the first frame's step waits for the
+    call too (`defer_advance`), and only under the hold."""
     engine, parser, scheduler_config = engine_and_parser(
-        tiny_checkpoint, "concurrent", chunk_schedule="2,4", single_frame_start_streams=1,
+        tiny_checkpoint, "concurrent", first_frame_rows, chunk_schedule="2,4", single_frame_start_streams=1,
         first_chunk_hold_s=hold_s,
     )  # fmt: skip
     codec, pool = cpu_codec(tiny_checkpoint, engine, scheduler_config)
     lane = LaneWithASlowFirstCall(  # (`service` is read once the lane is called)
-        InProcessLane(codec, pool.tensor), lambda: service.scheduler.streams["r1"].frames_generated
+        InProcessLane(codec, pool.tensor),
+        lambda: service.scheduler.streams["r1"].frames_generated,
+        observe=lambda: engine.deferred is not None,
     )
     metrics = FirstChunkHoldRecorder()
     service = TTSService(engine, scheduler_config, {URGENT: lane}, max_queued=1, metrics=metrics)
     sink = speak(service, parser.parse("r1", fixed_length(b"Hold on.", 20, seed=3)))
     assert [int(info[2]) for info in sink.info] == [1, 2, 4, 4, 4, 4, 1]
     assert (lane.frames_during_first == 0) is (hold_s > 0), lane.frames_during_first
+    assert lane.observed is (hold_s > 0 and first_frame_rows > 0)
     assert (len(metrics.holds) > 0) is (hold_s > 0) and sum(metrics.holds) < 10
     assert_audio_is_the_whole_decode(codec, sink, 20)
 

@@ -24,7 +24,9 @@ the backbone advances, instead of with the next step's call: a stream that start
 chunk no longer waits for the talker's part of the step. The host then waits for that part of the
 step it launched before it returns the frames of the step before (a few ms later for the other
 streams, once per new stream), so the bound keeps it to light load. (Without overlap a step's
-frames come back with it anyway.)
+frames come back with it anyway.) With `step(defer_advance=True)` the step's second part waits for
+the next call, which launches it before anything else: the caller decodes the first chunk meanwhile
+without the backbone's kernels beside it (only in a step of first frames alone).
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ class _Launched:
     """A frame step on its way: `requests[i]` owned row i when it was launched."""
 
     requests: list[Request | None]  # None: the row was paused
-    codes: torch.Tensor  # [len(requests), groups + 1] (see `ModelRunner.stash_codes`)
-    ready: torch.cuda.Event | None
-    events: tuple | None  # CUDA timing events: (before the prefill or None, before the decode, after it)
+    # CUDA timing events (None on a CPU): before the prefill (None: none), then a start and an end
+    # around each part of the frame step launched on its own (one part, or two with a deferred advance).
+    events: list | None
+    codes: torch.Tensor | None = None  # [len(requests), groups + 1] (`ModelRunner.stash_codes`), once queued
+    ready: torch.cuda.Event | None = None
     # First frames to return before the step ends: (their copy, its event, their rows); None: none.
     first_frames: tuple[torch.Tensor, torch.cuda.Event | None, list[int]] | None = None
     returned: frozenset[int] = frozenset()  # rows whose frame was returned early
@@ -106,6 +110,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # index == row; requests whose next frame is still to launch
         self.in_flight: _Launched | None = None
+        self.deferred: _Launched | None = None  # a step whose backbone part waits (`step(defer_advance=...)`)
         self.last_timing = StepTiming()
         self._cuda = runner.device.type == "cuda"
 
@@ -166,10 +171,11 @@ class Engine:
         self.waiting.clear()
         self.holds.clear()
         self.streaming.clear()
-        self.in_flight = None
+        self.in_flight = self.deferred = None
 
     def _leave_batch(self, request: Request) -> None:
         """Free a request's row; the last row moves into its place (queued after the steps in flight)."""
+        self._advance_deferred()
         row, last = request.row, len(self.running) - 1
         if row != last:
             moved = self.running[last]
@@ -228,12 +234,17 @@ class Engine:
             self.runner.set_holds(self.holds)
         return self.holds
 
-    def step(self, first_frames_early: bool = True) -> list[FrameOutput]:
+    def step(self, first_frames_early: bool = True, defer_advance: bool = False) -> list[FrameOutput]:
         """Launch the next frame of every running request (admitting waiting ones first) and return
         the frames of the step launched before it, or, without overlap, of this one.
         `first_frames_early`: whether first frames may come early at all now; the caller whose
         scheduler starts streams with one frame only under light load says whether the load is light
-        (it counts the streams still sending audio too, which have left the engine)."""
+        (it counts the streams still sending audio too, which have left the engine).
+        `defer_advance`: a step whose every row returns its first frame early leaves its second part
+        (the backbone advanced) to the next call, which launches it before anything else, so a first
+        chunk's codec call that runs in between has the GPU to itself (the caller holds its next step
+        for it). No other row's frame waits for it."""
+        self._advance_deferred()
         for request in [r for r in self.running if r.cancelled]:
             self._leave_batch(request)
             self._finish(request, "cancelled")
@@ -245,7 +256,7 @@ class Engine:
         timing = StepTiming(admit_s=time.perf_counter() - started, admitted=admitted, batch=generating)
         started, cpu_started = time.perf_counter(), time.thread_time()
         launched = (
-            self._launch(prefill_event if admitted else None, holds, first_frames_early)
+            self._launch(prefill_event if admitted else None, holds, first_frames_early, defer_advance)
             if generating
             else None
         )
@@ -259,10 +270,10 @@ class Engine:
             self.last_timing = timing
             return firsts
         if launched.events:
-            before_prefill, before_decode, after = launched.events
-            timing.decode_device_s = before_decode.elapsed_time(after) / 1e3
+            before_prefill, *parts = launched.events
+            timing.decode_device_s = sum(a.elapsed_time(b) for a, b in zip(parts[::2], parts[1::2])) / 1e3
             if before_prefill is not None:
-                timing.prefill_device_s = before_prefill.elapsed_time(before_decode) / 1e3
+                timing.prefill_device_s = before_prefill.elapsed_time(parts[0]) / 1e3
         self.last_timing = timing
         return self._frames(launched, codes) + firsts
 
@@ -274,10 +285,14 @@ class Engine:
         return event
 
     def _launch(
-        self, before_prefill: torch.cuda.Event | None, holds: list[bool], first_frames_early: bool
+        self,
+        before_prefill: torch.cuda.Event | None,
+        holds: list[bool],
+        first_frames_early: bool,
+        defer_advance: bool,
     ) -> _Launched:
         """Queue one frame step for rows 0..B-1 (paused ones masked) and the copy of its codes to the
-        host."""
+        host; with first frames early and `defer_advance`, perhaps only the step's first part (`step`)."""
         span = max(r.position for r in self.running) + 1
         if True in holds:
             requests = [None if held else request for request, held in zip(self.running, holds)]
@@ -289,23 +304,41 @@ class Engine:
             first_rows = [
                 row for row, r in enumerate(requests) if r is not None and r.frames == 0 and not r.text_open
             ]
-        before_decode = self._event()
-        first_frames = None
+        launched = _Launched(requests, [before_prefill, self._event()] if self._cuda else None)
         if first_rows:
-            codes, frames, frames_ready = self.runner.decode_with_first_frames(len(self.running), span)
-            first_frames = (frames, frames_ready, first_rows)
+            frames, frames_ready = self.runner.complete_first_frames(len(self.running), span)
+            launched.first_frames = (frames, frames_ready, first_rows)
+            if defer_advance and len(first_rows) == len(requests) - requests.count(None):
+                self._mark(launched)
+                self.deferred = launched
+            else:
+                self._end_launch(launched, self.runner.advance(len(self.running)))
         else:
-            codes = self.runner.decode(len(self.running), span)
-        after = self._event()
-        codes, ready = self.runner.stash_codes(codes)
+            self._end_launch(launched, self.runner.decode(len(self.running), span))
         generating = [request for request in requests if request is not None]
         for request in generating:  # all first: a row's move copies its positions up to this frame
             request.frames += 1
         for request in generating:
             if request.frames >= request.params.max_frames:  # its last frame is in this step
                 self._leave_batch(request)
-        events = (before_prefill, before_decode, after) if self._cuda else None
-        return _Launched(requests, codes, ready, events, first_frames)
+        return launched
+
+    def _end_launch(self, launched: _Launched, codes: torch.Tensor) -> None:
+        """After a step's last part: queue the copy of its codes for the host."""
+        self._mark(launched)
+        launched.codes, launched.ready = self.runner.stash_codes(codes)
+
+    def _advance_deferred(self) -> None:
+        """Launch the deferred second part of a step (`step`'s `defer_advance`): before anything else
+        is queued on the rows."""
+        launched, self.deferred = self.deferred, None
+        if launched is not None:
+            self._mark(launched)
+            self._end_launch(launched, self.runner.advance(len(launched.requests)))
+
+    def _mark(self, launched: _Launched) -> None:
+        if launched.events is not None:
+            launched.events.append(self._event())
 
     def _first_frames(self, launched: _Launched) -> list[FrameOutput]:
         """The first frames of the step just launched, once its first part is done (the rest of the

@@ -44,7 +44,7 @@ class FrameRunner:
     extra_width = 0  # the width of a family's extra prompt embeddings (`_extra_embeds`); 0: none
     # A family whose frame step completes each row's frame (`_complete_frame_into_output`) before it
     # advances the backbone (`_advance_into_output`), and whose first frame is never its request's
-    # last: the host may take first frames after the step's first part (`decode_with_first_frames`).
+    # last: the host may take first frames after the step's first part (`complete_first_frames`).
     early_first_frames = False
 
     def __init__(
@@ -70,7 +70,8 @@ class FrameRunner:
         # for the frame step in flight (pinned memory would not, but aborts under a green context).
         self.transfer_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stashed_codes = [torch.zeros_like(self.step_output) for _ in range(2)]  # see `stash_codes`
-        self.first_frames = torch.zeros_like(self.step_output)  # see `decode_with_first_frames`
+        self.first_frames = torch.zeros_like(self.step_output)  # see `complete_first_frames`
+        self.advance_pending: tuple[int, int] | None = None  # (batch, span) buckets: see `advance`
         self.stashes = 0
         self.prefill_stream = prefill_stream
         # Recorded on the compute stream once it has read a prefill's inputs and outputs, which the
@@ -282,15 +283,14 @@ class FrameRunner:
         return self.step_output[:batch]
 
     @torch.inference_mode()
-    def decode_with_first_frames(
-        self, batch: int, span: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        """`decode` in its two parts (`early_first_frames`), with the frames [batch, codebooks + 1]
-        copied for the host between them: returns the step's output, that copy (its last column
-        means nothing) and an event for when the copy is there (None on a CPU). The host can read a
-        first frame while the backbone advances."""
+    def complete_first_frames(self, batch: int, span: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The first part of `decode` (`early_first_frames`): every row's frame completed, and a copy of
+        the frames [batch, codebooks + 1] for the host (its last column means nothing) with an event
+        for when it is there (None on a CPU). `advance` launches the rest of the step; nothing else
+        may run on the rows in between. The host can read a first frame while the backbone advances,
+        or before it does."""
         padded, span = self._padded(batch, span)
-        first, second = self.first_part_graphs.get(padded), self.second_part_graphs.get((padded, span))
+        first = self.first_part_graphs.get(padded)
         if first is not None:
             first.replay()
         else:
@@ -301,11 +301,19 @@ class FrameRunner:
         if self.transfer_stream is not None:
             ready = torch.cuda.Event()
             ready.record()
+        self.advance_pending = (padded, span)
+        return frames, ready
+
+    @torch.inference_mode()
+    def advance(self, batch: int) -> torch.Tensor:
+        """The second part of the step `complete_first_frames` began: returns its output, as `decode`."""
+        (padded, span), self.advance_pending = self.advance_pending, None
+        second = self.second_part_graphs.get((padded, span))
         if second is not None:
             second.replay()
         else:
             self._advance_into_output(padded, span)
-        return self.step_output[:batch], frames, ready
+        return self.step_output[:batch]
 
     def _padded(self, batch: int, span: int) -> tuple[int, int]:
         """A step's batch and span padded to their buckets (the padding rows reset)."""

@@ -313,6 +313,17 @@ class ChunkScheduler:
         """At most `single_frame_start_streams` streams open (generating, or still sending audio)."""
         return len(self.streams) <= self.config.single_frame_start_streams
 
+    def holds_for_first_chunks(self) -> bool:
+        """Whether the engine may hold its steps for first chunks now (`first_chunk_hold_left`): the
+        setting, light load, and a codec that shares the backbone's GPU and has a thread of its own."""
+        rules = self.config.rules
+        return (
+            self.config.first_chunk_hold_s > 0
+            and not rules.inline_decode
+            and not rules.codec_on_second_gpu
+            and self.light_load()
+        )
+
     def first_chunk_hold_left(self, now: float | None = None) -> float:
         """Seconds the engine still holds its next frame step for first chunks (`first_chunk_hold_s`;
         0: none). Under light load, while a stream's first chunk is cut and its codec call has not
@@ -322,9 +333,9 @@ class ChunkScheduler:
         the backbone would trade its first audio for this one's. Not where the engine thread decodes
         the chunks itself (`inline_decode`), nor where the codec has a GPU of its own
         (`codec_on_second_gpu`): there the call does not share the backbone's SMs."""
-        hold, rules = self.config.first_chunk_hold_s, self.config.rules
-        if hold <= 0 or rules.inline_decode or rules.codec_on_second_gpu or not self.light_load():
+        if not self.holds_for_first_chunks():
             return 0.0
+        hold = self.config.first_chunk_hold_s
         now = self.clock() if now is None else now
         left, margin = 0.0, float("inf")
         for stream in self.streams.values():

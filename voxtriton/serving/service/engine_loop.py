@@ -73,7 +73,10 @@ class EngineLoop:
             self.incoming.clear()
             self._hand_text()
             light = self.scheduler.light_load()  # streams start with one frame: their first come early
-        outputs = self.engine.step(first_frames_early=light)
+            # A first frame's chunk is decoded while the engine holds: the backbone's part of its step
+            # waits too, so the codec call shares the GPU with nothing.
+            defer = self.scheduler.holds_for_first_chunks()
+        outputs = self.engine.step(first_frames_early=light, defer_advance=defer)
         with self.lock:
             silent = [output.request for output in outputs if output.codes is None]
             for output in outputs:
