@@ -75,6 +75,9 @@ def test_serving_benchmark_smoke(tmp_path, tiny_checkpoint):
     # Triton's own count of the urgent codec model's calls: one per lane call
     codec = row["server"]["codec_models"]["codec_urgent"]
     assert codec["calls"] == urgent["calls"] and 0 < codec["execute_ms"] <= codec["request_ms"]
+    # The model's own time per call: the decode within its work on the request, within Triton's
+    # execution (10% for the two sets of counters being flushed apart).
+    assert 0 < codec["decode_ms"] <= codec["model_ms"] <= codec["execute_ms"] * 1.1
     # The smoke server checks for cancellations every 0.2 s (the default): a stream open through a
     # sweep was checked, and the watcher held the lock for part of the probe, not all of it.
     watcher = row["server"]["cancellation_watcher"]

@@ -136,3 +136,18 @@ def test_a_failing_update_does_not_stop_the_writer(metrics_module):
         "voxtriton_chunks_total",
         "voxtriton_rejected_requests_total",
     ]
+
+
+def test_a_codec_model_counts_its_calls_and_their_parts_by_model(metrics_module):
+    module, calls = metrics_module
+    metrics = module.CodecModelMetrics("codec_urgent", flush_interval_s=60)  # only close() flushes
+    metrics.call(0.004, 0.003)
+    metrics.call(0.002, 0.0015)
+    metrics.close()
+    urgent = (("model", "codec_urgent"),)
+    assert [c[1:] for c in calls if c[0] == "voxtriton_codec_model_calls_total"] == [(urgent, "increment", 2)]
+    seconds = {c[1]: c[3] for c in calls if c[0] == "voxtriton_codec_model_seconds_total"}
+    assert seconds == {
+        urgent + (("part", "decode"),): pytest.approx(0.0045),
+        urgent + (("part", "execute"),): pytest.approx(0.006),
+    }

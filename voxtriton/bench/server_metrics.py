@@ -111,7 +111,15 @@ def triton_codec_models(delta: dict) -> dict:
     process's work and its round trip), and end to end. A lane times a call from when the codec was
     free (`_call_span`), so its mean call time (`codec_ms_mean`) less the execution time
     approximates what a call cost the tts process beyond Triton: the BLS round trip and getting the
-    GIL back."""
+    GIL back. The model's own figures (`voxtriton_codec_model_*`): `model_ms`, its work on a request
+    in its process, of which `decode_ms` the codec's; the execution time less `model_ms` is the
+    round trip between Triton and that process."""
+    own = {}
+    for key, value in delta.items():
+        match = re.match(r"voxtriton_codec_model_(calls|seconds)_total\{(.*)\}$", key)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            own.setdefault(labels.get("model"), {})[labels.get("part", "calls")] = value
     models = {}
     for key, calls in delta.items():
         match = re.match(r'nv_inference_exec_count(\{model="codec[^"]*",version="[^"]*"\})$', key)
@@ -121,12 +129,17 @@ def triton_codec_models(delta: dict) -> dict:
             def per_call(part):
                 return round(delta.get(f"nv_inference_{part}_duration_us{labels}", 0.0) / calls / 1e3, 3)
 
-            models[re.search(r'model="([^"]*)"', labels).group(1)] = {
+            name = re.search(r'model="([^"]*)"', labels).group(1)
+            models[name] = {
                 "calls": calls,
                 "queue_ms": per_call("queue"),
                 "execute_ms": per_call("compute_infer"),
                 "request_ms": per_call("request"),
             }
+            counted = own.get(name, {})
+            if counted.get("calls"):
+                for part, field in (("execute", "model_ms"), ("decode", "decode_ms")):
+                    models[name][field] = round(counted.get(part, 0.0) / counted["calls"] * 1e3, 3)
     return models
 
 

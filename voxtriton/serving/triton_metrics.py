@@ -23,22 +23,102 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 
 LANES = (URGENT, BACKGROUND, INLINE)
 
 
-class TritonMetrics:
-    """Implements tts_service.ServiceMetrics."""
+class QueuedMetrics:
+    """Metric families, and updates queued for a writer thread of their own (see the module's
+    docstring): `_updates` takes (metric, "observe" | "increment", value) in order, `_gauge_values`
+    each gauge's latest value."""
 
     def __init__(self, flush_interval_s: float = 0.1):
         # Metric families must outlive their metrics, so they are kept here.
         self.families = []
-
-        def _family(name, description, kind):
-            self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
-            return self.families[-1]
-
-        counter, gauge, histogram = (
-            pb_utils.MetricFamily.COUNTER,
-            pb_utils.MetricFamily.GAUGE,
-            pb_utils.MetricFamily.HISTOGRAM,
+        # Bounded so a stalled writer cannot grow memory without limit (the oldest updates go first).
+        self._updates: collections.deque = collections.deque(maxlen=100_000)
+        self._gauge_values: dict = {}
+        self._gauges_set: dict = {}
+        self._stop = threading.Event()
+        self._writer = threading.Thread(
+            target=self._write_loop, args=(flush_interval_s,), name="voxtriton-metrics", daemon=True
         )
+
+    def _family(self, name, description, kind: str):
+        """kind: "COUNTER", "GAUGE" or "HISTOGRAM" (the stub defines `MetricFamily` after importing the
+        model's module, so its kinds are read here)."""
+        family = pb_utils.MetricFamily
+        self.families.append(family(name=name, description=description, kind=getattr(family, kind)))
+        return self.families[-1]
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._writer.join(timeout)
+
+    def _write_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._write()
+        self._write()
+
+    def _write(self) -> None:
+        """Apply what was queued: counters summed per metric (one round trip each), histogram values
+        one by one, then the gauges read before the queue (so a gauge is never newer than the
+        counters and histograms written with it)."""
+        gauges = list(self._gauge_values.items())
+        queue, increments = self._updates, {}
+        for _ in range(len(queue)):
+            metric, method, value = queue.popleft()
+            if method == "increment":
+                increments[metric] = increments.get(metric, 0) + value
+            else:
+                self._apply(metric, method, value)
+        for metric, value in increments.items():
+            self._apply(metric, "increment", value)
+        for metric, value in gauges:
+            if self._gauges_set.get(metric) != value and self._apply(metric, "set", value):
+                self._gauges_set[metric] = value
+
+    def _apply(self, metric, method: str, value) -> bool:
+        try:
+            getattr(metric, method)(value)
+            return True
+        except Exception as error:  # a metric must never take the writer (and every later update) down
+            log.warning("metric update %s(%s) failed: %s", method, value, error)
+            return False
+
+
+class CodecModelMetrics(QueuedMetrics):
+    """A codec model's own time per call, beside Triton's (`nv_inference_compute_infer_duration_us`,
+    which adds the round trip to its Python process): the model's work on a request, and the
+    decode within it."""
+
+    def __init__(self, model: str, flush_interval_s: float = 0.1):
+        super().__init__(flush_interval_s)
+        labels = {"model": model}
+        self.calls = self._family(
+            "voxtriton_codec_model_calls_total", "Requests a codec model executed", "COUNTER"
+        ).Metric(labels=labels)
+        seconds = self._family(
+            "voxtriton_codec_model_seconds_total",
+            "A codec model's time on its requests, by part: execute (the request's inputs to its "
+            "response, in the model's process) and decode (the codec's work on the chunks within it)",
+            "COUNTER",
+        )
+        self.seconds = {
+            part: seconds.Metric(labels={**labels, "part": part}) for part in ("execute", "decode")
+        }
+        self._writer.start()
+
+    def call(self, execute_s: float, decode_s: float) -> None:
+        queue = self._updates
+        queue.append((self.calls, "increment", 1))
+        queue.append((self.seconds["execute"], "increment", execute_s))
+        queue.append((self.seconds["decode"], "increment", decode_s))
+
+
+class TritonMetrics(QueuedMetrics):
+    """Implements tts_service.ServiceMetrics."""
+
+    def __init__(self, flush_interval_s: float = 0.1):
+        super().__init__(flush_interval_s)
+        _family = self._family
+        counter, gauge, histogram = "COUNTER", "GAUGE", "HISTOGRAM"
         ttfa = _family(
             "voxtriton_ttfa_seconds",
             "Server-side time to first audio: request (an input stream's first text piece) received "
@@ -209,15 +289,6 @@ class TritonMetrics:
             counter,
         ).Metric(labels={})
         self._misses_seen = 0
-        # (metric, "observe" | "increment", value) in order; gauges keep only their latest value.
-        # Bounded so a stalled writer cannot grow memory without limit (the oldest updates go first).
-        self._updates: collections.deque = collections.deque(maxlen=100_000)
-        self._gauge_values: dict = {}
-        self._gauges_set: dict = {}
-        self._stop = threading.Event()
-        self._writer = threading.Thread(
-            target=self._write_loop, args=(flush_interval_s,), name="voxtriton-metrics", daemon=True
-        )
         self._writer.start()
 
     def chunk_sent(
@@ -296,38 +367,3 @@ class TritonMetrics:
         if deadline_misses > self._misses_seen:
             self._updates.append((self.misses, "increment", deadline_misses - self._misses_seen))
             self._misses_seen = deadline_misses
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._writer.join(timeout)
-
-    def _write_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            self._write()
-        self._write()
-
-    def _write(self) -> None:
-        """Apply what was queued: counters summed per metric (one round trip each), histogram values
-        one by one, then the gauges read before the queue (so a gauge is never newer than the
-        counters and histograms written with it)."""
-        gauges = list(self._gauge_values.items())
-        queue, increments = self._updates, {}
-        for _ in range(len(queue)):
-            metric, method, value = queue.popleft()
-            if method == "increment":
-                increments[metric] = increments.get(metric, 0) + value
-            else:
-                self._apply(metric, method, value)
-        for metric, value in increments.items():
-            self._apply(metric, "increment", value)
-        for metric, value in gauges:
-            if self._gauges_set.get(metric) != value and self._apply(metric, "set", value):
-                self._gauges_set[metric] = value
-
-    def _apply(self, metric, method: str, value) -> bool:
-        try:
-            getattr(metric, method)(value)
-            return True
-        except Exception as error:  # a metric must never take the writer (and every later update) down
-            log.warning("metric update %s(%s) failed: %s", method, value, error)
-            return False

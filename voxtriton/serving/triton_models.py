@@ -33,7 +33,7 @@ from .runtime import SMPartition, ensure_checkpoint, mps_active, resolve_device,
 from .sequences import TextSequences
 from .settings import CodecSettings, TTSSettings, lane_sms, voices_dir
 from .state_pool import CodecStatePool, PrimedStates, attach
-from .triton_metrics import TritonMetrics
+from .triton_metrics import CodecModelMetrics, TritonMetrics
 from .tts_service import TTSService, codec_slots
 from .voices import EncodingQueue, VoiceEncoder, VoiceStore
 
@@ -506,6 +506,7 @@ class CodecTritonModel:
         _exit_with_server()
         self.name = json.loads(args["model_config"])["name"]
         self.service = CodecService(CodecSettings.from_model_config(args["model_config"]), self.name)
+        self.metrics = CodecModelMetrics(self.name)
         log.info(
             "%s: device %s, %s SMs, state size %d",
             self.name,
@@ -517,6 +518,7 @@ class CodecTritonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
+            started = time.perf_counter()
             try:
 
                 def get(name):
@@ -526,12 +528,17 @@ class CodecTritonModel:
                 warmup = request.request_id() == WARMUP_REQUEST_ID
                 prime = pb_utils.get_input_tensor_by_name(request, "prime")
                 prime = prime is not None and bool(prime.as_numpy()[0])
-                audio = self.service.decode(
-                    get("codes"), get("start"), get("slots"), pool, warmup=warmup, prime=prime
-                )
+                codes, start, slots = get("codes"), get("start"), get("slots")
+                decode_started = time.perf_counter()
+                audio = self.service.decode(codes, start, slots, pool, warmup=warmup, prime=prime)
+                decode_s = time.perf_counter() - decode_started
                 responses.append(pb_utils.InferenceResponse(output_tensors=[to_triton("audio", audio)]))
+                self.metrics.call(time.perf_counter() - started, decode_s)
             except Exception as error:
                 log.error("%s: decode failed: %s", self.name, error)
                 # The calling lane names this model in the error it reports.
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
         return responses
+
+    def finalize(self):
+        self.metrics.close()

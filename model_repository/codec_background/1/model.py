@@ -9,3 +9,6 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return self.model.execute(requests)
+
+    def finalize(self):
+        self.model.finalize()
