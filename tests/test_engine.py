@@ -277,14 +277,15 @@ def test_first_frames_come_as_soon_as_their_step_completes_them_with_the_same_co
 
 def test_a_deferred_advance_runs_first_in_the_next_step_with_the_same_codes(setup):
     """`step(defer_advance=True)`: a step whose every row returns its first frame early leaves its
-    second part to the next call, which launches it before anything else. Not a step with other
-    rows (their frames would wait), nor one a row leaves at launch (its row moves now). The codes,
-    and the steps that return each first frame, are those of steps never deferred."""
+    second part to the next call, which launches it before anything else (an admission's prefill
+    included). Not a step with other rows (their frames would wait), nor one a row leaves at launch
+    (its row is freed now). The codes, and the steps that return each first frame, are those of
+    steps never deferred."""
 
     def arrivals():
         return {
             0: [make_request(setup, 0, 4)],  # alone: deferred
-            2: [make_request(setup, 1, 3)],  # beside r0's second frame: not
+            1: [make_request(setup, 1, 3)],  # admitted after r0's deferred part, beside its next frame
             8: [make_request(setup, 2, 3), make_request(setup, 3, 2)],  # two first frames: deferred
             12: [make_request(setup, 4, 1)],  # leaves at launch: not
         }
@@ -315,12 +316,14 @@ def test_a_deferred_advance_runs_first_in_the_next_step_with_the_same_codes(setu
     deferred, deferred_first = run_timed(engine, arrivals(), defer_advance=True)
     assert deferred_steps == [0, 8]
     assert calls[0] == calls[8] == ["prefill", "complete_first_frames"]
-    assert calls[1] == calls[9] == ["advance", "decode"]  # the deferred part first
+    # The deferred part first, before r1's prefill.
+    assert calls[1] == ["advance", "prefill", "complete_first_frames", "advance"]
+    assert calls[9] == ["advance", "decode"]
     assert calls[12] == ["prefill", "complete_first_frames", "advance"]
     assert deferred.keys() == usual.keys() == {f"r{i}" for i in range(5)}
     for name, codes in usual.items():
         np.testing.assert_array_equal(deferred[name], codes)
-    assert deferred_first == usual_first == {"r0": 0, "r1": 2, "r2": 8, "r3": 8, "r4": 12}
+    assert deferred_first == usual_first == {"r0": 0, "r1": 1, "r2": 8, "r3": 8, "r4": 12}
     assert engine.running == [] and engine.deferred is None and not engine.has_work
 
 

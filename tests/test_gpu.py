@@ -48,12 +48,14 @@ def generate(
     first_frame_rows: int = 0,
     early: list[str] | None = None,
     defer_advance: bool = False,
+    deferred_steps: list[int] | None = None,
 ) -> dict[str, np.ndarray]:
     """A request per text through the engine, the first three admitted at step 0 (rows 0-2), the
     rest at step 2; `when_ready` is called once the graphs are captured, before the first admission.
     `prompt_for(prompt builder, text)` makes each request's prompt; `first_frame_rows` the engine's
     (and the graphs' split steps); `early`, if given, gets the ids of requests whose first frame
-    came early; `defer_advance` is passed to every step."""
+    came early; `defer_advance` is passed to every step, and `deferred_steps`, if given, gets the
+    steps that left their second part to the next."""
     config = load_config(checkpoint)
     backbone = load_backbone(checkpoint, config, device=DEVICE, dtype=dtype)
     prompts = PromptBuilder(config, TextTokenizer(checkpoint))
@@ -106,6 +108,8 @@ def generate(
                 engine.add(request)
         for output in engine.step(defer_advance=defer_advance):
             codes.setdefault(output.request.request_id, []).append(output.codes)
+        if deferred_steps is not None and engine.deferred is not None:
+            deferred_steps.append(step)
         step += 1
     return {k: np.stack(v) for k, v in codes.items()}
 
@@ -130,6 +134,7 @@ def test_first_frames_read_between_the_steps_two_graphs_give_the_eager_codes(tin
     next step (`defer_advance`)."""
     eager = generate(tiny_checkpoint, graphs=False)
     early: list[str] = []
+    deferred_steps: list[int] = []
     graphed = generate(
         tiny_checkpoint,
         graphs=True,
@@ -137,8 +142,10 @@ def test_first_frames_read_between_the_steps_two_graphs_give_the_eager_codes(tin
         first_frame_rows=4,
         early=early,
         defer_advance=defer_advance,
+        deferred_steps=deferred_steps,
     )
     assert early == ["r0", "r1", "r2"]
+    assert deferred_steps == ([0] if defer_advance else [])  # step 0: the first three's first frames alone
     assert eager.keys() == graphed.keys() and len(eager) == 5
     for name in eager:
         np.testing.assert_array_equal(graphed[name], eager[name])

@@ -374,7 +374,7 @@ def test_the_engine_holds_its_frame_steps_while_a_first_chunk_decodes(
     chunk is in its codec call (a slow one here), the lane that returns it wakes the engine (long
     before the 30 s limit), and the audio is the same; without it, the backbone goes on generating
     meanwhile. With first frames early, the backbone's part of the first frame's step waits for the
-    call too (`defer_advance`), and only under the hold."""
+    call too (`defer_advance`), and only where the hold applies."""
     engine, parser, scheduler_config = engine_and_parser(
         tiny_checkpoint, "concurrent", first_frame_rows, chunk_schedule="2,4", single_frame_start_streams=1,
         first_chunk_hold_s=hold_s,

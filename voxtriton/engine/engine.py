@@ -172,6 +172,7 @@ class Engine:
         self.holds.clear()
         self.streaming.clear()
         self.in_flight = self.deferred = None
+        self.runner.advance_pending = None
 
     def _leave_batch(self, request: Request) -> None:
         """Free a request's row; the last row moves into its place (queued after the steps in flight)."""
@@ -244,7 +245,10 @@ class Engine:
         (the backbone advanced) to the next call, which launches it before anything else, so a first
         chunk's codec call that runs in between has the GPU to itself (the caller holds its next step
         for it). No other row's frame waits for it."""
-        self._advance_deferred()
+        advance_started, advance_cpu_started = time.perf_counter(), time.thread_time()
+        self._advance_deferred()  # counted in this step's decode time
+        advance_s = time.perf_counter() - advance_started
+        advance_cpu_s = time.thread_time() - advance_cpu_started
         for request in [r for r in self.running if r.cancelled]:
             self._leave_batch(request)
             self._finish(request, "cancelled")
@@ -265,7 +269,8 @@ class Engine:
             launched, self.in_flight = self.in_flight, launched
         if launched is not None:
             codes = self.runner.read_codes(launched.codes, launched.ready)
-        timing.decode_s, timing.decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
+        timing.decode_s = time.perf_counter() - started + advance_s
+        timing.decode_cpu_s = time.thread_time() - cpu_started + advance_cpu_s
         if launched is None:
             self.last_timing = timing
             return firsts
@@ -309,7 +314,7 @@ class Engine:
             frames, frames_ready = self.runner.complete_first_frames(len(self.running), span)
             launched.first_frames = (frames, frames_ready, first_rows)
             if defer_advance and len(first_rows) == len(requests) - requests.count(None):
-                self._mark(launched)
+                self._record_part_event(launched)
                 self.deferred = launched
             else:
                 self._end_launch(launched, self.runner.advance(len(self.running)))
@@ -325,7 +330,7 @@ class Engine:
 
     def _end_launch(self, launched: _Launched, codes: torch.Tensor) -> None:
         """After a step's last part: queue the copy of its codes for the host."""
-        self._mark(launched)
+        self._record_part_event(launched)
         launched.codes, launched.ready = self.runner.stash_codes(codes)
 
     def _advance_deferred(self) -> None:
@@ -333,10 +338,10 @@ class Engine:
         is queued on the rows."""
         launched, self.deferred = self.deferred, None
         if launched is not None:
-            self._mark(launched)
+            self._record_part_event(launched)
             self._end_launch(launched, self.runner.advance(len(launched.requests)))
 
-    def _mark(self, launched: _Launched) -> None:
+    def _record_part_event(self, launched: _Launched) -> None:
         if launched.events is not None:
             launched.events.append(self._event())
 

@@ -131,6 +131,7 @@ class FrameRunner:
         """Move a running request from row `source` to row `target` (its first `length` positions, up
         to their attention-span bucket). The rows go in as fills of a static index pair, so one graph
         per span bucket moves any row: five PyTorch calls on the engine thread instead of 34."""
+        self._check_no_advance_pending()
         self.move_pair[0].fill_(source)
         self.move_pair[1].fill_(target)
         span = self._bucket(length, self.span_buckets)
@@ -274,6 +275,7 @@ class FrameRunner:
         span: attention length, at least every row's position + 1. Both are padded to their buckets;
         padding rows compute throw-away frames.
         """
+        self._check_no_advance_pending()
         padded, span = self._padded(batch, span)
         graph = self.graphs.get((padded, span))
         if graph is not None:
@@ -289,6 +291,7 @@ class FrameRunner:
         for when it is there (None on a CPU). `advance` launches the rest of the step; nothing else
         may run on the rows in between. The host can read a first frame while the backbone advances,
         or before it does."""
+        self._check_no_advance_pending()
         padded, span = self._padded(batch, span)
         first = self.first_part_graphs.get(padded)
         if first is not None:
@@ -314,6 +317,10 @@ class FrameRunner:
         else:
             self._advance_into_output(padded, span)
         return self.step_output[:batch]
+
+    def _check_no_advance_pending(self) -> None:
+        """Nothing else may run on the rows between a split step's two parts."""
+        assert self.advance_pending is None, "a split step's second part is still to launch (`advance`)"
 
     def _padded(self, batch: int, span: int) -> tuple[int, int]:
         """A step's batch and span padded to their buckets (the padding rows reset)."""
@@ -343,6 +350,7 @@ class FrameRunner:
 
         Admissions larger than the largest prefill batch bucket go in groups of that size.
         """
+        self._check_no_advance_pending()
         group = max(self.prefill_batch_buckets, default=len(requests))
         for start in range(0, len(requests), group):
             self._prefill_group(requests[start : start + group], first_row + start)

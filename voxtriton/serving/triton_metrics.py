@@ -26,7 +26,7 @@ LANES = (URGENT, BACKGROUND, INLINE)
 class QueuedMetrics:
     """Metric families, and updates queued for a writer thread of their own (see the module's
     docstring): `_updates` takes (metric, "observe" | "increment", value) in order, `_gauge_values`
-    each gauge's latest value."""
+    each gauge's latest value. A subclass starts `_writer` once its families are made."""
 
     def __init__(self, flush_interval_s: float = 0.1):
         # Metric families must outlive their metrics, so they are kept here.
@@ -92,7 +92,7 @@ class CodecModelMetrics(QueuedMetrics):
         super().__init__(flush_interval_s)
         labels = {"model": model}
         self.calls = self._family(
-            "voxtriton_codec_model_calls_total", "Requests a codec model executed", "COUNTER"
+            "voxtriton_codec_model_calls_total", "Requests a codec model completed (decoded)", "COUNTER"
         ).Metric(labels=labels)
         seconds = self._family(
             "voxtriton_codec_model_seconds_total",
