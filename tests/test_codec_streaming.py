@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,3 +132,34 @@ def test_a_length_splits_into_the_fewest_captured_lengths(frames, pieces):
     from voxtriton.engine.codec_runner import split_frames
 
     assert split_frames(frames, (2, 4, 8, 16, 25)) == pieces
+
+
+def test_codec_speed_times_each_shape_and_the_service_call(tmp_path, tiny_checkpoint):
+    """`benchmarks/codec_speed.py --service` on a CPU: a time per shape for the runner's call and for
+    the codec service's whole call (codes on the host, a state pool, the audio back)."""
+    out = tmp_path / "codec_speed.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "benchmarks" / "codec_speed.py"),
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--device",
+            "cpu",
+            "--shapes",
+            "1x1,2x2",
+            "--repeat",
+            "2",
+            "--service",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["gpu"] is None
+    for times in (result["ms"], result["service_ms"]):
+        assert times.keys() == {"1x1", "2x2"} and all(ms > 0 for ms in times.values())
